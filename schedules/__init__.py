@@ -1,0 +1,33 @@
+"""Pipeline schedules as plain data: generate, validate, simulate and exchange them (no torch)."""
+
+from schedules.csvio import dump_csv, dumps_csv, load_csv, loads_csv
+from schedules.ir import Action, Op, Schedule, ScheduleError
+from schedules.lower import lower
+from schedules.registry import available, get_schedule, register
+from schedules.simulate import Costs, Event, Timeline, peak_activations, simulate
+from schedules.text import format_grid, from_text, to_text
+from schedules.validate import validate
+
+__all__ = [
+    "Action",
+    "Costs",
+    "Event",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "Timeline",
+    "available",
+    "dump_csv",
+    "dumps_csv",
+    "format_grid",
+    "from_text",
+    "get_schedule",
+    "load_csv",
+    "loads_csv",
+    "lower",
+    "peak_activations",
+    "register",
+    "simulate",
+    "to_text",
+    "validate",
+]

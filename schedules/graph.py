@@ -1,0 +1,139 @@
+"""A schedule's dependency graph and its in-order execution (shared by validate and simulate)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from schedules.ir import Action, Op, Schedule
+
+__all__ = ["Deadlock", "Key", "execute", "prerequisites"]
+
+Key = tuple[int, Op, int]  # (stage, op, micro-batch); one action per key in a valid schedule
+
+
+def _key(action: Action) -> Key:
+    return (action.stage, action.op, action.microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlock:
+    """Ranks that can make no progress: each blocked position and the keys it waits for."""
+
+    blocked: dict[int, tuple[int, tuple[Key, ...]]]  # rank -> (position, missing prerequisites)
+
+
+def prerequisites(schedule: Schedule) -> Callable[[Action], tuple[Key, ...]]:
+    """Return a function giving the actions each action must wait for.
+
+    Compute-only schedules depend directly on the producing action of another stage; a lowered
+    schedule (with SEND/RECV) routes every cross-rank dependency through a RECV on the consumer's
+    rank, which waits for the matching SEND, which waits for the producer. Receives block and
+    sends do not (torch's isend/irecv), so this graph is exactly what a blocking-receive
+    execution must respect: a cycle in it is a deadlock.
+    """
+    present: set[Key] = {_key(a) for row in schedule.actions for a in row}
+    lowered = schedule.has_comms
+    last = schedule.num_stages - 1
+    per_batch = schedule.num_microbatches
+    rank_of = schedule.rank_of
+
+    def grad_producer(stage: int, mb: int) -> Key:
+        # The stage above sends its input gradient from B or, when split, from I.
+        return (stage, Op.I, mb) if (stage, Op.I, mb) in present else (stage, Op.B, mb)
+
+    def cross(producer: Key, consumer_stage: int, recv: Op) -> Key:
+        if lowered and rank_of(producer[0]) != rank_of(consumer_stage):
+            return (consumer_stage, recv, producer[2])
+        return producer
+
+    def deps(a: Action) -> tuple[Key, ...]:
+        s, op, mb = a.stage, a.op, a.microbatch
+        if op is Op.F:
+            out: list[Key] = []
+            if s > 0:
+                out.append(cross((s - 1, Op.F, mb), s, Op.RECV_F))
+            if a.version is not None and a.version >= 2:
+                out.append((s, Op.U, a.version - 2))  # version v is made by update v - 2
+            return tuple(out)
+        if op in (Op.B, Op.I):
+            out = [(s, Op.F, mb)]
+            if s < last:
+                out.append(cross(grad_producer(s + 1, mb), s, Op.RECV_B))
+            return tuple(out)
+        if op is Op.W:
+            return ((s, Op.I, mb),)
+        if op is Op.U:
+            first = mb * per_batch
+            return tuple(
+                (s, Op.W, m) if (s, Op.W, m) in present else (s, Op.B, m)
+                for m in range(first, first + per_batch)
+            )
+        if op is Op.SEND_F:
+            return ((s, Op.F, mb),)
+        if op is Op.SEND_B:
+            return (grad_producer(s, mb),)
+        if op is Op.RECV_F:
+            return ((s - 1, Op.SEND_F, mb),)
+        # RECV_B
+        return ((s + 1, Op.SEND_B, mb),)
+
+    return deps
+
+
+def execute(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    latency: float = 0.0,
+) -> tuple[list[list[float]], list[list[float]]] | Deadlock:
+    """Run every rank's list in order, each action as soon as its rank and prerequisites allow.
+
+    Returns per-rank start and end times, or a `Deadlock` when some rank can never proceed.
+    An edge between ranks costs `latency`. Linear in the number of actions and dependencies.
+    """
+    deps = prerequisites(schedule)
+    rows = schedule.actions
+    starts: list[list[float]] = [[0.0] * len(row) for row in rows]
+    ends: list[list[float]] = [[0.0] * len(row) for row in rows]
+    done: dict[Key, tuple[int, float]] = {}  # key -> (rank, end time)
+    waiting: dict[Key, list[int]] = {}
+    pointer = [0] * len(rows)
+    free_at = [0.0] * len(rows)
+    todo = list(range(len(rows)))
+    while todo:
+        rank = todo.pop()
+        row = rows[rank]
+        i = pointer[rank]
+        while i < len(row):
+            action = row[i]
+            ready = free_at[rank]
+            blocked: Key | None = None
+            for key in deps(action):
+                hit = done.get(key)
+                if hit is None:
+                    blocked = key
+                    break
+                t = hit[1] + (latency if hit[0] != rank else 0.0)
+                if t > ready:
+                    ready = t
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(rank)
+                break
+            end = ready + duration(action)
+            starts[rank][i] = ready
+            ends[rank][i] = end
+            free_at[rank] = end
+            key = _key(action)
+            done[key] = (rank, end)
+            todo.extend(waiting.pop(key, ()))
+            i += 1
+        pointer[rank] = i
+    stuck = {r: pointer[r] for r in range(len(rows)) if pointer[r] < len(rows[r])}
+    if stuck:
+        return Deadlock(
+            {
+                r: (i, tuple(k for k in deps(rows[r][i]) if k not in done))
+                for r, i in stuck.items()
+            }
+        )
+    return starts, ends

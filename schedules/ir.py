@@ -1,0 +1,189 @@
+"""The schedule IR: ops, actions and per-rank action lists, as frozen data."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["COMM_OPS", "COMPUTE_OPS", "Action", "Op", "Schedule", "ScheduleError"]
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule: incomplete, out of order, misplaced or deadlocking."""
+
+
+class Op(str, Enum):
+    """What an action does; the letters follow torch.distributed.pipelining's grammar."""
+
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients together)
+    I = "I"  # backward, input gradient only (zero-bubble)
+    W = "W"  # backward, weight gradient only (zero-bubble)
+    U = "U"  # weight update of a stage at the end of a batch (PipeDream-2BW)
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.U})
+COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+
+# Longest names first so that "SEND_F" is not read as "S" + ... and "B" never shadows "RECV_B".
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)(?:v(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    """One step of one rank: `op` on `stage` for `microbatch`.
+
+    For `Op.U` the `microbatch` field holds the batch index. `version` is the weight version a
+    PipeDream-2BW action computes with (None elsewhere). `str(a)` is torch's compact form `"2F0"`
+    (with `"v1"` appended when a version is set); `Action.parse` reads it back.
+    """
+
+    stage: int
+    op: Op
+    microbatch: int
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            object.__setattr__(self, "op", Op(self.op))
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(
+                f"action stage and micro-batch must be >= 0 (got stage={self.stage}, "
+                f"microbatch={self.microbatch})"
+            )
+        if self.version is not None and self.version < 0:
+            raise ScheduleError(f"weight version must be >= 0 (got {self.version})")
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.op.value}{self.microbatch}"
+        return text if self.version is None else f"{text}v{self.version}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Read the compact form back: `"2F0"`, `"1SEND_B3"`, `"0F5v1"`, `"1U0"`."""
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}: expected <stage><op><micro-batch>[v<version>] "
+                f"with op one of {', '.join(op.value for op in Op)}, e.g. '2F0' or '1SEND_B3'"
+            )
+        stage, op, microbatch, version = match.groups()
+        return cls(int(stage), Op(op), int(microbatch), None if version is None else int(version))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+
+_PLACEMENTS = ("loop", "v")
+
+
+def _stage_rank(stage: int, num_ranks: int, placement: str) -> int:
+    if placement == "loop":
+        return stage % num_ranks
+    # "v": the stages zig-zag, 0..p-1 down the ranks and p..2p-1 back up, and so on.
+    chunk, offset = divmod(stage, num_ranks)
+    return offset if chunk % 2 == 0 else num_ranks - 1 - offset
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Per-rank action lists for one pipeline step (or `num_batches` steps for PipeDream-2BW).
+
+    `num_microbatches` counts micro-batches per batch; with `num_batches > 1` micro-batch indices
+    run over all batches (batch b holds `b * num_microbatches ... (b + 1) * num_microbatches - 1`).
+    """
+
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
+    num_batches: int = 1
+    name: str = "custom"
+    _rank_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for what, value in (
+            ("num_ranks", self.num_ranks),
+            ("num_stages", self.num_stages),
+            ("num_microbatches", self.num_microbatches),
+            ("num_batches", self.num_batches),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"{what} must be a positive int (got {value!r})")
+        if self.placement not in _PLACEMENTS:
+            raise ScheduleError(
+                f"placement must be one of {_PLACEMENTS} (got {self.placement!r})"
+            )
+        if self.num_stages % self.num_ranks != 0:
+            raise ScheduleError(
+                f"num_stages must be a multiple of num_ranks so every rank holds the same number "
+                f"of stages (got {self.num_stages} stages on {self.num_ranks} ranks)"
+            )
+        if len(self.actions) != self.num_ranks:
+            raise ScheduleError(
+                f"actions must hold one list per rank (got {len(self.actions)} lists for "
+                f"{self.num_ranks} ranks)"
+            )
+        actions = tuple(tuple(row) for row in self.actions)
+        object.__setattr__(self, "actions", actions)
+        ranks = tuple(
+            _stage_rank(s, self.num_ranks, self.placement) for s in range(self.num_stages)
+        )
+        object.__setattr__(self, "_rank_of", ranks)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batches over all batches: the range of `Action.microbatch` for F and B."""
+        return self.num_microbatches * self.num_batches
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds `stage` under this schedule's placement."""
+        return self._rank_of[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages held by `rank`, in increasing order."""
+        return tuple(s for s in range(self.num_stages) if self._rank_of[s] == rank)
+
+    def batch_of(self, microbatch: int) -> int:
+        return microbatch // self.num_microbatches
+
+    @property
+    def has_comms(self) -> bool:
+        return any(not a.is_compute for row in self.actions for a in row)
+
+    def compute_only(self) -> Schedule:
+        """This schedule without its SEND/RECV actions."""
+        rows = tuple(tuple(a for a in row if a.is_compute) for row in self.actions)
+        return self.replace(actions=rows)
+
+    def replace(self, **changes: object) -> Schedule:
+        fields = {
+            "num_ranks": self.num_ranks,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "actions": self.actions,
+            "placement": self.placement,
+            "num_batches": self.num_batches,
+            "name": self.name,
+        }
+        fields.update(changes)
+        return Schedule(**fields)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        from schedules.text import format_grid  # local: text imports this module
+
+        return format_grid(self)

@@ -1,0 +1,224 @@
+"""The simulator: times a schedule under a cost model, in the timeline format runs record."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from schedules.graph import execute
+from schedules.ir import Action, Op, Schedule, ScheduleError
+
+__all__ = ["Costs", "Event", "Timeline", "peak_activations", "simulate"]
+
+_FIELDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
+           "U": "update", "comm": "comm"}
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Duration of each op kind; a float for every stage, or a sequence with one per stage.
+
+    `comm` is the latency added to every dependency that crosses ranks. SEND/RECV actions of a
+    lowered schedule take no time themselves: their cost is that latency.
+    """
+
+    forward: float | Sequence[float] = 1.0
+    backward: float | Sequence[float] = 2.0
+    backward_input: float | Sequence[float] = 1.0
+    backward_weight: float | Sequence[float] = 1.0
+    update: float | Sequence[float] = 0.0
+    comm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in _FIELDS.values():
+            value = getattr(self, name)
+            values = [value] if isinstance(value, int | float) else list(value)
+            if any(v < 0 for v in values):
+                raise ValueError(f"Costs.{name} must be >= 0 (got {value!r})")
+            if not isinstance(value, int | float):
+                object.__setattr__(self, name, tuple(float(v) for v in values))
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Read `"F=1,B=2,I=1,W=1,U=0,comm=0.1"` (any subset; the rest keep their defaults)."""
+        kwargs: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name.strip() not in _FIELDS:
+                raise ValueError(f"bad cost {item!r}: expected NAME=VALUE with NAME one of "
+                                 f"{', '.join(_FIELDS)}, e.g. 'F=1,B=2,comm=0.1'")
+            try:
+                kwargs[_FIELDS[name.strip()]] = float(value)
+            except ValueError:
+                raise ValueError(f"bad cost {item!r}: {value!r} is not a number") from None
+        return cls(**kwargs)
+
+    def of(self, op: Op, stage: int) -> float:
+        """The duration of `op` on `stage` (communication actions take none)."""
+        name = _FIELDS.get(op.value)
+        if name is None or name == "comm":
+            return 0.0
+        value = getattr(self, name)
+        if isinstance(value, tuple):
+            if stage >= len(value):
+                raise ValueError(f"Costs.{name} has {len(value)} per-stage values but stage "
+                                 f"{stage} was asked for; give one value per stage")
+            return float(value[stage])
+        return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One action as it ran (or would run) on a rank."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def peak_activations(rows: Iterable[Iterable[Action]]) -> tuple[int, ...]:
+    """Per rank, the most micro-batches (per stage) forwarded and not yet fully backwarded.
+
+    A micro-batch's activations stay alive from F until its backward completes: B, or W when the
+    backward is split (W still needs what I left behind).
+    """
+    peaks = []
+    for row in rows:
+        live = peak = 0
+        for a in row:
+            if a.op is Op.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.op in (Op.B, Op.W):
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end of every action on every rank: planned (simulated) or measured.
+
+    `unit` is `"cost"` for simulated timelines and `"s"` for measured ones. Times are relative to
+    the step's start.
+    """
+
+    num_ranks: int
+    events: tuple[Event, ...]
+    unit: str = "cost"
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def _lanes(self) -> tuple[tuple[Event, ...], ...]:
+        lanes: list[list[Event]] = [[] for _ in range(self.num_ranks)]
+        for e in self.events:
+            lanes[e.rank].append(e)
+        return tuple(tuple(sorted(lane, key=lambda e: e.start)) for lane in lanes)
+
+    def lane(self, rank: int) -> tuple[Event, ...]:
+        """Events of one rank, in order of start."""
+        return self._lanes[rank]
+
+    @property
+    def makespan(self) -> float:
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(0.0, min(e.start for e in self.events))
+
+    def busy(self, rank: int) -> float:
+        """Time `rank` spends computing (communication actions are not work)."""
+        return sum(e.duration for e in self._lanes[rank] if e.action.is_compute)
+
+    @property
+    def rank_bubble(self) -> tuple[float, ...]:
+        """Per rank, the idle fraction of the makespan."""
+        span = self.makespan
+        if span <= 0:
+            return tuple(0.0 for _ in range(self.num_ranks))
+        return tuple((span - self.busy(r)) / span for r in range(self.num_ranks))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle rank-time over `num_ranks x makespan`."""
+        total = self.num_ranks * self.makespan
+        if total <= 0:
+            return 0.0
+        # One division, so integer costs give the correctly rounded closed form exactly.
+        return (total - sum(self.busy(r) for r in range(self.num_ranks))) / total
+
+    @property
+    def peak_activations(self) -> tuple[int, ...]:
+        return peak_activations(tuple(e.action for e in self.lane(r)) for r in
+                                range(self.num_ranks))
+
+    def to_json(self) -> str:
+        """The timeline as JSON; `Timeline.from_json` reads it back."""
+        return json.dumps({
+            "format": "pipeline-timeline/1",
+            "num_ranks": self.num_ranks,
+            "unit": self.unit,
+            "meta": dict(self.meta),
+            "events": [[e.rank, str(e.action), e.start, e.end] for e in self.events],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> Timeline:
+        try:
+            data = json.loads(text)
+            if data.get("format") != "pipeline-timeline/1":
+                raise ScheduleError(f"not a pipeline timeline (format {data.get('format')!r})")
+            events = tuple(Event(int(r), Action.parse(a), float(s), float(e))
+                           for r, a, s, e in data["events"])
+            return cls(int(data["num_ranks"]), events, str(data.get("unit", "cost")),
+                       dict(data.get("meta", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, ScheduleError):
+                raise
+            raise ScheduleError(f"malformed timeline JSON: {exc}") from exc
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace events (Perfetto, chrome://tracing): a process per rank, one complete
+        event per action, times in microseconds (cost units are shown as 1 unit = 1 ms)."""
+        scale = 1e6 if self.unit == "s" else 1e3
+        trace: list[dict[str, Any]] = []
+        for r in range(self.num_ranks):
+            trace.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0,
+                          "args": {"name": f"rank {r}"}})
+        for e in self.events:
+            trace.append({
+                "name": str(e.action), "cat": e.action.op.value, "ph": "X", "pid": e.rank,
+                "tid": 0, "ts": e.start * scale, "dur": e.duration * scale,
+                "args": {"stage": e.action.stage, "microbatch": e.action.microbatch,
+                         "op": e.action.op.value},
+            })
+        return {"traceEvents": trace, "displayTimeUnit": "ms", "metadata": dict(self.meta)}
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Time `schedule`: each rank runs its actions in order, each as soon as its inputs arrive.
+
+    Raises `ScheduleError` if the schedule deadlocks (call `validate` for the full diagnosis).
+    """
+    costs = costs or Costs()
+    result = execute(schedule, lambda a: costs.of(a.op, a.stage), costs.comm)
+    if not isinstance(result, tuple):
+        blocked = ", ".join(f"rank {r} at step {i}" for r, (i, _) in sorted(result.blocked.items()))
+        raise ScheduleError(f"cannot simulate {schedule.name}: deadlock ({blocked}); "
+                            f"run schedules.validate for the marked grid")
+    starts, ends = result
+    events = tuple(
+        Event(r, a, starts[r][i], ends[r][i])
+        for r, row in enumerate(schedule.actions) for i, a in enumerate(row)
+    )
+    meta = {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
+            "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
+            "num_batches": schedule.num_batches, "placement": schedule.placement}
+    return Timeline(schedule.num_ranks, events, "cost", meta)
