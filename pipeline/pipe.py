@@ -1,0 +1,377 @@
+"""Pipe: wrap an nn.Sequential, split it into stages over devices, train it under any schedule."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import schedules
+from pipeline.checkpoint import CHECKPOINT_MODES
+from pipeline.microbatch import gather, scatter
+from pipeline.partition import BalanceError, partition, split_sizes
+from pipeline.profile import layer_params, layer_sizes, layer_times
+from pipeline.stage import StageRuntime, StepContext
+from pipeline.transport import LocalTransport, PipelineAborted
+from schedules import Action, Op, Schedule, Timeline
+
+__all__ = ["Pipe", "PipeConfigError", "PipelineError"]
+
+_METHODS = ("uniform", "params", "time", "size")
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipeConfigError(ValueError):
+    """Pipe was built with arguments that cannot work together."""
+
+
+class PipelineError(RuntimeError):
+    """A stage failed during a step; the message names its rank, stage, action and micro-batch."""
+
+
+def _resolve_devices(devices: Sequence[str | torch.device] | None, count: int) -> list[torch.device]:
+    resolved = [torch.device(d) for d in (devices or ["cpu"] * count)]
+    for d in resolved:
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise PipeConfigError(f"device {d} was asked for but CUDA is not available; "
+                                  f"use devices=['cpu', ...]")
+    return resolved
+
+
+class Pipe(nn.Module):
+    """Pipeline-parallel wrapper of an `nn.Sequential`.
+
+    The model's own layers (and Parameter objects) are registered under their original names,
+    so `model.parameters()`, `pipe.parameters()` and `state_dict()` keys are interchangeable.
+    See the README for the arguments; `step` trains, `forward` infers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int] | str | None = None,
+        *,
+        stages: int | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        chunks: int = 1,
+        schedule: str | Schedule = "1f1b",
+        checkpoint: str = "except_last",
+        sample: Any = None,
+        timeout: float = 300.0,
+        track_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Sequential):
+            raise PipeConfigError(
+                f"Pipe takes an nn.Sequential (got {type(model).__name__}); flatten your model "
+                f"into nn.Sequential(layer, layer, ...) with each layer taking the previous "
+                f"one's output"
+            )
+        if len(model) == 0:
+            raise PipeConfigError("the nn.Sequential is empty: give it at least one layer")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise PipeConfigError(f"checkpoint must be one of {CHECKPOINT_MODES} "
+                                  f"(got {checkpoint!r})")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
+        for name, layer in model.named_children():
+            self.add_module(name, layer)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.timeout = timeout
+        self.track_memory = track_memory
+        self._schedule_arg = schedule
+        per_rank = self._stages_per_rank(schedule, stages, balance, devices)
+        self.balance = self._resolve_balance(model, balance, stages, devices, per_rank, sample)
+        num_stages = len(self.balance)
+        if num_stages % per_rank:
+            raise PipeConfigError(f"{num_stages} stages cannot be spread {per_rank} per rank")
+        self.num_ranks = num_stages // per_rank
+        if devices is not None and len(devices) != self.num_ranks:
+            raise PipeConfigError(
+                f"{num_stages} stages at {per_rank} per rank need {self.num_ranks} devices, "
+                f"got {len(devices)} ({list(devices)}): pass one device per rank"
+            )
+        self.devices = _resolve_devices(devices, self.num_ranks)
+        layers = list(model)
+        bounds = [0]
+        for size in self.balance:
+            bounds.append(bounds[-1] + size)
+        self.partitions = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:],
+                                                                         strict=False)]
+        self._check_shared_parameters()
+        if isinstance(schedule, Schedule):
+            schedules.validate(schedule)
+            if schedule.num_stages != num_stages:
+                raise PipeConfigError(f"the schedule has {schedule.num_stages} stages but the "
+                                      f"balance {self.balance} has {num_stages}")
+            self._probe = schedule
+        else:
+            self._probe = self._schedule(1, 1)  # placement comes from the schedule
+        for s, part in enumerate(self.partitions):
+            part.to(self.devices[self._probe.rank_of(s)])
+        self._previous: dict[int, dict[str, torch.Tensor]] = {}  # 2BW: last step's weights
+        self._timeline: Timeline | None = None
+        self._stats: list[dict[str, int]] = []
+
+    # -- configuration --------------------------------------------------------------------------
+    @staticmethod
+    def _stages_per_rank(schedule: str | Schedule, stages: int | None,
+                         balance: Sequence[int] | str | None,
+                         devices: Sequence[Any] | None) -> int:
+        if isinstance(schedule, Schedule):
+            return schedule.stages_per_rank
+        if schedule not in schedules.available():
+            raise PipeConfigError(f"unknown schedule {schedule!r}; known: "
+                                  f"{', '.join(schedules.available())}, or a Schedule object")
+        if schedule != "interleaved":
+            return 1
+        count = len(balance) if isinstance(balance, list | tuple) else stages
+        if count is not None and devices is not None:
+            return max(1, count // len(devices))
+        return 2
+
+    def _resolve_balance(self, model: nn.Sequential, balance: Sequence[int] | str | None,
+                         stages: int | None, devices: Sequence[Any] | None, per_rank: int,
+                         sample: Any) -> list[int]:
+        n = len(model)
+        if isinstance(balance, list | tuple):
+            if stages is not None and stages != len(balance):
+                raise PipeConfigError(f"stages={stages} disagrees with balance of "
+                                      f"{len(balance)} stages {list(balance)}")
+            if any(not isinstance(b, int) or b < 1 for b in balance):
+                raise BalanceError(f"every stage needs at least one layer (balance: "
+                                   f"{list(balance)})")
+            if sum(balance) != n:
+                raise BalanceError(f"model and sum of balance have different length (model: "
+                                   f"{n} layers, sum of balance {list(balance)}: {sum(balance)})")
+            return list(balance)
+        method = balance or "uniform"
+        if method not in _METHODS:
+            raise PipeConfigError(f"balance must be a list of layer counts or one of {_METHODS} "
+                                  f"(got {balance!r})")
+        k = stages or (len(devices) * per_rank if devices else 2 * per_rank)
+        if k > n:
+            raise BalanceError(f"cannot split {n} layers into {k} stages: every stage needs a "
+                               f"layer; use stages <= {n}")
+        if method == "uniform":
+            return split_sizes(n, k)
+        if method == "params":
+            return partition(layer_params(model), k)
+        if sample is None:
+            raise PipeConfigError(f"balance={method!r} profiles the model: pass "
+                                  f"sample=<a batch> too")
+        costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
+        return partition(costs, k)
+
+    def _check_shared_parameters(self) -> None:
+        owner: dict[int, int] = {}
+        for s, part in enumerate(self.partitions):
+            for name, p in part.named_parameters():
+                if owner.setdefault(id(p), s) != s:
+                    raise PipeConfigError(
+                        f"parameter {name!r} of stage {s} is also used by stage {owner[id(p)]} "
+                        f"(tied weights): each stage keeps and updates its own parameters, so a "
+                        f"tied weight would get two different updates. Put both uses in one "
+                        f"stage (adjust balance) or untie them"
+                    )
+
+    def _schedule(self, chunks: int, num_batches: int) -> Schedule:
+        arg = self._schedule_arg
+        if isinstance(arg, Schedule):
+            if arg.num_stages != len(self.balance):
+                raise PipeConfigError(f"the schedule has {arg.num_stages} stages but the "
+                                      f"balance {self.balance} has {len(self.balance)}")
+            if (arg.num_microbatches, arg.num_batches) != (chunks, num_batches):
+                raise PipeConfigError(
+                    f"the schedule is for {arg.num_microbatches} micro-batches x "
+                    f"{arg.num_batches} batches; this call needs chunks={chunks} x {num_batches}")
+            return arg
+        options: dict[str, int] = {}
+        if arg == "interleaved":
+            options["stages_per_rank"] = len(self.balance) // self.num_ranks
+        if arg == "2bw":
+            options["num_batches"] = num_batches
+        elif num_batches != 1:
+            raise AssertionError("multi-batch runs are for 2bw only")
+        return schedules.get_schedule(arg, self.num_ranks, chunks, **options)
+
+    # -- running --------------------------------------------------------------------------------
+    def _run(self, schedule: Schedule, ctx: StepContext) -> None:
+        transport = LocalTransport(self.timeout)
+        runtimes = [
+            StageRuntime(r, {s: self.partitions[s] for s in schedule.stages_of(r)},
+                         self.devices[r], schedule.num_stages, schedule.rank_of, transport)
+            for r in range(schedule.num_ranks)
+        ]
+        failures: list[tuple[int, Action | None, BaseException]] = []
+
+        def work(rt: StageRuntime) -> None:
+            try:
+                if rt.device.type == "cuda":
+                    torch.cuda.set_device(rt.device)
+                rt.run(schedule.actions[rt.rank], ctx)
+            except PipelineAborted:
+                pass  # another rank failed first; its error is the one to report
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                failures.append((rt.rank, rt.current, exc))
+                transport.abort(rt.rank, f"rank {rt.rank} failed")
+
+        if len(runtimes) == 1:
+            work(runtimes[0])
+        else:
+            threads = [threading.Thread(target=work, args=(rt,), name=f"pipe-rank-{rt.rank}",
+                                        daemon=True) for rt in runtimes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        self._timeline = Timeline(
+            schedule.num_ranks, tuple(e for rt in runtimes for e in rt.events), "s",
+            {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
+             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
+             "devices": [str(d) for d in self.devices], "checkpoint": self.checkpoint})
+        self._stats = [{"peak_stashed_microbatches": rt.peak_stashed,
+                        "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in runtimes]
+        if failures:
+            rank, action, exc = failures[0]
+            where = "before its first action" if action is None else (
+                f"at {action} ({_describe(action)})")
+            raise PipelineError(f"rank {rank} ({self.devices[rank]}) failed {where}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+    def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int
+                 ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
+        inputs = scatter(x, chunks)
+        rows = [_rows(mb) for mb in inputs]
+        total = sum(rows)
+        targets = None
+        if loss_fn is not None:
+            last = self.devices[self._probe.rank_of(len(self.balance) - 1)]
+            targets = [t[0] if len(t) == 1 else t
+                       for t in (tuple(v.to(last) if isinstance(v, torch.Tensor) else v
+                                       for v in part) for part in scatter(target, chunks))]
+        return inputs, targets, [r / total for r in rows]
+
+    def forward(self, x: Any) -> Any:  # type: ignore[override]
+        """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph)."""
+        schedule = self._schedule(self.chunks, 1)
+        # The schedule's forwards in its order; inference always uses the current weights.
+        forward_only = schedule.replace(actions=tuple(
+            tuple(Action(a.stage, Op.F, a.microbatch) for a in row if a.op is Op.F)
+            for row in schedule.actions))
+        inputs = scatter(x, self.chunks)
+        ctx = StepContext(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
+                          _step_seed())
+        with torch.no_grad():
+            self._run(forward_only, ctx)
+        return gather([ctx.outputs[m] for m in range(self.chunks)])
+
+    def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of one batch under the schedule; returns the batch's mean loss.
+
+        Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
+        (accumulating onto what is there), for `loss_fn` reducing by mean. With `schedule="2bw"`
+        the gradients are taken at the previous step's weights (PipeDream-2BW).
+        """
+        return self._steps([(x, target)], loss_fn, None)[0]
+
+    def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
+                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """Train on several batches, calling `optimizer.step()` after each; returns the losses.
+
+        Under `2bw` the batches run as one schedule without a flush, each stage updating its
+        weights right after its share of each batch (numerically the same as `step` followed by
+        `optimizer.step()` and `optimizer.zero_grad()`, batch after batch). Other schedules
+        run one batch at a time. Gradients are left cleared (None).
+        """
+        pairs = list(batches)
+        if self._schedule_arg != "2bw":
+            losses = []
+            for x, target in pairs:
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(self.step(x, target, loss_fn))
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return losses
+        optimizer.zero_grad(set_to_none=True)
+        return self._steps(pairs, loss_fn, optimizer)
+
+    def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
+               optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        m = self.chunks
+        schedule = self._schedule(m, len(pairs))
+        inputs: list[tuple[Any, ...]] = []
+        targets: list[Any] = []
+        weights: list[float] = []
+        for x, target in pairs:
+            i, t, w = self._context(x, target, loss_fn, m)
+            inputs += i
+            targets += t or []
+            weights += w
+        total = m * len(pairs)
+        checkpointed = [self.checkpoint == "always" or (self.checkpoint == "except_last"
+                                                        and k % m != m - 1) for k in range(total)]
+        ctx = StepContext(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
+                          optimizer=optimizer, num_versions_kept=len(pairs),
+                          track_memory=self.track_memory)
+        versioned = any(a.version is not None for row in schedule.actions for a in row)
+        if versioned:
+            self._open_versions(ctx)
+        self._run(schedule, ctx)
+        if versioned:
+            self._previous = {s: ctx.versions[(s, len(pairs))]
+                              for s in range(len(self.partitions))}
+        return [torch.stack([ctx.losses[k] for k in range(b * m, (b + 1) * m)]).sum()
+                for b in range(len(pairs))]
+
+    def _open_versions(self, ctx: StepContext) -> None:
+        # Version 0: the previous step's weights (the current ones on the very first step);
+        # version 1: the current weights, copied because an update may change them meanwhile.
+        for s, part in enumerate(self.partitions):
+            current = {name: p.detach().clone().requires_grad_(p.requires_grad)
+                       for name, p in part.named_parameters()}
+            previous = self._previous.get(s)
+            ctx.versions[(s, 0)] = previous if previous is not None else {
+                name: t.detach().clone().requires_grad_(t.requires_grad)
+                for name, t in current.items()}
+            ctx.versions[(s, 1)] = current
+            for t in ctx.versions[(s, 0)].values():
+                t.grad = None
+
+    # -- inspection -------------------------------------------------------------------------------
+    def last_timeline(self) -> Timeline:
+        """The measured timeline of the last step (seconds), in the simulator's format."""
+        if self._timeline is None:
+            raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(x) first")
+        return self._timeline
+
+    def memory_stats(self) -> list[dict[str, int]]:
+        """Per rank, for the last step: the most micro-batches stashed at once, and the most
+        bytes stashed (stage inputs, plus what autograd saved if `track_memory=True`)."""
+        return [dict(s) for s in self._stats]
+
+    def extra_repr(self) -> str:
+        return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
+                f"chunks={self.chunks}, schedule={self._probe.name!r}, "
+                f"checkpoint={self.checkpoint!r}")
+
+
+def _rows(values: tuple[Any, ...]) -> int:
+    return next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _step_seed() -> int:
+    # Drawn from torch's global generator: torch.manual_seed(k) makes every step reproducible.
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def _describe(action: Action) -> str:
+    what = {Op.F: "forward", Op.B: "backward", Op.I: "input-gradient backward",
+            Op.W: "weight-gradient backward", Op.U: "weight update"}.get(action.op, action.op.value)
+    unit = "batch" if action.op is Op.U else "micro-batch"
+    return f"{what} of stage {action.stage}, {unit} {action.microbatch}"
+

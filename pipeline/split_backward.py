@@ -1,0 +1,158 @@
+"""Backward split in two: input gradients now (I), weight gradients later (W), without redoing work.
+
+The I pass asks autograd only for the stage inputs' gradients, so it skips every weight-gradient
+kernel. On the way it records the gradient arriving at each node where a parameter's branch
+joins the input-to-output path; the W pass restarts autograd from exactly those nodes with the
+recorded gradients and asks only for the parameters. Together they run the kernels of one fused
+backward. (Same idea as torch.distributed.pipelining's stage_backward_input/weight.)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightGrad", "backward_input", "backward_weight"]
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """The autograd node a tensor's gradient flows into (its AccumulateGrad for a leaf)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    return None
+
+
+@dataclass
+class WeightGrad:
+    """What the W pass needs: groups of (join nodes, their parameters), the recorded gradients."""
+
+    params: list[torch.Tensor]
+    groups: list[tuple[list[Node], list[torch.Tensor]]] = field(default_factory=list)
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    fallback: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (outputs, grads)
+
+
+def _consumers(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Reverse edges: for each node, the nodes whose backward feeds it."""
+    reverse: dict[Node, list[Node]] = {}
+    queue, seen = deque(roots), set(roots)
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            reverse.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return reverse
+
+
+def _upward(starts: list[Node], reverse: dict[Node, list[Node]],
+            stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from `starts` towards the outputs; stops at (and reports) `stop` nodes."""
+    seen, hit = set(starts), set()
+    queue = deque(starts)
+    while queue:
+        for up in reverse.get(queue.popleft(), ()):
+            if up in stop:
+                hit.add(up)
+            elif up not in seen:
+                seen.add(up)
+                queue.append(up)
+    return seen, hit
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                   inputs: Sequence[Any], params: Sequence[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], WeightGrad]:
+    """Input gradients of `inputs` (None where an input needs none) and the W pass's state."""
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    state = WeightGrad([p for p in params if p.requires_grad])
+    if not wanted:
+        # Nothing flows to the previous stage: the whole backward is weight work, done in W.
+        state.fallback = (list(outputs), list(grad_outputs))
+        return [None] * len(inputs), state
+    roots = [n for n in map(_node, outputs) if n is not None]
+    reverse = _consumers(roots)
+    on_path, _ = _upward([n for n in map(_node, wanted) if n is not None], reverse, set())
+    state.groups = _group(state.params, reverse, on_path)
+    handles = []
+    for join in (j for joins, _ in state.groups for j in joins):
+        def record(grads: tuple[torch.Tensor | None, ...], join: Node = join) -> None:
+            state.grads[join] = grads
+        handles.append(join.register_prehook(record))
+    try:
+        grads = torch.autograd.grad(list(outputs), wanted, list(grad_outputs),
+                                    retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    by_id = {id(t): g for t, g in zip(wanted, grads, strict=True)}
+    return [by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs], state
+
+
+def _group(params: list[torch.Tensor], reverse: dict[Node, list[Node]],
+           on_path: set[Node]) -> list[tuple[list[Node], list[torch.Tensor]]]:
+    """Parameters grouped by the join nodes they reach (a parameter used twice joins twice).
+
+    The W pass runs one autograd call per group asking for that group's parameters only, so
+    autograd never walks the input-gradient chain between joins again.
+    """
+    groups: list[tuple[set[Node], list[torch.Tensor]]] = []
+    for p in params:
+        node = _node(p)
+        if node is None:
+            continue
+        _, joins = _upward([node], reverse, on_path)
+        merged = (set(joins), [p])
+        for g in [g for g in groups if g[0] & joins]:
+            merged[0].update(g[0])
+            merged[1].extend(g[1])
+            groups.remove(g)
+        groups.append(merged)
+    return [(list(j), ps) for j, ps in groups if j]
+
+
+def backward_weight(state: WeightGrad) -> None:
+    """Accumulate the parameters' gradients into `.grad`, freeing what only W needed."""
+    if state.fallback is not None:
+        outs, grads = state.fallback
+        torch.autograd.backward(outs, grads, inputs=state.params or None)
+        return
+    for joins, params in state.groups:
+        edges, grads_out, pinned = [], [], []
+        for join in joins:
+            recorded = state.grads.get(join)
+            if recorded is None:
+                continue
+            for i, g in enumerate(recorded):
+                if g is not None:
+                    edges.append(GradientEdge(join, i))
+                    grads_out.append(g)
+            # A join below another of its group would also receive the upper one's
+            # contribution in this pass: pin its incoming gradient to what I recorded.
+            pinned.append(join.register_prehook(lambda _g, rec=recorded: rec))
+        try:
+            if edges:
+                dws = torch.autograd.grad(edges, params, grads_out, retain_graph=True,
+                                          allow_unused=True)
+                for p, dw in zip(params, dws, strict=True):
+                    if dw is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = dw
+                    else:
+                        p.grad.add_(dw)  # in place, as autograd's own accumulation does
+        finally:
+            for h in pinned:
+                h.remove()
+    state.groups.clear()
+    state.grads.clear()
