@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,7 +33,8 @@ class PipelineError(RuntimeError):
     """A stage failed during a step; the message names its rank, stage, action and micro-batch."""
 
 
-def _resolve_devices(devices: Sequence[str | torch.device] | None, count: int) -> list[torch.device]:
+def _resolve_devices(devices: Sequence[str | torch.device] | None,
+                     count: int) -> list[torch.device]:
     resolved = [torch.device(d) for d in (devices or ["cpu"] * count)]
     for d in resolved:
         if d.type == "cuda" and not torch.cuda.is_available():
@@ -100,8 +102,7 @@ class Pipe(nn.Module):
         bounds = [0]
         for size in self.balance:
             bounds.append(bounds[-1] + size)
-        self.partitions = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:],
-                                                                         strict=False)]
+        self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
         self._check_shared_parameters()
         if isinstance(schedule, Schedule):
             schedules.validate(schedule)
@@ -216,7 +217,7 @@ class Pipe(nn.Module):
                 rt.run(schedule.actions[rt.rank], ctx)
             except PipelineAborted:
                 pass  # another rank failed first; its error is the one to report
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            except BaseException as exc:
                 failures.append((rt.rank, rt.current, exc))
                 transport.abort(rt.rank, f"rank {rt.rank} failed")
 
@@ -256,7 +257,7 @@ class Pipe(nn.Module):
                                        for v in part) for part in scatter(target, chunks))]
         return inputs, targets, [r / total for r in rows]
 
-    def forward(self, x: Any) -> Any:  # type: ignore[override]
+    def forward(self, x: Any) -> Any:
         """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph)."""
         schedule = self._schedule(self.chunks, 1)
         # The schedule's forwards in its order; inference always uses the current weights.

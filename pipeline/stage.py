@@ -97,14 +97,17 @@ class StageRuntime:
     # -- forward ------------------------------------------------------------------------------
     def _call(self, action: Action, inputs: tuple[Any, ...], ctx: StepContext) -> tuple[Any, ...]:
         module = self.stages[action.stage]
+        # As in nn.Sequential, a layer gets the previous output as one argument (a tuple stays
+        # a tuple): transported tuples are unpacked for transport only.
+        arg = inputs[0] if len(inputs) == 1 else inputs
         if action.version is None:
             def fn() -> Any:
-                return module(*inputs)
+                return module(arg)
         else:
             weights = ctx.versions[(action.stage, action.version)]
 
             def fn() -> Any:
-                return functional_call(module, weights, inputs)
+                return functional_call(module, weights, (arg,))
         seed = stage_seed(ctx.seed, action.stage, action.microbatch)
         return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
 

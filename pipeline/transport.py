@@ -74,7 +74,7 @@ class LocalTransport:
         event = None
         cuda = [v for v in values if isinstance(v, torch.Tensor) and v.is_cuda]
         if cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(cuda[0].device))
         with self._cond:
             self._box[(kind, stage, microbatch)] = (values, event)
@@ -107,7 +107,7 @@ class LocalTransport:
                    flags: list[bool]) -> tuple[Any, ...]:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
             stream.wait_event(event)
             moved = move(values, device, grad_flags=flags)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from hypothesis import strategies as st
 
 import schedules
 
-__all__ = ["schedule_args", "schedules_any"]
+__all__ = ["balances", "schedule_args", "schedules_any", "sequential_specs"]
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -29,3 +30,35 @@ def schedule_args(draw: st.DrawFn, name: str | None = None) -> tuple[str, int, i
 def schedules_any(name: str | None = None) -> st.SearchStrategy[Any]:
     """A generated schedule of any registered generator (or of `name`)."""
     return schedule_args(name).map(lambda a: schedules.get_schedule(a[0], a[1], a[2], **a[3]))
+
+
+@st.composite
+def sequential_specs(draw: st.DrawFn, *, dropout: bool = True) -> dict[str, Any]:
+    """A random nn.Sequential recipe: layer kinds and widths, a batch size and a chunk count."""
+    width = draw(st.integers(1, 64))
+    kinds = ["linear", "gelu", "tanh", "layernorm"] + (["dropout"] if dropout else [])
+    depth = draw(st.integers(2, 12))
+    current = draw(st.integers(1, 64))
+    layers: list[tuple[str, int]] = [("linear", current)]
+    for _ in range(depth - 1):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "layernorm" and current == 1:
+            # LayerNorm over one feature outputs rounding noise divided by sqrt(eps): its
+            # gradient is noise in any evaluation order, so no tolerance can compare it.
+            kind = "tanh"
+        if kind == "linear":
+            current = draw(st.integers(1, 64))
+        layers.append((kind, current if kind == "linear" else 0))
+    chunks = draw(st.integers(1, 8))
+    batch = draw(st.integers(chunks, 3 * chunks + 2))  # often not a multiple: uneven chunks
+    return {"in": width, "layers": layers, "chunks": chunks, "batch": batch,
+            "seed": draw(st.integers(0, 2**16))}
+
+
+@st.composite
+def balances(draw: st.DrawFn, num_layers: int, num_stages: int) -> list[int]:
+    """A random split of `num_layers` into `num_stages` non-empty contiguous stages."""
+    cuts = sorted(draw(st.lists(st.integers(1, num_layers - 1), min_size=num_stages - 1,
+                                max_size=num_stages - 1, unique=True)))
+    edges = [0, *cuts, num_layers]
+    return [b - a for a, b in itertools.pairwise(edges)]

@@ -1,0 +1,61 @@
+"""Single-device references the pipelined runs are compared with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.checkpoint import stage_seed
+
+__all__ = ["build", "seeded_microbatch_step"]
+
+
+def build(spec: dict[str, Any]) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """The model, input and target a `sequential_specs` recipe describes."""
+    torch.manual_seed(spec["seed"])
+    layers: list[nn.Module] = []
+    width = spec["in"]
+    for kind, out in spec["layers"]:
+        if kind == "linear":
+            layers.append(nn.Linear(width, out))
+            width = out
+        elif kind == "gelu":
+            layers.append(nn.GELU())
+        elif kind == "tanh":
+            layers.append(nn.Tanh())
+        elif kind == "layernorm":
+            layers.append(nn.LayerNorm(width))
+        else:
+            layers.append(nn.Dropout(0.3))
+    x = torch.randn(spec["batch"], spec["in"])
+    y = torch.randn(spec["batch"], width)
+    return nn.Sequential(*layers), x, y
+
+
+def seeded_microbatch_step(model: nn.Sequential, balance: Sequence[int], x: torch.Tensor,
+                           target: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+                           chunks: int, step_seed: int) -> torch.Tensor:
+    """The plain loop Pipe must equal when layers draw random numbers: micro-batch by
+    micro-batch, stage by stage, each stage's forward under its (step, stage, micro-batch)
+    seed, losses weighted by micro-batch size, gradients accumulated."""
+    layers = list(model)
+    parts, start = [], 0
+    for size in balance:
+        parts.append(nn.Sequential(*layers[start:start + size]))
+        start += size
+    total = torch.zeros(())
+    for m, (xm, ym) in enumerate(zip(torch.tensor_split(x, chunks), torch.tensor_split(target,
+                                                                                          chunks),
+                                     strict=True)):
+        h = xm
+        for s, part in enumerate(parts):
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(stage_seed(step_seed, s, m))
+                h = part(h)
+        loss = loss_fn(h, ym) * (xm.shape[0] / x.shape[0])
+        loss.backward()
+        total = total + loss.detach()
+    return total

@@ -1,0 +1,259 @@
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import schedules
+from pipeline import Pipe, PipeConfigError, PipelineError, is_recomputing
+from pipeline.microbatch import MicroBatchError
+from pipeline.partition import BalanceError
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see test_transparency)
+
+
+def _mlp(n: int = 6, width: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)])
+
+
+# -- configuration errors
+def test_config_errors_say_what_to_do() -> None:
+    with pytest.raises(PipeConfigError, match=r"takes an nn.Sequential .* flatten"):
+        Pipe(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(BalanceError, match="model: 6 layers, sum of balance \\[2, 2\\]: 4"):
+        Pipe(_mlp(), [2, 2])
+    with pytest.raises(BalanceError, match="at least one layer"):
+        Pipe(_mlp(), [6, 0])
+    with pytest.raises(BalanceError, match="cannot split 6 layers into 7 stages"):
+        Pipe(_mlp(), stages=7)
+    with pytest.raises(PipeConfigError, match="need 2 devices, got 3"):
+        Pipe(_mlp(), [3, 3], devices=["cpu"] * 3)
+    with pytest.raises(PipeConfigError, match="unknown schedule 'pipedream'; known: gpipe"):
+        Pipe(_mlp(), [3, 3], schedule="pipedream")
+    with pytest.raises(PipeConfigError, match="checkpoint must be one of"):
+        Pipe(_mlp(), [3, 3], checkpoint="sometimes")
+    with pytest.raises(PipeConfigError, match="pass sample="):
+        Pipe(_mlp(), "time", stages=2)
+    with pytest.raises(MicroBatchError, match="chunks <= 3"):
+        Pipe(_mlp(), [3, 3], chunks=4).step(torch.randn(3, 8), torch.randn(3, 8), nn.MSELoss())
+
+
+def test_tied_weights_are_refused_with_a_reason() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    with pytest.raises(PipeConfigError, match="tied weights"):
+        Pipe(model, [2, 1])
+    Pipe(model, [3])  # both uses in one stage: fine
+
+
+def test_balance_methods() -> None:
+    assert Pipe(_mlp(), stages=4).balance == [2, 2, 1, 1]
+    assert Pipe(_mlp(), "params", stages=3).balance == [2, 2, 2]
+    assert sum(Pipe(_mlp(), "time", stages=2, sample=torch.randn(4, 8)).balance) == 6
+    assert Pipe(_mlp(), stages=3, schedule="interleaved", devices=["cpu"]).num_ranks == 1
+    assert Pipe(_mlp(), schedule="interleaved", devices=["cpu", "cpu"]).balance == [2, 2, 1, 1]
+
+
+def test_uses_the_models_own_parameters_and_keys() -> None:
+    model = _mlp()
+    pipe = Pipe(model, [2, 4])
+    assert [id(p) for p in pipe.parameters()] == [id(p) for p in model.parameters()]
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    other = _mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    pipe.load_state_dict(other.state_dict())
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(pipe(x), other(x), rtol=0, atol=0)
+    fresh = _mlp()
+    fresh.load_state_dict(pipe.state_dict())  # a pipelined checkpoint loads into a plain model
+    torch.testing.assert_close(fresh(x), other(x), rtol=0, atol=0)
+
+
+# -- data that does not need gradients
+class _Masked(nn.Module):
+    """Returns (hidden, bool mask): a tuple crossing a stage boundary."""
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h, h.sum(-1, keepdim=True) > 0
+
+
+class _ApplyMask(nn.Module):
+    def forward(self, hidden_and_mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, mask = hidden_and_mask  # nn.Sequential hands a tuple over as one argument
+        return h * mask
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+def test_embedding_ids_and_bool_mask_cross_stages(schedule: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8), _Masked(), _ApplyMask(),
+                          nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 20, (9, 5))
+    y = torch.randn(9, 5, 3)
+    pipe = Pipe(model, [1, 2, 2], chunks=3, schedule=schedule, checkpoint="always")
+    loss = pipe.step(ids, y, nn.MSELoss())
+    expected = nn.MSELoss()(reference(ids), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+# -- PipeDream-2BW
+def _two_bw_reference(model: nn.Sequential, data: list[tuple[torch.Tensor, torch.Tensor]],
+                      lr: float) -> list[float]:
+    """W(t+1) = W(t) - lr * grad f(W(t-1)), step 0 at the initial weights, on one device."""
+    previous = copy.deepcopy(model)
+    losses = []
+    for x, y in data:
+        stale = copy.deepcopy(previous)  # W(t-1)
+        loss = nn.MSELoss()(stale(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        previous = copy.deepcopy(model)  # W(t), before the update
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), stale.parameters(), strict=True):
+                p.sub_(lr * q.grad)
+    return losses
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(5)
+    return [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+
+
+def test_2bw_step_follows_the_stale_update_rule() -> None:
+    model, data, lr = _mlp(), _data(), 0.5
+    reference = copy.deepcopy(model)
+    expected = _two_bw_reference(reference, data, lr)
+    pipe = Pipe(model, [3, 3], chunks=4, schedule="2bw")
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr)
+    for (x, y), want in zip(data, expected, strict=True):
+        opt.zero_grad()
+        assert pipe.step(x, y, nn.MSELoss()).item() == pytest.approx(want, rel=1e-5)
+        opt.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_2bw_many_batches_without_flush_same_numerics(chunks: int) -> None:
+    model, data, lr = _mlp(), _data(), 0.5
+    reference = copy.deepcopy(model)
+    expected = _two_bw_reference(reference, data, lr)
+    pipe = Pipe(model, [2, 2, 2], chunks=chunks, schedule="2bw", checkpoint="except_last")
+    losses = pipe.step_many(data, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=lr))
+    assert [v.item() for v in losses] == pytest.approx(expected, rel=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL)
+    # The run was one schedule: batch 1 started before batch 0's updates finished.
+    timeline = pipe.last_timeline()
+    first = {str(e.action): e.start for e in timeline.events}
+    assert first["0F4v1" if chunks == 4 else f"0F{chunks}v1"] < first["1U0"]
+
+
+def test_step_many_for_flush_schedules_is_step_then_optimizer() -> None:
+    model, data = _mlp(), _data()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        ref_opt.zero_grad()
+        nn.MSELoss()(reference(x), y).backward()
+        ref_opt.step()
+    pipe = Pipe(model, [3, 3], chunks=2)
+    pipe.step_many(data, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.1))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+# -- memory
+def test_checkpoint_always_stashes_only_stage_inputs() -> None:
+    width, rows, chunks = 32, 12, 4
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(4)])
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    stats = {}
+    for mode in ("always", "never"):
+        pipe = Pipe(model, [2, 2], chunks=chunks, checkpoint=mode, track_memory=True)
+        pipe.step(x, y, nn.MSELoss())
+        stats[mode] = pipe.memory_stats()
+    input_bytes = (rows // chunks) * width * 4  # one micro-batch of a stage's input
+    for rank, s in enumerate(stats["always"]):
+        assert s["peak_stashed_bytes"] == s["peak_stashed_microbatches"] * input_bytes, rank
+        # Without recomputation the same micro-batches also keep what autograd saved.
+        assert stats["never"][rank]["peak_stashed_bytes"] > 2 * s["peak_stashed_bytes"]
+
+
+# -- recomputation hook
+class _CountsReplays(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bool] = []
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(is_recomputing())
+        return self.linear(x)
+
+
+def test_is_recomputing_marks_only_the_replay() -> None:
+    layer = _CountsReplays()
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layer), [1, 1], chunks=3,
+                checkpoint="except_last")
+    pipe.step(torch.randn(6, 4), torch.randn(6, 4), nn.MSELoss())
+    assert layer.calls.count(False) == 3  # one forward per micro-batch
+    assert layer.calls.count(True) == 2  # replays: all but the last micro-batch
+
+
+# -- failures
+class _Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 2:  # only the last, smaller micro-batch
+            raise ValueError("bad micro-batch")
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_failure_in_a_middle_stage_names_it_and_hangs_nobody(schedule: str) -> None:
+    before = threading.active_count()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Boom(), nn.Linear(4, 4))
+    pipe = Pipe(model, [1, 2, 1], chunks=3, schedule=schedule, timeout=30)
+    with pytest.raises(PipelineError, match=r"rank 1 \(cpu\) failed at 1F2 \(forward of stage 1, "
+                                            r"micro-batch 2\): ValueError: bad micro-batch"):
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss())
+    assert threading.active_count() == before
+
+
+def test_loss_must_be_a_scalar() -> None:
+    pipe = Pipe(_mlp(2), [1, 1], chunks=2)
+    with pytest.raises(PipelineError, match="loss_fn must return a 0-dim tensor"):
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"))
+
+
+def test_custom_schedule_object() -> None:
+    s = schedules.get_schedule("1f1b", 2, 3)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [3, 3], chunks=3, schedule=s)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    pipe.step(x, y, nn.MSELoss())
+    nn.MSELoss()(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    with pytest.raises(PipeConfigError, match="micro-batches"):
+        Pipe(model, [3, 3], chunks=2, schedule=s).step(x, y, nn.MSELoss())
+
+
+def test_timeline_exports() -> None:
+    pipe = Pipe(_mlp(), [3, 3], chunks=2)
+    with pytest.raises(RuntimeError, match="no step has run yet"):
+        pipe.last_timeline()
+    pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+    t = pipe.last_timeline()
+    assert t.unit == "s" and len(t.events) == 8
+    assert schedules.Timeline.from_json(t.to_json()) == t
+    assert len([e for e in t.to_chrome_trace()["traceEvents"] if e["ph"] == "X"]) == 8

@@ -1,0 +1,130 @@
+"""Pipelined training equals the single-device model: loss and every parameter's gradient.
+
+Tolerance: fp32. The pipeline sums micro-batch gradients (weighted by size) where the plain run
+reduces the whole batch at once, so the two differ by summation order only: a few ulps of the
+gradient's magnitude per accumulated term. rtol=1e-5 with atol=1e-6 (gradients here are O(1))
+leaves room for up to 8 chunks of such rounding and nothing more.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import schedules
+from pipeline import Pipe
+from tests.pipeline.reference import build, seeded_microbatch_step
+from tests.strategies import balances, sequential_specs
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1")
+MODES = ("never", "except_last", "always")
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _stages_for(schedule: str, num_layers: int, draw_ranks: int) -> tuple[int, int]:
+    per_rank = 2 if schedule == "interleaved" else 1
+    ranks = max(1, min(draw_ranks, num_layers // per_rank))
+    return ranks * per_rank, ranks
+
+
+def _assert_same_grads(pipe_model: nn.Module, ref_model: nn.Module) -> None:
+    for (name, p), q in zip(pipe_model.named_parameters(), ref_model.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@settings(max_examples=80)
+@given(spec=sequential_specs(), schedule=st.sampled_from(SCHEDULES),
+       checkpoint=st.sampled_from(MODES), ranks=st.integers(1, 4), data=st.data())
+def test_pipe_equals_single_device(spec: dict[str, Any], schedule: str, checkpoint: str,
+                                   ranks: int, data: st.DataObject) -> None:
+    model, x, y = build(spec)
+    num_stages, _ = _stages_for(schedule, len(model), ranks)
+    balance = data.draw(balances(len(model), num_stages)) if num_stages > 1 else [len(model)]
+    reference = copy.deepcopy(model)
+    loss_fn = nn.MSELoss()
+    pipe = Pipe(model, balance, chunks=spec["chunks"], schedule=schedule, checkpoint=checkpoint)
+    torch.manual_seed(spec["seed"] + 1)
+    loss = pipe.step(x, y, loss_fn)
+    if any(isinstance(layer, nn.Dropout) for layer in model):
+        # Dropout draws per (stage, micro-batch): the reference replays the same seeds.
+        torch.manual_seed(spec["seed"] + 1)
+        step_seed = int(torch.randint(0, 2**62, (1,)).item())
+        expected = seeded_microbatch_step(reference, balance, x, y, loss_fn, spec["chunks"],
+                                          step_seed)
+    else:
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    _assert_same_grads(model, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_every_schedule_and_mode_on_uneven_chunks(schedule: str, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32),
+                          nn.Tanh(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(10, 6), torch.randn(10, 3)  # 10 rows in 4 chunks: 3, 3, 2, 2
+    balance = [2, 2, 2, 2] if schedule == "interleaved" else [3, 3, 2]
+    pipe = Pipe(model, balance, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    loss = pipe.step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    _assert_same_grads(model, reference)
+    # The recorded timeline is the schedule as it ran.
+    ran = pipe.last_timeline()
+    assert len(ran.events) == sum(1 for row in pipe._schedule(4, 1).actions for a in row)
+
+
+def test_dropout_under_always_replays_the_mask() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 64),
+                          nn.Dropout(0.5), nn.Linear(64, 2))
+    grads = {}
+    for schedule, checkpoint in (("1f1b", "never"), ("gpipe", "always"), ("zb-h1", "always")):
+        m = copy.deepcopy(model)
+        pipe = Pipe(m, [2, 2, 2], chunks=3, schedule=schedule, checkpoint=checkpoint)
+        torch.manual_seed(11)
+        loss = pipe.step(torch.ones(6, 8), torch.zeros(6, 2), nn.MSELoss())
+        grads[(schedule, checkpoint)] = (loss, [p.grad.clone() for p in m.parameters()])
+    (l0, g0), *rest = grads.values()
+    for loss, g in rest:  # same seed: same masks whatever the schedule and recompute mode
+        torch.testing.assert_close(loss, l0, rtol=0, atol=0)
+        for a, b in zip(g, g0, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+    # A different seed draws different masks (so the above is not vacuous).
+    m = copy.deepcopy(model)
+    torch.manual_seed(12)
+    other = Pipe(m, [2, 2, 2], chunks=3).step(torch.ones(6, 8), torch.zeros(6, 2), nn.MSELoss())
+    assert not torch.equal(other, l0)
+
+
+def test_forward_equals_model() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.GELU(), nn.Linear(7, 2))
+    for schedule in SCHEDULES:
+        balance = [1, 1, 1, 2] if schedule == "interleaved" else [2, 3]
+        pipe = Pipe(model, balance, chunks=3, schedule=schedule)
+        x = torch.randn(11, 5)
+        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
+
+
+def test_simulated_and_measured_peaks_agree() -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    for schedule in SCHEDULES:
+        balance = [1] * 8 if schedule == "interleaved" else [2] * 4
+        pipe = Pipe(model, balance, chunks=6, schedule=schedule)
+        pipe.step(torch.randn(12, 4), torch.randn(12, 4), nn.MSELoss())
+        plan = schedules.simulate(pipe._schedule(6, 1))
+        assert [s["peak_stashed_microbatches"] for s in pipe.memory_stats()] == list(
+            plan.peak_activations), schedule
