@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -c "import schedules as S; s = S.get_schedule('1f1b', 4, 8); print(S.format_grid(s)); t = S.simulate(S.validate(s)); print(f'bubble {t.bubble_fraction:.3f}, peak activations {t.peak_activations}')"
+	$(PY) -m pipeline.demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check schedules pipeline viz benchmarks tests

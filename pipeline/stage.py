@@ -74,6 +74,7 @@ class StageRuntime:
         self._stash: dict[tuple[int, int], _Stash] = {}
         self._bytes: dict[tuple[int, int], int] = {}  # what each stash entry holds
         self.current: Action | None = None  # for error reports
+        self._ready = 0.0  # when the current action had its inputs
 
     # -- driving ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], ctx: StepContext) -> None:
@@ -88,11 +89,17 @@ class StageRuntime:
             if handler is None:
                 continue  # SEND/RECV of a lowered schedule: the transport does them
             self.current = action
-            start = time.perf_counter() - ctx.t0
+            self._ready = time.perf_counter()
             handler(action, ctx)
-            self.events.append(Event(self.rank, action, start, time.perf_counter() - ctx.t0))
+            # Compute time only: waiting for a peer's data is idle time (a bubble), so the
+            # clock starts when the handler has its inputs (see _received).
+            self.events.append(Event(self.rank, action, self._ready - ctx.t0,
+                                     time.perf_counter() - ctx.t0))
         if self._stash:  # internal invariant: a validated schedule frees everything it stashed
             raise AssertionError(f"rank {self.rank}: left stashed {sorted(self._stash)}")
+
+    def _received(self) -> None:
+        self._ready = time.perf_counter()
 
     # -- forward ------------------------------------------------------------------------------
     def _call(self, action: Action, inputs: tuple[Any, ...], ctx: StepContext) -> tuple[Any, ...]:
@@ -117,6 +124,7 @@ class StageRuntime:
             inputs = move(ctx.inputs[m], self.device)
         else:
             inputs = self.transport.recv("F", s, m, self.rank_of(s - 1), self.device)
+            self._received()
         train = ctx.loss_fn is not None
         keep_graph = train and not ctx.checkpointed[m]
         saved = 0
@@ -191,6 +199,7 @@ class StageRuntime:
             grads: list[torch.Tensor] = [torch.ones_like(stash.loss)]
         else:
             incoming = self.transport.recv("B", s, m, self.rank_of(s + 1), self.device)
+            self._received()
             pairs = [(o, g) for o, g in zip(stash.outputs, incoming, strict=True)
                      if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
             roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
