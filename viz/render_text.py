@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 from schedules import Costs, Schedule, Timeline
@@ -31,6 +32,7 @@ _STYLE = {
     "F": "44;97", "B": "42;30", "I": "46;30", "W": "45;97", "U": "47;30", "comm": "43;30",
     "mark": "41;97;1", "idle": "2",
 }
+_SHORT_UNITS = {"cost units": "cost", "steps": "step"}
 _MAX_COLUMNS_PER_BOX = 8  # a median box wider than this only spreads the picture out
 
 
@@ -46,32 +48,33 @@ def render_text(source: Timeline | Schedule | Layout | Comparison, *, costs: Cos
         return _render_comparison(source, width, color)
     lay = layout(source, costs=costs)
     grid = _Grid([lay], lay.span, width)
-    lines = [lay.title, lay.subtitle, ""]
+    lines = [*_wrap(lay.title, width), *_wrap(lay.subtitle, width), ""]
     lines += [grid.lane(lane, lay, color) for lane in lay.lanes]
     lines += grid.axis(lay.unit)
-    lines += ["", _legend(_drawn_kinds([lay]), lay.stages_per_rank > 1, lay.failure is not None,
-                          color)]
+    lines += ["", *_legend(_drawn_kinds([lay]), lay.stages_per_rank > 1,
+                           lay.failure is not None, color, width)]
     lines += _summary(lay)
-    lines += _failure(lay)
+    lines += _failure(lay, width)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def _render_comparison(comparison: Comparison, width: int, color: bool) -> str:
     layouts = comparison.layouts
     grid = _Grid(layouts, comparison.span, width)
-    lines = [comparison.title, comparison.subtitle]
+    lines = [*_wrap(comparison.title, width), *_wrap(comparison.subtitle, width)]
     for lay in layouts:
-        lines += ["", f"{lay.title}: {lay.subtitle}"]
+        lines += ["", *_wrap(f"{lay.title}: {lay.subtitle}", width)]
         lines += [grid.lane(lane, lay, color) for lane in lay.lanes]
     lines += grid.axis(comparison.unit)
     kinds = _drawn_kinds(layouts)
     chunks = any(lay.stages_per_rank > 1 for lay in layouts)
     failed = any(lay.failure for lay in layouts)
-    lines += ["", _legend(kinds, chunks, failed, color), ""]
+    lines += ["", *_legend(kinds, chunks, failed, color, width), ""]
     lines += _table(comparison.table())
     lines.append("* best of the compared schedules")
     for lay in layouts:
-        lines += [line.replace("INVALID", f"INVALID {lay.title}", 1) for line in _failure(lay)]
+        lines += [line.replace("INVALID", f"INVALID {lay.title}", 1)
+                  for line in _failure(lay, width)]
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
@@ -124,7 +127,7 @@ class _Grid:
     def axis(self, unit: str) -> list[str]:
         factor, suffix = time_scale(unit, self.span)
         ruler = ["-"] * (self.columns + 1)
-        numbers = [" "] * (self.columns + 12)
+        numbers = [" "] * (self.columns + 1)
         free = 0
         for tick in nice_ticks(self.span * factor, max(1, self.columns // 10),
                                whole=unit == "step"):
@@ -135,8 +138,9 @@ class _Grid:
             if c >= free and c + len(text) <= len(numbers):
                 numbers[c:c + len(text)] = text
                 free = c + len(text) + 1
-        pad = " " * (self.label + 1)
-        return [pad + "".join(ruler), pad + "".join(numbers).rstrip() + f"  ({suffix})"]
+        # The unit goes left of the numbers, under the rank labels, where there is room.
+        unit_label = _SHORT_UNITS.get(suffix, suffix)[:self.label].rjust(self.label) + " "
+        return [" " * (self.label + 1) + "".join(ruler), unit_label + "".join(numbers)]
 
 
 def _box_text(box: Box, width: int, *, marked: bool) -> str:
@@ -177,17 +181,28 @@ def _drawn_kinds(layouts: Sequence[Layout]) -> tuple[str, ...]:
     return tuple(k for k in KINDS if k in present)
 
 
-def _legend(kinds: Sequence[str], chunks: bool, failed: bool, color: bool) -> str:
-    items = []
+def _legend(kinds: Sequence[str], chunks: bool, failed: bool, color: bool,
+            width: int) -> list[str]:
+    items: list[tuple[str, str]] = []  # (plain, as printed): wrapped by the plain length
     for kind in kinds:
-        letter = "S/R" if kind == "comm" else kind
-        chip = "".join(_styled([(ch, kind) for ch in letter + _FILL[kind]], color))
-        items.append(f"{chip} {KIND_NAMES[kind]}")
-    items.append("".join(_styled([(_IDLE, "idle")], color)) + " idle")
+        chip, name = ("S/R" if kind == "comm" else kind) + _FILL[kind], KIND_NAMES[kind]
+        items.append((f"{chip} {name}",
+                      "".join(_styled([(ch, kind) for ch in chip], color)) + f" {name}"))
+    items.append((f"{_IDLE} idle", "".join(_styled([(_IDLE, "idle")], color)) + " idle"))
     if failed:
-        items.append("".join(_styled([(_MARK, "mark")], color)) + " failing step")
-    text = "  ".join(items) + "   (box: op, micro-batch, fill)"
-    return text + ("; lower case: a rank's 2nd, 4th.. stage" if chunks else "")
+        items.append((f"{_MARK} failing step",
+                      "".join(_styled([(_MARK, "mark")], color)) + " failing step"))
+    items.append(("(box: op, micro-batch, fill)",) * 2)
+    if chunks:
+        items.append(("lower case: a rank's 2nd, 4th.. stage",) * 2)
+    lines, plain, printed = [], "", ""
+    for text, shown in items:
+        if plain and len(plain) + 2 + len(text) > width:
+            lines.append(printed)
+            plain, printed = "", ""
+        plain += ("  " if plain else "") + text
+        printed += ("  " if printed else "") + shown
+    return [*lines, printed]
 
 
 def _summary(lay: Layout) -> list[str]:
@@ -204,13 +219,21 @@ def _summary(lay: Layout) -> list[str]:
     return lines
 
 
-def _failure(lay: Layout) -> list[str]:
+def _failure(lay: Layout, width: int) -> list[str]:
     if lay.failure is None:
         return []
     where = ", ".join(f"rank {m.rank} step {m.step}" for m in lay.failure.marks)
-    lines = ["", "INVALID: " + (f"failing step marked {_MARK} ({where})" if where
-                                else "no single step to mark")]
-    return lines + [f"  {line}" for line in lay.failure.message.splitlines()]
+    lines = ["", *_wrap("INVALID: " + (f"failing step marked {_MARK} ({where})" if where
+                                       else "no single step to mark"), width)]
+    for line in lay.failure.message.splitlines():
+        indent = "  " + " " * (len(line) - len(line.lstrip()))
+        lines += _wrap(line.strip(), width, indent=indent)
+    return lines
+
+
+def _wrap(text: str, width: int, *, indent: str = "") -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False) or [""]
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
