@@ -101,7 +101,7 @@ def build_scene(source: Layout | Comparison) -> Scene:
     panel_items: list[Item] = []
     for lay in panels:
         if compared:
-            y += 14
+            y += 20
             panel_items.append(Text(16, y, lay.title, 13, bold=True))
             panel_items.append(Text(24 + text_width(lay.title, 13, bold=True), y, lay.subtitle,
                                     11, fill=MUTED))
