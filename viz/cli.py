@@ -26,6 +26,7 @@ __all__ = ["main"]
 FORMATS = ("text", "svg", "png", "chrome", "dot", "json")
 _BY_SUFFIX = {".txt": "text", ".svg": "svg", ".png": "png", ".json": "chrome", ".dot": "dot",
               ".gv": "dot"}
+_DOT_IMAGES = (".svg", ".png", ".pdf")
 _NAMED_ONLY = (("ranks", "--ranks"), ("stages_per_rank", "--stages-per-rank"),
                ("batches", "--batches"))
 _DEFAULT_RANKS, _DEFAULT_MICROBATCHES = 4, 8
@@ -289,8 +290,8 @@ def _dot(source: Schedule | Timeline, args: argparse.Namespace, costs: Costs) ->
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     out = Path(args.output) if args.output else None
-    image_format = out.suffix.lower()[1:] if out and out.suffix.lower() not in (
-        ".dot", ".gv", "") else None
+    # -o graph.svg (or .png, .pdf) asks for a picture; any other name gets the DOT source.
+    image_format = out.suffix.lower()[1:] if out and out.suffix.lower() in _DOT_IMAGES else None
     image = dot_to_image(text, image_format) if image_format else None
     if image is not None:
         _write(args, image)

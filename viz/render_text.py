@@ -129,7 +129,7 @@ class _Grid:
         ruler = ["-"] * (self.columns + 1)
         numbers = [" "] * (self.columns + 1)
         free = 0
-        for tick in nice_ticks(self.span * factor, max(1, self.columns // 10),
+        for tick in nice_ticks(self.span * factor, max(2, self.columns // 10),
                                whole=unit == "step"):
             c = self.col(tick / factor)
             if c < len(ruler):

@@ -295,3 +295,11 @@ def test_python_dash_m_viz() -> None:
     result = subprocess.run([sys.executable, "-m", "viz", "nope"], capture_output=True,
                             text=True, check=False, cwd=Path(__file__).parents[2])
     assert result.returncode == 2 and result.stderr.count("\n") == 1
+
+
+def test_viz_imports_neither_torch_nor_graphviz() -> None:
+    # torch is never needed to draw; graphviz and Pillow only when DOT or PNG output is asked for.
+    code = "import sys, viz; print(sorted({'torch', 'graphviz', 'PIL'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).parents[2])
+    assert result.stdout.strip() == "[]"
