@@ -1,4 +1,4 @@
-"""The demo: train a residual MLP with Pipe(schedule="1f1b") on two CPU devices, next to one device."""
+"""The demo: train a residual MLP with Pipe(schedule="1f1b") on two CPU devices, beside one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pipeline.pipe import Pipe
+from schedules import Timeline
 
 __all__ = ["Residual", "demo_model", "main"]
 
@@ -28,7 +29,8 @@ class Residual(nn.Module):
         self.down = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.act(self.up(self.norm(x))))
+        out: torch.Tensor = x + self.down(self.act(self.up(self.norm(x))))
+        return out
 
 
 def demo_model(width: int = 256, depth: int = 8, classes: int = 10) -> nn.Sequential:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _draw(timeline: object) -> None:
+def _draw(timeline: Timeline) -> None:
     try:
         from viz import render_text
     except ImportError:  # the visualizer is optional for the demo itself

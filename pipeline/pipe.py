@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import schedules
+from pipeline import multiprocess
 from pipeline.checkpoint import CHECKPOINT_MODES
+from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.microbatch import gather, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
@@ -64,6 +66,7 @@ class Pipe(nn.Module):
         sample: Any = None,
         timeout: float = 300.0,
         track_memory: bool = False,
+        group: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Sequential):
@@ -79,25 +82,30 @@ class Pipe(nn.Module):
                                   f"(got {checkpoint!r})")
         if not isinstance(chunks, int) or chunks < 1:
             raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
-        for name, layer in model.named_children():
-            self.add_module(name, layer)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.timeout = timeout
         self.track_memory = track_memory
         self._schedule_arg = schedule
-        per_rank = self._stages_per_rank(schedule, stages, balance, devices)
-        self.balance = self._resolve_balance(model, balance, stages, devices, per_rank, sample)
+        # Several processes (torchrun, or our launcher): this process is one rank.
+        self.group = group
+        self.world = multiprocess.world(group)
+        count = len(devices) if devices is not None else (
+            self.world[1] if self.world else None)
+        per_rank = self._stages_per_rank(schedule, stages, balance, count)
+        self.balance = self._resolve_balance(model, balance, stages, count, per_rank, sample)
         num_stages = len(self.balance)
         if num_stages % per_rank:
             raise PipeConfigError(f"{num_stages} stages cannot be spread {per_rank} per rank")
         self.num_ranks = num_stages // per_rank
-        if devices is not None and len(devices) != self.num_ranks:
+        if count is not None and count != self.num_ranks:
+            what = "processes" if devices is None else f"devices ({list(devices)})"
             raise PipeConfigError(
-                f"{num_stages} stages at {per_rank} per rank need {self.num_ranks} devices, "
-                f"got {len(devices)} ({list(devices)}): pass one device per rank"
+                f"{num_stages} stages at {per_rank} per rank need {self.num_ranks} ranks, got "
+                f"{count} {what}: pass one device per rank (one process per rank)"
             )
-        self.devices = _resolve_devices(devices, self.num_ranks)
+        self.devices = (multiprocess.rank_devices(devices, self.num_ranks, self.world[0])
+                        if self.world else _resolve_devices(devices, self.num_ranks))
         layers = list(model)
         bounds = [0]
         for size in self.balance:
@@ -112,17 +120,24 @@ class Pipe(nn.Module):
             self._probe = schedule
         else:
             self._probe = self._schedule(1, 1)  # placement comes from the schedule
-        for s, part in enumerate(self.partitions):
-            part.to(self.devices[self._probe.rank_of(s)])
+        self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
+                             else tuple(range(num_stages)))
+        # Register the (local) layers under their original names: same Parameters, same keys.
+        names = list(model._modules)  # named_children() would skip a layer used twice
+        for s in self.local_stages:
+            device = self.devices[self._probe.rank_of(s)]
+            for i in range(bounds[s], bounds[s + 1]):
+                self.add_module(names[i], multiprocess.materialize(layers[i], device))
+        self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._previous: dict[int, dict[str, torch.Tensor]] = {}  # 2BW: last step's weights
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
+        self._dist_transport: DistributedTransport | None = None
 
     # -- configuration --------------------------------------------------------------------------
     @staticmethod
     def _stages_per_rank(schedule: str | Schedule, stages: int | None,
-                         balance: Sequence[int] | str | None,
-                         devices: Sequence[Any] | None) -> int:
+                         balance: Sequence[int] | str | None, num_ranks: int | None) -> int:
         if isinstance(schedule, Schedule):
             return schedule.stages_per_rank
         if schedule not in schedules.available():
@@ -131,12 +146,12 @@ class Pipe(nn.Module):
         if schedule != "interleaved":
             return 1
         count = len(balance) if isinstance(balance, list | tuple) else stages
-        if count is not None and devices is not None:
-            return max(1, count // len(devices))
+        if count is not None and num_ranks is not None:
+            return max(1, count // num_ranks)
         return 2
 
     def _resolve_balance(self, model: nn.Sequential, balance: Sequence[int] | str | None,
-                         stages: int | None, devices: Sequence[Any] | None, per_rank: int,
+                         stages: int | None, num_ranks: int | None, per_rank: int,
                          sample: Any) -> list[int]:
         n = len(model)
         if isinstance(balance, list | tuple):
@@ -154,7 +169,7 @@ class Pipe(nn.Module):
         if method not in _METHODS:
             raise PipeConfigError(f"balance must be a list of layer counts or one of {_METHODS} "
                                   f"(got {balance!r})")
-        k = stages or (len(devices) * per_rank if devices else 2 * per_rank)
+        k = stages or (num_ranks or 2) * per_rank
         if k > n:
             raise BalanceError(f"cannot split {n} layers into {k} stages: every stage needs a "
                                f"layer; use stages <= {n}")
@@ -202,12 +217,27 @@ class Pipe(nn.Module):
 
     # -- running --------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, ctx: StepContext) -> None:
+        runtimes = self._run_rank(schedule, ctx) if self.world else self._run_threads(schedule, ctx)
+        self._timeline = Timeline(
+            schedule.num_ranks, tuple(e for rt in runtimes for e in rt.events), "s",
+            {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
+             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
+             "devices": [str(d) for d in self.devices], "checkpoint": self.checkpoint})
+        self._stats = [{"peak_stashed_microbatches": rt.peak_stashed,
+                        "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in runtimes]
+
+    def _runtime(self, rank: int, schedule: Schedule, transport: Any) -> StageRuntime:
+        return StageRuntime(rank, {s: self.partitions[s] for s in schedule.stages_of(rank)},
+                            self.devices[rank], schedule.num_stages, schedule.rank_of, transport)
+
+    def _failure(self, rank: int, action: Action | None, exc: BaseException) -> str:
+        where = "before its first action" if action is None else (
+            f"at {action} ({_describe(action)})")
+        return f"rank {rank} ({self.devices[rank]}) failed {where}: {type(exc).__name__}: {exc}"
+
+    def _run_threads(self, schedule: Schedule, ctx: StepContext) -> list[StageRuntime]:
         transport = LocalTransport(self.timeout)
-        runtimes = [
-            StageRuntime(r, {s: self.partitions[s] for s in schedule.stages_of(r)},
-                         self.devices[r], schedule.num_stages, schedule.rank_of, transport)
-            for r in range(schedule.num_ranks)
-        ]
+        runtimes = [self._runtime(r, schedule, transport) for r in range(schedule.num_ranks)]
         failures: list[tuple[int, Action | None, BaseException]] = []
 
         def work(rt: StageRuntime) -> None:
@@ -230,45 +260,96 @@ class Pipe(nn.Module):
                 t.start()
             for t in threads:
                 t.join()
-        self._timeline = Timeline(
-            schedule.num_ranks, tuple(e for rt in runtimes for e in rt.events), "s",
-            {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
-             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
-             "devices": [str(d) for d in self.devices], "checkpoint": self.checkpoint})
-        self._stats = [{"peak_stashed_microbatches": rt.peak_stashed,
-                        "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in runtimes]
         if failures:
             rank, action, exc = failures[0]
-            where = "before its first action" if action is None else (
-                f"at {action} ({_describe(action)})")
-            raise PipelineError(f"rank {rank} ({self.devices[rank]}) failed {where}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            raise PipelineError(self._failure(rank, action, exc)) from exc
+        return runtimes
+
+    def _transport(self) -> DistributedTransport:
+        # One per Pipe: the shapes agreed with each peer carry over from step to step.
+        if self._dist_transport is None:
+            assert self.world is not None
+            self._dist_transport = DistributedTransport(
+                self.world[0], self.devices[self.world[0]], timeout=self.timeout,
+                group=self.group)
+        return self._dist_transport
+
+    def _run_rank(self, schedule: Schedule, ctx: StepContext) -> list[StageRuntime]:
+        assert self.world is not None
+        rank = self.world[0]
+        transport = self._transport()
+        transport.begin(schedule)
+        rt = self._runtime(rank, schedule, transport)
+        try:
+            if rt.device.type == "cuda":
+                torch.cuda.set_device(rt.device)
+            rt.run(schedule.actions[rank], ctx)
+            transport.finish()
+        except PipelineAborted as exc:  # another rank failed and said so
+            raise PipelineError(str(exc)) from None
+        except PeerFailure as exc:  # another rank died
+            transport.abort(rank, str(exc))
+            raise PipelineError(str(exc)) from exc
+        except BaseException as exc:
+            message = self._failure(rank, rt.current, exc)
+            transport.abort(rank, message)
+            raise PipelineError(message) from exc
+        return [rt]
+
+    def _share(self, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Last stage's result to every rank (multi-process); as is in one process."""
+        if not self.world:
+            return values
+        src = self._probe.rank_of(len(self.balance) - 1)
+        try:
+            return multiprocess.share(self._transport(), values, src, self.num_ranks, shape)
+        except (PipelineAborted, PeerFailure) as exc:
+            raise PipelineError(str(exc)) from None
 
     def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
-        inputs = scatter(x, chunks)
-        rows = [_rows(mb) for mb in inputs]
-        total = sum(rows)
+        """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights."""
+        last = len(self.balance) - 1
+        rank = self.world[0] if self.world else None
+        if 0 in self.local_stages:
+            if x is None:
+                raise PipeConfigError(f"rank {rank} holds the first stage and needs the input: "
+                                      f"pass x (only other ranks may pass None)")
+            inputs = scatter(x, chunks)
+        else:
+            inputs = [()] * chunks
         targets = None
-        if loss_fn is not None:
-            last = self.devices[self._probe.rank_of(len(self.balance) - 1)]
+        weights = [1.0 / chunks] * chunks
+        if loss_fn is not None and last in self.local_stages:
+            if target is None:
+                raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
+                                      f"pass target (only other ranks may pass None)")
+            device = self.devices[self._probe.rank_of(last)]
+            parts = scatter(target, chunks)
+            rows = [_rows(p) for p in parts]
+            weights = [r / sum(rows) for r in rows]
             targets = [t[0] if len(t) == 1 else t
-                       for t in (tuple(v.to(last) if isinstance(v, torch.Tensor) else v
-                                       for v in part) for part in scatter(target, chunks))]
-        return inputs, targets, [r / total for r in rows]
+                       for t in (tuple(v.to(device) if isinstance(v, torch.Tensor) else v
+                                       for v in part) for part in parts)]
+        return inputs, targets, weights
 
     def forward(self, x: Any) -> Any:
-        """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph)."""
+        """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph).
+
+        Multi-process: returns the output on the last stage's rank and None on the others.
+        """
         schedule = self._schedule(self.chunks, 1)
         # The schedule's forwards in its order; inference always uses the current weights.
         forward_only = schedule.replace(actions=tuple(
             tuple(Action(a.stage, Op.F, a.microbatch) for a in row if a.op is Op.F)
             for row in schedule.actions))
-        inputs = scatter(x, self.chunks)
+        inputs, _, _ = self._context(x, None, None, self.chunks)
         ctx = StepContext(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
                           _step_seed())
         with torch.no_grad():
             self._run(forward_only, ctx)
+        if not ctx.outputs:
+            return None  # multi-process: the output lives on the last stage's rank
         return gather([ctx.outputs[m] for m in range(self.chunks)])
 
     def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -324,15 +405,20 @@ class Pipe(nn.Module):
             self._open_versions(ctx)
         self._run(schedule, ctx)
         if versioned:
-            self._previous = {s: ctx.versions[(s, len(pairs))]
-                              for s in range(len(self.partitions))}
-        return [torch.stack([ctx.losses[k] for k in range(b * m, (b + 1) * m)]).sum()
-                for b in range(len(pairs))]
+            self._previous = {s: ctx.versions[(s, len(pairs))] for s in self.local_stages}
+        losses = None
+        if ctx.losses:
+            losses = torch.stack([torch.stack([ctx.losses[k] for k in range(b * m, (b + 1) * m)])
+                                  .sum() for b in range(len(pairs))])
+        shared = self._share(losses, (len(pairs),))
+        assert shared is not None
+        return list(shared.unbind())
 
     def _open_versions(self, ctx: StepContext) -> None:
         # Version 0: the previous step's weights (the current ones on the very first step);
         # version 1: the current weights, copied because an update may change them meanwhile.
-        for s, part in enumerate(self.partitions):
+        for s in self.local_stages:
+            part = self.partitions[s]
             current = {name: p.detach().clone().requires_grad_(p.requires_grad)
                        for name, p in part.named_parameters()}
             previous = self._previous.get(s)
@@ -354,6 +440,35 @@ class Pipe(nn.Module):
         """Per rank, for the last step: the most micro-batches stashed at once, and the most
         bytes stashed (stage inputs, plus what autograd saved if `track_memory=True`)."""
         return [dict(s) for s in self._stats]
+
+    def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, with the model's keys, for a single-device model.
+
+        In one process this is `state_dict()`. Multi-process, every rank must call it; rank
+        `dst` gets the full dictionary (on CPU) and the others None.
+        """
+        if not self.world:
+            return dict(self.state_dict())
+        owner = {}
+        model: nn.Sequential = self.__dict__["_full_model"]
+        stage_of = [s for s, size in enumerate(self.balance) for _ in range(size)]
+        for i, name in enumerate(model._modules):
+            rank = self._probe.rank_of(stage_of[i])
+            for key in model._modules[name].state_dict():
+                owner[f"{name}.{key}"] = rank
+        try:
+            return multiprocess.gather_state_dict(model, dict(self.state_dict()), owner,
+                                                  self._transport(), dst)
+        except (PipelineAborted, PeerFailure) as exc:
+            raise PipelineError(str(exc)) from None
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load with the model's keys. Multi-process, pass the full model's state_dict: each
+        rank takes its own layers' entries (strictness applies to those)."""
+        if self.world:
+            mine = set(self.state_dict())
+            state_dict = {k: v for k, v in state_dict.items() if k in mine}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "

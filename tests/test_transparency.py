@@ -116,7 +116,7 @@ def test_forward_equals_model() -> None:
         balance = [1, 1, 1, 2] if schedule == "interleaved" else [2, 3]
         pipe = Pipe(model, balance, chunks=3, schedule=schedule)
         x = torch.randn(11, 5)
-        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(pipe(x), model(x), **TOL)  # chunked matmuls: ulps at most
 
 
 def test_simulated_and_measured_peaks_agree() -> None:

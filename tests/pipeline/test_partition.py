@@ -60,5 +60,5 @@ def test_balance_by_params_and_size() -> None:
 def test_balance_by_time_puts_the_slow_layer_alone() -> None:
     model = nn.Sequential(nn.Linear(512, 512), *[nn.Linear(512, 512) for _ in range(3)],
                           nn.Linear(512, 2))
-    model[0] = nn.Sequential(*[nn.Linear(512, 512) for _ in range(12)])  # ~12x the others
-    assert balance_by_time(model, torch.randn(64, 512), 2, repeats=3)[0] == 1
+    model[0] = nn.Sequential(*[nn.Linear(512, 512) for _ in range(24)])  # ~24x the others
+    assert balance_by_time(model, torch.randn(64, 512), 2, repeats=5)[0] == 1

@@ -28,7 +28,7 @@ def test_config_errors_say_what_to_do() -> None:
         Pipe(_mlp(), [6, 0])
     with pytest.raises(BalanceError, match="cannot split 6 layers into 7 stages"):
         Pipe(_mlp(), stages=7)
-    with pytest.raises(PipeConfigError, match="need 2 devices, got 3"):
+    with pytest.raises(PipeConfigError, match="need 2 ranks, got 3 devices"):
         Pipe(_mlp(), [3, 3], devices=["cpu"] * 3)
     with pytest.raises(PipeConfigError, match="unknown schedule 'pipedream'; known: gpipe"):
         Pipe(_mlp(), [3, 3], schedule="pipedream")

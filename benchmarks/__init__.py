@@ -1,0 +1,1 @@
+"""Benchmark harness: schedules, peers and the cost model, measured side by side."""

@@ -1,0 +1,139 @@
+"""Start N local ranks on CPU (gloo over loopback): a CLI like torchrun, and `spawn` for code.
+
+    python -m pipeline.launch --nproc 2 train.py --steps 10
+
+Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+gloo bound to the loopback interface, and one intra-op thread unless OMP_NUM_THREADS is set.
+If a rank fails, the others are given a few seconds to report their own error, then stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankFailed", "free_port", "main", "rank_env", "spawn"]
+
+
+class RankFailed(RuntimeError):
+    """One or more spawned ranks raised or died; the message holds each one's error and
+    `results` what the other ranks returned."""
+
+    def __init__(self, message: str, results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+           "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
+           results: Any, timeout: float) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        results.put((rank, "ok", fn(rank, *args)))
+    except BaseException as exc:  # reported to the parent, which raises RankFailed
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run `fn(rank, *args)` on `nproc` fresh gloo ranks; return each rank's result in order.
+
+    `fn` must be importable (a module-level function). Raises `RankFailed` naming every rank
+    that raised, died, or did not finish within `timeout` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, results, timeout),
+                         daemon=True) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < nproc and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+            got[rank] = (status, value)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+            for r in dead:  # exited without reporting: killed, or crashed hard
+                got[r] = ("error", f"process died (exit code {procs[r].exitcode})")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    missing = [r for r in range(nproc) if r not in got]
+    errors = {r: v for r, (status, v) in got.items() if status == "error"}
+    if errors or missing:
+        lines = [f"rank {r}: {errors[r]}" for r in sorted(errors)]
+        lines += [f"rank {r}: no result within {timeout:.0f}s" for r in missing]
+        ok = {r: v for r, (status, v) in got.items() if status == "ok"}
+        raise RankFailed("\n".join(lines), ok)
+    return [got[r][1] for r in range(nproc)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.launch",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start (>= 1)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds the other ranks get to exit after one fails")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    if ns.nproc < 1:
+        parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, ns.script, *ns.args],
+                              env={**os.environ, **rank_env(r, ns.nproc, port)})
+             for r in range(ns.nproc)]
+    failed_at: float | None = None
+    code = 0
+    while any(p.poll() is None for p in procs):
+        for r, p in enumerate(procs):
+            if p.poll() not in (None, 0) and failed_at is None:
+                failed_at, code = time.monotonic(), p.returncode
+                print(f"pipeline.launch: rank {r} exited with code {p.returncode}",
+                      file=sys.stderr)
+        if failed_at is not None and time.monotonic() - failed_at > ns.grace:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

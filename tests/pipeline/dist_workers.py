@@ -1,0 +1,152 @@
+"""Functions run on spawned gloo ranks by tests/pipeline/test_distributed.py (importable by
+child processes, so they live in a module of their own)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline import Pipe, PipelineError
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see tests/test_transparency.py)
+
+
+def _model(seed: int = 0, width: int = 16) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(),
+                         nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
+                         nn.Linear(width, 3))
+
+
+def _local_grads_match(pipe: Pipe, reference: nn.Module, what: str) -> None:
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL,
+                                   msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+def equivalence(rank: int, combos: list[tuple[str, str]], balance_by_schedule: dict[str, list[int]]
+                ) -> int:
+    """Every (schedule, checkpoint) combo: two steps with different batch sizes (uneven chunks),
+    loss on every rank and each rank's gradients equal the single-device model's."""
+    checked = 0
+    for schedule, checkpoint in combos:
+        model = _model()
+        reference = copy.deepcopy(model)
+        pipe = Pipe(model, balance_by_schedule[schedule], chunks=4, schedule=schedule,
+                    checkpoint=checkpoint)
+        for rows in (10, 7):  # 3,3,2,2 then 2,2,2,1 rows per micro-batch
+            torch.manual_seed(rows)
+            x, y = torch.randn(rows, 6), torch.randn(rows, 3)
+            pipe.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+            loss = pipe.step(x if first else None, y if last else None, nn.MSELoss())
+            expected = nn.MSELoss()(reference(x), y)
+            if schedule != "2bw":  # 2BW's first step also runs at the initial weights
+                expected.backward()
+            else:
+                expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), **TOL)
+            _local_grads_match(pipe, reference, f"{schedule}/{checkpoint}/rows={rows}")
+            checked += 1
+    return checked
+
+
+def integer_inputs(rank: int) -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    ids, y = torch.randint(0, 30, (6, 4)), torch.randn(6, 4, 2)
+    pipe = Pipe(model, [2, 2], chunks=3, schedule="1f1b")
+    loss = pipe.step(ids, y, nn.MSELoss())
+    expected = nn.MSELoss()(reference(ids), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    _local_grads_match(pipe, reference, "embedding")
+    return float(loss)
+
+
+def two_bw_many(rank: int) -> list[float]:
+    """step_many under 2bw across processes follows W(t+1) = W(t) - lr * grad f(W(t-1))."""
+    model = _model()
+    previous, current = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(5)
+    data = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(3)]
+    expected = []
+    for x, y in data:
+        stale = copy.deepcopy(previous)
+        loss = nn.MSELoss()(stale(x), y)
+        loss.backward()
+        expected.append(loss.item())
+        previous = copy.deepcopy(current)
+        with torch.no_grad():
+            for p, q in zip(current.parameters(), stale.parameters(), strict=True):
+                p.sub_(0.5 * q.grad)
+    pipe = Pipe(model, [2, 2, 4], chunks=2, schedule="2bw")
+    losses = pipe.step_many(data, nn.MSELoss(), torch.optim.SGD(pipe.parameters(), lr=0.5))
+    got = [v.item() for v in losses]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, expected, strict=True)), (
+        got, expected)
+    ref = dict(current.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, ref[name], **TOL)
+    return got
+
+
+class _Fail(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:  # the last, smallest micro-batch
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("bad micro-batch")
+        return x
+
+
+def failing_middle(rank: int, how: str) -> tuple[str, float]:
+    """Rank 1 of 3 fails on micro-batch 3; returns the error each surviving rank raised."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Fail(how), nn.Linear(4, 4))
+    pipe = Pipe(model, [1, 2, 1], chunks=4, schedule="1f1b", timeout=60)
+    start = time.monotonic()
+    try:
+        pipe.step(torch.randn(7, 4), torch.randn(7, 4), nn.MSELoss())
+    except PipelineError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def meta_and_checkpoint(rank: int) -> Any:
+    """Build on the meta device (no rank holds the whole model), load a state_dict, run, and
+    gather the full state_dict on rank 0."""
+    reference = _model(seed=3)
+    with torch.device("meta"):
+        skeleton = _model()
+    pipe = Pipe(skeleton, [3, 2, 3], chunks=2)
+    assert all(not p.is_meta for p in pipe.parameters())
+    own = sum(p.numel() for p in pipe.parameters())
+    assert own < sum(p.numel() for p in reference.parameters())  # only this rank's layers
+    pipe.load_state_dict(reference.state_dict())
+    torch.manual_seed(42)  # initialisers drew different numbers on each rank
+    x = torch.randn(5, 6)
+    out = pipe(x)
+    if len(pipe.balance) - 1 in pipe.local_stages:
+        torch.testing.assert_close(out, reference(x), **TOL)  # 2 chunks vs 1 batch: ulps
+    else:
+        assert out is None
+    full = pipe.full_state_dict(dst=0)
+    if rank == 0:
+        assert full is not None and list(full) == list(reference.state_dict())
+        fresh = _model(seed=9)
+        fresh.load_state_dict(full)
+        torch.testing.assert_close(fresh(x), reference(x), rtol=0, atol=0)
+    return sorted(pipe.state_dict())
