@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -121,6 +122,8 @@ class DistributedTransport:
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._expected: dict[int, deque[tuple[str, int, int]]] = {}
         self._buffer: dict[tuple[str, int, int], tuple[Any, ...]] = {}
+        # peer -> (message key, [(buffer, work) for its flag and its tensors])
+        self._posted: dict[int, tuple[tuple[str, int, int], list[tuple[torch.Tensor, Any]]]] = {}
         self._last_check = 0.0
         self._polls = dist.get_backend(group) == "nccl"
         self._waiter = _Waiter()
@@ -141,6 +144,7 @@ class DistributedTransport:
                       and schedule.rank_of(a.stage - 1) == self.rank):
                     order.append(("B", a.stage - 1, a.microbatch))
             self._expected[peer] = order
+            self._post_next(peer)
 
     # -- sending ------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
@@ -149,13 +153,24 @@ class DistributedTransport:
 
     def send(self, kind: str, stage: int, microbatch: int, values: tuple[Any, ...],
              dst_rank: int) -> None:
+        """Send a flag (0: shapes as last time on this channel; 1: changed), then the tensors.
+
+        The receiver has already posted receives shaped like the last message (it keeps the
+        same record), so an unchanged message lands without a handshake. On a change, a zero
+        message of the old shapes fills those receives first, then the new header and tensors.
+        """
         del microbatch  # the order of sends identifies the micro-batch
         meta = _describe(values)
         channel = (dst_rank, kind, stage)
-        changed = self._sent_meta.get(channel) != meta
+        cached = self._sent_meta.get(channel)
+        changed = cached != meta
         self._isend(torch.tensor([int(changed)], dtype=torch.int64,
                                  device=self._comm_device), dst_rank)
         if changed:
+            if cached is not None:
+                for entry in _parse(cached):
+                    if entry is not None:
+                        self._isend(self._empty(entry[2], entry[0], zero=True), dst_rank)
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self._comm_device)
             header[:len(meta)] = torch.tensor(meta, dtype=torch.int64)
             self._isend(header, dst_rank)
@@ -164,6 +179,12 @@ class DistributedTransport:
             if isinstance(v, torch.Tensor):
                 self._isend(_wire(v.to(self._comm_device)), dst_rank)
         self._reap()
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, *,
+               zero: bool = False) -> torch.Tensor:
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        make = torch.zeros if zero else torch.empty
+        return make(shape, dtype=wire, device=self._comm_device)
 
     def _reap(self) -> None:
         # Only pollable work can be reaped early; gloo sends finish in the background and are
@@ -193,33 +214,91 @@ class DistributedTransport:
         flags = [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
         return move(values, device, grad_flags=flags)
 
+    def _post_next(self, src: int) -> None:
+        """Post the receives of the next message expected from `src`: its flag, and its tensors
+        shaped as the last message on that channel (see `send`)."""
+        expected = self._expected.get(src)
+        if not expected or src in self._posted:
+            return
+        kind, stage, _ = expected[0]
+        flag = self._empty((1,), torch.int64)
+        works = [(flag, dist.irecv(flag, src, group=self.group))]
+        meta = self._recv_meta.get((src, kind, stage))
+        for entry in _parse(meta) if meta is not None else ():
+            if entry is not None:
+                buf = self._empty(entry[2], entry[0])
+                works.append((buf, dist.irecv(buf, src, group=self.group)))
+        self._posted[src] = (expected[0], works)
+
     def _recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
                      what: str) -> torch.Tensor:
-        wire_dtype = torch.uint8 if dtype == torch.bool else dtype
-        buf = torch.empty(shape, dtype=wire_dtype, device=self._comm_device)
-        self._wait(dist.irecv(buf, src, group=self.group), what, src)
+        buf = self._empty(shape, dtype)
+        self._finish_recv(dist.irecv(buf, src, group=self.group), what, src)
         return buf.view(torch.bool) if dtype == torch.bool else buf
+
+    def _finish_recv(self, work: Any, what: str, src: int) -> None:
+        if self._polls:
+            self._wait(work, what, src)
+        else:
+            self._wait_blocking(work, what, src)
+
+    def _wait_blocking(self, work: Any, what: str, src: int) -> None:
+        """gloo receive: block right here (no thread hand-off on the critical path).
+
+        It cannot hang: a peer that fails sends every rank a poison flag (see `abort`), a dead
+        peer's connection breaks, and the wait itself gives up after the timeout.
+        """
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                raise TimeoutError(f"rank {self.rank} waited {self.timeout:.0f}s for {what}; "
+                                   f"raise Pipe(timeout=...) if a stage is really that slow"
+                                   ) from None
+            self._check_failed()
+            raise PeerFailure(f"rank {src} is gone (its process died or its connection broke) "
+                              f"while rank {self.rank} waited for {what}: {exc}") from exc
 
     def _receive(self, src: int, key: tuple[str, int, int]) -> tuple[Any, ...]:
         kind, stage, mb = key
         what = (f"the {'activations' if kind == 'F' else 'gradients'} of stage {stage}, "
                 f"micro-batch {mb} from rank {src}") if kind in "FB" else (
                 f"a result from rank {src}")
-        changed = int(self._recv_tensor((1,), torch.int64, src, what).item())
+        posted = self._posted.pop(src, None)
+        if posted is None:  # a message outside the schedule (results): post it now
+            self._expected.setdefault(src, deque()).appendleft(key)
+            self._post_next(src)
+            posted = self._posted.pop(src)
+            self._expected[src].popleft()
+        assert posted[0] == key, f"rank {self.rank}: posted {posted[0]}, need {key}"
+        (flag, flag_work), *prepared = posted[1]
+        self._finish_recv(flag_work, what, src)
+        changed = int(flag.item())
+        if changed < 0:  # poison: a rank failed (see `abort`)
+            failed = -changed - 1
+            self._check_failed()
+            raise PipelineAborted(failed, f"rank {failed} failed (told rank {self.rank} "
+                                          f"through rank {src})")
+        for _, work in prepared:  # the tensors, or a zero filler when shapes changed
+            self._finish_recv(work, what, src)
         channel = (src, kind, stage)
         if changed:
             header = self._recv_tensor((_HEADER,), torch.int64, src, what).tolist()
             self._recv_meta[channel] = header
-        meta = self._recv_meta.get(channel)
-        if meta is None:
-            raise AssertionError(f"rank {self.rank}: no shapes agreed yet for {channel}")
+            tensors = [self._recv_tensor(e[2], e[0], src, what)
+                       for e in _parse(header) if e is not None]
+        else:
+            tensors = [buf for buf, _ in prepared]
+        self._post_next(src)  # the next message's receives go out before anything else
         values: list[Any] = []
-        for entry in _parse(meta):
+        received = iter(tensors)
+        for entry in _parse(self._recv_meta[channel]):
             if entry is None:
                 values.append(None)
                 continue
-            dtype, grad, shape = entry
-            t = self._recv_tensor(shape, dtype, src, what)
+            dtype, grad, _ = entry
+            t = next(received)
+            t = t.view(torch.bool) if dtype == torch.bool else t
             values.append(t.requires_grad_(True) if grad else t)
         return tuple(values)
 
@@ -227,10 +306,7 @@ class DistributedTransport:
                     values_dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor sent by `send(..., (tensor,), dst)` outside the schedule (results,
         checkpoints): taken in order, like every message from `src`."""
-        key = ("S", 0, 0)
-        self._expected.setdefault(src, deque()).appendleft(key)
-        values = self.recv(*key, src, self._comm_device)
-        out = values[0]
+        out = self._receive(src, ("S", 0, 0))[0]
         assert isinstance(out, torch.Tensor)
         if tuple(out.shape) != shape or values_dtype not in (None, out.dtype):
             raise AssertionError(f"rank {self.rank}: expected {shape} {values_dtype} from rank "
@@ -242,17 +318,24 @@ class DistributedTransport:
         """Wait for `work` while watching for failures elsewhere and for the deadline.
 
         NCCL work can be polled (`is_completed`); gloo's point-to-point work only completes
-        inside a blocking `wait()`, so a helper thread blocks there and this thread watches.
+        inside a blocking `wait()`, so a helper thread blocks there and this thread watches
+        (used for sends at the end of a step, whose peer may have failed after its receives).
         """
         deadline = time.monotonic() + self.timeout
-        if self._polls:
-            done = work.is_completed
-            error: list[BaseException] = []
-        else:
+        error: list[BaseException] = []
+        event = None
+        if not self._polls:
             event, error = self._waiter.submit(work)
-            done = event.is_set
         pause = 0.0
-        while not done():
+        while True:
+            if event is None:
+                if work.is_completed():
+                    break
+                # Spin briefly (transfers usually finish within microseconds), then back off.
+                pause = min(pause * 2 + 1e-6, 1e-3)
+                time.sleep(pause)
+            elif event.wait(0.05):  # wakes as soon as the helper's wait() returns
+                break
             now = time.monotonic()
             if now - self._last_check > 0.05:
                 self._last_check = now
@@ -260,9 +343,6 @@ class DistributedTransport:
             if now > deadline:
                 raise TimeoutError(f"rank {self.rank} waited {self.timeout:.0f}s for {what}; "
                                    f"raise Pipe(timeout=...) if a stage is really that slow")
-            # Spin briefly (transfers usually finish within microseconds), then back off.
-            pause = min(pause * 2 + 1e-6, 1e-3)
-            time.sleep(pause)
         try:
             if error:
                 raise error[0]
@@ -288,11 +368,18 @@ class DistributedTransport:
         raise PipelineAborted(int(rank), message)
 
     def abort(self, rank: int, message: str) -> None:
-        """Tell every rank that `rank` failed (first writer wins)."""
+        """Tell every rank that `rank` failed: a mark in the store (first writer wins) with the
+        message, and a poison flag to every peer, which wakes a receive blocked on this rank;
+        a peer blocked on another rank hears it when that rank fails in turn."""
         if self._store is not None:
             # Best effort: if the store is gone, peers still see a broken connection or time out.
             with contextlib.suppress(Exception):
                 self._store.compare_set(_FAILED_KEY, "", f"{rank}:{message}")
+        poison = torch.tensor([-1 - rank], dtype=torch.int64, device=self._comm_device)
+        for peer in range(dist.get_world_size(self.group)):
+            if peer != self.rank:
+                with contextlib.suppress(Exception):
+                    dist.isend(poison, peer, group=self.group)
 
 
 def _default_store() -> Any:
