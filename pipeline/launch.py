@@ -49,14 +49,16 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...],
-           results: Any, timeout: float) -> None:
+           results: Any, timeout: float, backend: str) -> None:
     os.environ.update(rank_env(rank, world_size, port))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         results.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # reported to the parent, which raises RankFailed
@@ -66,8 +68,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Run `fn(rank, *args)` on `nproc` fresh gloo ranks; return each rank's result in order.
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0,
+          backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, *args)` on `nproc` fresh ranks (gloo; or NCCL, rank r on cuda:r); return
+    each rank's result in order.
 
     `fn` must be importable (a module-level function). Raises `RankFailed` naming every rank
     that raised, died, or did not finish within `timeout` seconds.
@@ -75,7 +79,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, results, timeout),
+    procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, results, timeout, backend),
                          daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -13,12 +12,13 @@ from torch import nn
 import schedules
 from pipeline import multiprocess
 from pipeline.checkpoint import CHECKPOINT_MODES
-from pipeline.distributed import DistributedTransport, PeerFailure
+from pipeline.distributed import PeerFailure
+from pipeline.execute import Executor, PipelineError
 from pipeline.microbatch import gather, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
-from pipeline.stage import StageRuntime, StepContext
-from pipeline.transport import LocalTransport, PipelineAborted
+from pipeline.stage import StepContext
+from pipeline.transport import PipelineAborted
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
@@ -29,10 +29,6 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 class PipeConfigError(ValueError):
     """Pipe was built with arguments that cannot work together."""
-
-
-class PipelineError(RuntimeError):
-    """A stage failed during a step; the message names its rank, stage, action and micro-batch."""
 
 
 def _resolve_devices(devices: Sequence[str | torch.device] | None,
@@ -132,7 +128,8 @@ class Pipe(nn.Module):
         self._previous: dict[int, dict[str, torch.Tensor]] = {}  # 2BW: last step's weights
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
-        self._dist_transport: DistributedTransport | None = None
+        self._executor = Executor(self.partitions, self.devices, self.world, self.group,
+                                  self.timeout)
 
     # -- configuration --------------------------------------------------------------------------
     @staticmethod
@@ -217,94 +214,11 @@ class Pipe(nn.Module):
 
     # -- running --------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, ctx: StepContext) -> None:
-        runtimes = self._run_rank(schedule, ctx) if self.world else self._run_threads(schedule, ctx)
-        self._timeline = Timeline(
-            schedule.num_ranks, tuple(e for rt in runtimes for e in rt.events), "s",
-            {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
-             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
-             "devices": [str(d) for d in self.devices], "checkpoint": self.checkpoint})
-        self._stats = [{"peak_stashed_microbatches": rt.peak_stashed,
-                        "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in runtimes]
-
-    def _runtime(self, rank: int, schedule: Schedule, transport: Any) -> StageRuntime:
-        return StageRuntime(rank, {s: self.partitions[s] for s in schedule.stages_of(rank)},
-                            self.devices[rank], schedule.num_stages, schedule.rank_of, transport)
-
-    def _failure(self, rank: int, action: Action | None, exc: BaseException) -> str:
-        where = "before its first action" if action is None else (
-            f"at {action} ({_describe(action)})")
-        return f"rank {rank} ({self.devices[rank]}) failed {where}: {type(exc).__name__}: {exc}"
-
-    def _run_threads(self, schedule: Schedule, ctx: StepContext) -> list[StageRuntime]:
-        transport = LocalTransport(self.timeout)
-        runtimes = [self._runtime(r, schedule, transport) for r in range(schedule.num_ranks)]
-        failures: list[tuple[int, Action | None, BaseException]] = []
-
-        def work(rt: StageRuntime) -> None:
-            try:
-                if rt.device.type == "cuda":
-                    torch.cuda.set_device(rt.device)
-                rt.run(schedule.actions[rt.rank], ctx)
-            except PipelineAborted:
-                pass  # another rank failed first; its error is the one to report
-            except BaseException as exc:
-                failures.append((rt.rank, rt.current, exc))
-                transport.abort(rt.rank, f"rank {rt.rank} failed")
-
-        if len(runtimes) == 1:
-            work(runtimes[0])
-        else:
-            threads = [threading.Thread(target=work, args=(rt,), name=f"pipe-rank-{rt.rank}",
-                                        daemon=True) for rt in runtimes]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if failures:
-            rank, action, exc = failures[0]
-            raise PipelineError(self._failure(rank, action, exc)) from exc
-        return runtimes
-
-    def _transport(self) -> DistributedTransport:
-        # One per Pipe: the shapes agreed with each peer carry over from step to step.
-        if self._dist_transport is None:
-            assert self.world is not None
-            self._dist_transport = DistributedTransport(
-                self.world[0], self.devices[self.world[0]], timeout=self.timeout,
-                group=self.group)
-        return self._dist_transport
-
-    def _run_rank(self, schedule: Schedule, ctx: StepContext) -> list[StageRuntime]:
-        assert self.world is not None
-        rank = self.world[0]
-        transport = self._transport()
-        transport.begin(schedule)
-        rt = self._runtime(rank, schedule, transport)
-        try:
-            if rt.device.type == "cuda":
-                torch.cuda.set_device(rt.device)
-            rt.run(schedule.actions[rank], ctx)
-            transport.finish()
-        except PipelineAborted as exc:  # another rank failed and said so
-            raise PipelineError(str(exc)) from None
-        except PeerFailure as exc:  # another rank died
-            transport.abort(rank, str(exc))
-            raise PipelineError(str(exc)) from exc
-        except BaseException as exc:
-            message = self._failure(rank, rt.current, exc)
-            transport.abort(rank, message)
-            raise PipelineError(message) from exc
-        return [rt]
+        self._timeline, self._stats = self._executor.run(schedule, ctx, self.checkpoint)
 
     def _share(self, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Last stage's result to every rank (multi-process); as is in one process."""
-        if not self.world:
-            return values
-        src = self._probe.rank_of(len(self.balance) - 1)
-        try:
-            return multiprocess.share(self._transport(), values, src, self.num_ranks, shape)
-        except (PipelineAborted, PeerFailure) as exc:
-            raise PipelineError(str(exc)) from None
+        return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
 
     def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
@@ -458,7 +372,7 @@ class Pipe(nn.Module):
                 owner[f"{name}.{key}"] = rank
         try:
             return multiprocess.gather_state_dict(model, dict(self.state_dict()), owner,
-                                                  self._transport(), dst)
+                                                  self._executor.transport(), dst)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 
@@ -483,11 +397,3 @@ def _rows(values: tuple[Any, ...]) -> int:
 def _step_seed() -> int:
     # Drawn from torch's global generator: torch.manual_seed(k) makes every step reproducible.
     return int(torch.randint(0, 2**62, (1,)).item())
-
-
-def _describe(action: Action) -> str:
-    what = {Op.F: "forward", Op.B: "backward", Op.I: "input-gradient backward",
-            Op.W: "weight-gradient backward", Op.U: "weight update"}.get(action.op, action.op.value)
-    unit = "batch" if action.op is Op.U else "micro-batch"
-    return f"{what} of stage {action.stage}, {unit} {action.microbatch}"
-
