@@ -10,7 +10,17 @@ __all__ = ["COMM_OPS", "COMPUTE_OPS", "Action", "Op", "Schedule", "ScheduleError
 
 
 class ScheduleError(ValueError):
-    """A schedule breaks a rule: incomplete, out of order, misplaced or deadlocking."""
+    """A schedule breaks a rule: incomplete, out of order, misplaced or deadlocking.
+
+    `str(error)` is the whole report (the validator appends the rank x step grid); `reason` is
+    the rule and value alone, and `marks` maps each failing rank to its step, for tools.
+    """
+
+    def __init__(self, message: str, *, reason: str | None = None,
+                 marks: dict[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+        self.marks = dict(marks or {})
 
 
 class Op(str, Enum):

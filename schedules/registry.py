@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from schedules.ir import Schedule, ScheduleError
 
-__all__ = ["Generator", "available", "get_schedule", "register"]
+__all__ = ["Generator", "available", "get_schedule", "options", "register"]
 
 Generator = Callable[..., Schedule]
 _GENERATORS: dict[str, Generator] = {}
@@ -32,6 +32,20 @@ def available() -> tuple[str, ...]:
     return tuple(_GENERATORS)
 
 
+def options(name: str) -> tuple[str, ...]:
+    """The keyword options the generator `name` accepts (e.g. `("stages_per_rank",)`)."""
+    _load_builtins()
+    fn = _GENERATORS.get(name)
+    if fn is None:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(_GENERATORS)}")
+    return _option_names(fn)
+
+
+def _option_names(fn: Generator) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(fn).parameters
+                 if p not in ("num_ranks", "num_microbatches"))
+
+
 def get_schedule(name: str, num_ranks: int, num_microbatches: int, **options: int) -> Schedule:
     """Generate the schedule `name` for `num_ranks` ranks and `num_microbatches` micro-batches.
 
@@ -41,10 +55,9 @@ def get_schedule(name: str, num_ranks: int, num_microbatches: int, **options: in
     fn = _GENERATORS.get(name)
     if fn is None:
         raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(_GENERATORS)}")
-    params = inspect.signature(fn).parameters
-    unknown = sorted(set(options) - set(params))
+    accepted = _option_names(fn)
+    unknown = sorted(set(options) - set(accepted))
     if unknown:
-        accepted = [p for p in params if p not in ("num_ranks", "num_microbatches")]
         raise ScheduleError(f"schedule {name!r} takes no option {', '.join(unknown)}; "
                             f"it accepts: {', '.join(accepted) or 'none'}")
     for what, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -175,9 +176,20 @@ class Timeline:
             data = json.loads(text)
             if data.get("format") != "pipeline-timeline/1":
                 raise ScheduleError(f"not a pipeline timeline (format {data.get('format')!r})")
+            num_ranks = int(data["num_ranks"])
+            if num_ranks < 1:
+                raise ScheduleError(f"timeline num_ranks must be >= 1 (got {num_ranks})")
             events = tuple(Event(int(r), Action.parse(a), float(s), float(e))
                            for r, a, s, e in data["events"])
-            return cls(int(data["num_ranks"]), events, str(data.get("unit", "cost")),
+            for e in events:
+                if not 0 <= e.rank < num_ranks:
+                    raise ScheduleError(f"timeline event {e.action} on rank {e.rank}, outside "
+                                        f"0..{num_ranks - 1} (num_ranks {num_ranks})")
+                if not (math.isfinite(e.start) and math.isfinite(e.end)) or e.end < e.start:
+                    raise ScheduleError(f"timeline event {e.action} on rank {e.rank} runs from "
+                                        f"{e.start} to {e.end}; times must be finite and "
+                                        f"end >= start")
+            return cls(num_ranks, events, str(data.get("unit", "cost")),
                        dict(data.get("meta", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ScheduleError):

@@ -10,7 +10,9 @@ __all__ = ["format_grid", "from_text", "to_text"]
 def format_grid(schedule: Schedule, marks: dict[int, int] | None = None) -> str:
     """The rank x step grid; a cell in `marks` (rank -> step) is shown as `>cell<`."""
     marks = marks or {}
-    width = max([len(str(a)) for row in schedule.actions for a in row] + [3]) + 2
+    # Room for the widest cell, plus ">...<" when a cell is marked, plus a space between cells.
+    width = max([len(str(a)) for row in schedule.actions for a in row] + [3]) + 1
+    width += 2 if marks else 0
     steps = max((len(row) for row in schedule.actions), default=0)
     lines = [
         f"{schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages "

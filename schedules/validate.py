@@ -12,7 +12,8 @@ __all__ = ["validate"]
 
 
 def _fail(schedule: Schedule, message: str, marks: dict[int, int] | None = None) -> ScheduleError:
-    return ScheduleError(f"{message}\n{format_grid(schedule, marks)}")
+    return ScheduleError(f"{message}\n{format_grid(schedule, marks)}", reason=message,
+                         marks=marks)
 
 
 def _where(schedule: Schedule, key: Key) -> dict[int, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -200,7 +199,7 @@ def _from_schedule(schedule: Schedule, costs: Costs, *, title: str | None) -> La
     try:
         validate(schedule)
     except ScheduleError as exc:
-        problem = _split_error(str(exc), schedule)
+        problem = (exc.reason, exc.marks)
     try:
         timeline = simulate(schedule, costs)
     except ScheduleError:
@@ -276,32 +275,6 @@ def _gaps(boxes: Sequence[Box], makespan: float) -> tuple[tuple[float, float], .
     if cursor < makespan:
         gaps.append((cursor, makespan))
     return tuple(gaps)
-
-
-def _split_error(text: str, schedule: Schedule) -> tuple[str, dict[int, int]]:
-    """Split a validator error into its message and the marks of its trailing grid.
-
-    `validate` ends its message with `format_grid(schedule, marks)`: a header line, a step line
-    and one line per rank, the failing cell written `>cell<` (`>end<`: past the last step).
-    Cells are right-aligned under their step numbers, so a mark's `<` sits where its step
-    number ends; positions, not whitespace, since a wide mark may touch its neighbour.
-    """
-    num_ranks = schedule.num_ranks
-    lines = text.splitlines()
-    if len(lines) < num_ranks + 3 or not lines[-num_ranks - 2].startswith(f"{schedule.name}:"):
-        return text, {}  # no grid after all: keep every word
-    step_line, grid = lines[-num_ranks - 1], lines[-num_ranks:]
-    steps = {m.end() - 1: int(m.group()) for m in re.finditer(r"\d+", step_line)}
-    marks = {}
-    for r, line in enumerate(grid):
-        found = re.search(r">([^<>]*)<", line)
-        if found is None:
-            continue
-        if found.group(1) == "end":
-            marks[r] = len(schedule.actions[r])
-        elif found.end() - 1 in steps:
-            marks[r] = steps[found.end() - 1]
-    return "\n".join(lines[:-(num_ranks + 2)]), marks
 
 
 def _with_failure(base: Layout, message: str, marks: dict[int, int]) -> Layout:

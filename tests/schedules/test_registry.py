@@ -61,3 +61,11 @@ def test_importable_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0.2"
+
+
+def test_options_name_what_each_generator_takes() -> None:
+    assert schedules.options("interleaved") == ("stages_per_rank",)
+    assert schedules.options("2bw") == ("num_batches",)
+    assert schedules.options("1f1b") == ()
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        schedules.options("nope")

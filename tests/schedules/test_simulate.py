@@ -81,3 +81,18 @@ def test_timeline_json_errors() -> None:
         Timeline.from_json('{"format": "other"}')
     with pytest.raises(ScheduleError, match="malformed"):
         Timeline.from_json("{")
+
+
+@pytest.mark.parametrize(("events", "num_ranks", "message"), [
+    ([[1, "0F0", 0, 1]], 1, "outside 0..0"),
+    ([[-1, "0F0", 0, 1]], 1, "on rank -1, outside"),
+    ([[0, "0F0", 2, 1]], 1, "runs from 2.0 to 1.0"),
+    ([[0, "0F0", 0, "nan"]], 1, "must be finite"),
+    ([], 0, "num_ranks must be >= 1"),
+])
+def test_timeline_json_rejects_impossible_events(events: list[list[object]], num_ranks: int,
+                                                  message: str) -> None:
+    text = json.dumps({"format": "pipeline-timeline/1", "num_ranks": num_ranks,
+                       "events": events})
+    with pytest.raises(ScheduleError, match=message):
+        Timeline.from_json(text)

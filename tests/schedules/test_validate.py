@@ -83,3 +83,14 @@ def test_lowered_receive_after_its_consumer_deadlocks() -> None:
     rows[1] = [rows[1][1], rows[1][0], *rows[1][2:]]  # F before its RECV_F
     with pytest.raises(ScheduleError, match="deadlock"):
         schedules.validate(good.replace(actions=tuple(map(tuple, rows))))
+
+
+def test_error_carries_reason_and_marks_for_tools() -> None:
+    with pytest.raises(ScheduleError) as err:
+        schedules.validate(_schedule("0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1", m=2))
+    assert err.value.marks == {0: 1, 1: 0}
+    # The reason is the rule and the blocked steps, without the grid.
+    assert "rank 0 step 1 (0B0) waits for 1B0" in err.value.reason
+    assert ">0B0<" not in err.value.reason and ">0B0<" in str(err.value)
+    assert "\n" + schedules.format_grid(
+        _schedule("0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1", m=2), {0: 1, 1: 0}) in str(err.value)
