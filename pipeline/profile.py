@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple
 from pipeline.partition import partition
 
@@ -90,18 +91,10 @@ def layer_sizes(model: nn.Sequential, sample: Any) -> list[float]:
     sizes: list[float] = []
 
     def measure(layer: nn.Module, values: tuple[Any, ...]) -> tuple[Any, ...]:
-        saved = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal saved
-            if not isinstance(t, nn.Parameter):
-                saved += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes() as saved:
             outputs = as_tuple(layer(*_requires_grad(values)))
         params = sum(2 * p.numel() * p.element_size() for p in layer.parameters())
-        sizes.append(float(saved + params))
+        sizes.append(float(saved.bytes + params))
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
 
     _walk(model, sample, measure)

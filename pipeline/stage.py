@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pipeline.checkpoint import RngReplay, recomputing, stage_seed
+from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple
 from pipeline.split_backward import WeightGrad, backward_input, backward_weight
 from pipeline.transport import Transport, move
@@ -127,17 +128,10 @@ class StageRuntime:
             self._received()
         train = ctx.loss_fn is not None
         keep_graph = train and not ctx.checkpointed[m]
-        saved = 0
-
-        def count(t: torch.Tensor) -> torch.Tensor:
-            nonlocal saved
-            if not isinstance(t, nn.Parameter):
-                saved += t.numel() * t.element_size()
-            return t
-
+        saved = SavedBytes()
         with torch.set_grad_enabled(keep_graph):
             if ctx.track_memory and keep_graph:
-                with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+                with saved:
                     outputs = self._call(action, inputs, ctx)
             else:
                 outputs = self._call(action, inputs, ctx)
@@ -165,9 +159,9 @@ class StageRuntime:
                           if isinstance(t, torch.Tensor))
         self._stash[(s, m)] = _Stash(inputs, outputs if keep_graph else None, loss)
         self.peak_stashed = max(self.peak_stashed, len(self._stash))
-        self.stashed_bytes += input_bytes + saved
+        self.stashed_bytes += input_bytes + saved.bytes
         self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
-        self._bytes[(s, m)] = input_bytes + saved
+        self._bytes[(s, m)] = input_bytes + saved.bytes
 
     def _loss(self, outputs: tuple[Any, ...], m: int, ctx: StepContext) -> torch.Tensor:
         assert ctx.loss_fn is not None and ctx.targets is not None
