@@ -12,6 +12,7 @@ broken connection, or the timeout) turns into an error naming the failed rank, n
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -179,6 +180,11 @@ class DistributedTransport:
             if isinstance(v, torch.Tensor):
                 self._isend(_wire(v.to(self._comm_device)), dst_rank)
         self._reap()
+        if not self._polls:
+            # gloo writes from its own I/O thread; with every core busy computing, that thread
+            # can wait a whole scheduler slice (milliseconds) before the data leaves. Offer it
+            # the core now: the peer is likely waiting for exactly this message.
+            os.sched_yield()
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, *,
                zero: bool = False) -> torch.Tensor:
