@@ -1,0 +1,84 @@
+"""The peer: torch.distributed.pipelining on the same layers, partition, ranks and micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TORCH_PEERS", "TorchPipeline", "unsupported"]
+
+# Our schedule -> torch's schedule class. Torch's zero-bubble for one stage per rank is its
+# interleaved ZB1P with a single local stage (ScheduleZBVZeroBubble needs two).
+TORCH_PEERS = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+}
+_MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")  # take a list of stages
+
+
+def unsupported(schedule: str, num_ranks: int, num_microbatches: int) -> str | None:
+    """Why torch cannot run `schedule` here (None: it can)."""
+    peer = TORCH_PEERS.get(schedule)
+    if peer is None:
+        return f"torch.distributed.pipelining has no {schedule} schedule"
+    m, p = num_microbatches, num_ranks
+    if peer == "Schedule1F1B" and m < p:
+        return f"Schedule1F1B needs micro-batches >= ranks (m={m} < p={p})"
+    if peer in _MULTI:
+        rounds = max(1, m // p)
+        if m % rounds:
+            return f"{peer} needs micro-batches divisible by max(1, m // p) = {rounds} (m={m})"
+    return None
+
+
+def _bounds(balance: Sequence[int]) -> list[int]:
+    bounds = [0]
+    for size in balance:
+        bounds.append(bounds[-1] + size)
+    return bounds
+
+
+class TorchPipeline:
+    """This rank's stages (stage s on rank s mod p, as our loop placement) and torch's schedule.
+
+    The stages wrap the model's own layers (no copy): every variant of a measurement computes
+    with the same parameters, so the comparison is not skewed by where the weights sit.
+    """
+
+    def __init__(self, model: nn.Sequential, balance: Sequence[int], *, schedule: str,
+                 rank: int, num_ranks: int, num_microbatches: int,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device,
+                 group: Any = None) -> None:
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        reason = unsupported(schedule, num_ranks, num_microbatches)
+        if reason is not None:
+            raise ValueError(reason)
+        self.name = TORCH_PEERS[schedule]
+        layers = list(model)
+        bounds = _bounds(balance)
+        num_stages = len(balance)
+        self.stages = [
+            PipelineStage(nn.Sequential(*layers[bounds[s]:bounds[s + 1]]), s, num_stages,
+                          device, group=group)
+            for s in range(rank, num_stages, num_ranks)
+        ]
+        self.first = self.stages[0].stage_index == 0
+        self.last = self.stages[-1].stage_index == num_stages - 1
+        cls = getattr(pipelining.schedules, self.name)
+        stage_arg: Any = self.stages if self.name in _MULTI else self.stages[0]
+        self.schedule = cls(stage_arg, n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+    def step(self, x: Any, target: Any) -> None:
+        """One training step; only the first stage's rank feeds x, only the last's the target."""
+        args = (x,) if self.first else ()
+        if self.last:
+            self.schedule.step(*args, target=target)
+        else:
+            self.schedule.step(*args)
