@@ -1,0 +1,151 @@
+"""`python -m benchmarks`: run a suite, write JSON records, the markdown report and the plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.config import SUITES, Group, groups, narrow, num_units
+from benchmarks.env import environment
+from benchmarks.harness import Measured, merge_ranks, resolve_balances, roles, run_rank
+from benchmarks.plots import write_plots
+from benchmarks.progress import ProgressBar
+from benchmarks.records import build_records, validate_record
+from benchmarks.report import render_markdown
+from pipeline.launch import RankFailed, spawn
+from schedules import Timeline
+
+__all__ = ["main", "run_group", "write_outputs"]
+
+_GROUP_TIMEOUT = 7200.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Measure ours against torch.distributed.pipelining, the plain model and "
+                    "the hardware bound, side by side, and check the simulator.")
+    p.add_argument("--suite", choices=sorted(SUITES), default="quick",
+                   help="quick: a tiny model for CI (about a minute); full: the README's numbers")
+    p.add_argument("--out", type=Path, default=Path("bench-out"),
+                   help="directory for results.jsonl, report.md, timelines/ and plots/")
+    p.add_argument("--models", help="comma-separated: mlp, transformer, unbalanced, tiny")
+    p.add_argument("--ranks", help="comma-separated rank counts, e.g. 1,2")
+    p.add_argument("--microbatches", help="comma-separated micro-batch counts, e.g. 4,8,16")
+    p.add_argument("--schedules", help="comma-separated: gpipe, 1f1b, interleaved, zb-h1, 2bw")
+    p.add_argument("--transport", help="threads, processes, or both comma-separated")
+    p.add_argument("--warmup", type=int, help="untimed rounds first (suite's default)")
+    p.add_argument("--repeats", type=int, help="timed rounds (suite's default)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA with NCCL when GPUs exist, else CPU with gloo")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the SVG/PNG plots")
+    return p
+
+
+def run_group(group: Group, bar: ProgressBar) -> dict[int, Measured]:
+    """Spawn the group's processes, advance the bar as each micro-batch count finishes, and
+    return the merged measurements. Raises RankFailed if a process fails."""
+    n = len(roles(group))
+    ctx = mp.get_context("spawn")
+    barrier, progress = ctx.Barrier(n), ctx.Queue()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(spawn, run_rank, n, group, barrier, progress,
+                             timeout=_GROUP_TIMEOUT)
+        while True:
+            try:
+                m = progress.get(timeout=0.2)
+                bar.advance(f"{group.name} m={m}")
+            except queue.Empty:
+                if future.done():
+                    break
+        per_rank = future.result()
+    return merge_ranks(per_rank)
+
+
+def _device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available here; use --device cpu")
+    return choice
+
+
+def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[str, Timeline],
+                  env: dict[str, Any], *, suite: str, command: str,
+                  failures: Sequence[str] = (), plots: bool = True) -> list[Path]:
+    """results.jsonl (one record per line), environment.json, timelines/*.json, report.md and
+    plots/; returns what was written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "timelines").mkdir(exist_ok=True)
+    written = []
+    for r in records:
+        tl = timelines.get(r["id"])
+        if tl is not None:
+            path = out / "timelines" / (r["id"].replace("/", "_") + ".json")
+            path.write_text(tl.to_json())
+            r["timeline"] = str(path.relative_to(out))
+        validate_record(r)
+    results = out / "results.jsonl"
+    results.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    (out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    report = out / "report.md"
+    report.write_text(render_markdown(records, env, suite=suite, command=command,
+                                      failures=failures))
+    written += [results, out / "environment.json", report]
+    if plots and records:
+        written += write_plots(out / "plots", records, timelines)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        suite = narrow(SUITES[args.suite], models=args.models, ranks=args.ranks,
+                       microbatches=args.microbatches, schedules=args.schedules,
+                       transports=args.transport, warmup=args.warmup, repeats=args.repeats)
+        device = _device(args.device)
+    except ValueError as exc:
+        print(f"python -m benchmarks: {exc}", file=sys.stderr)
+        return 2
+    chosen = groups(suite, device=device)
+    if device == "cuda":
+        usable = torch.cuda.device_count()
+        chosen = [g for g in chosen if g.num_ranks <= usable]
+    if not chosen:
+        print("python -m benchmarks: nothing to run with these filters", file=sys.stderr)
+        return 2
+    env = environment(device)
+    bar = ProgressBar(num_units(chosen), enabled=not args.no_progress)
+    records: list[dict[str, Any]] = []
+    timelines: dict[str, Timeline] = {}
+    failures: list[str] = []
+    for group in chosen:
+        group = resolve_balances(group)
+        try:
+            measured = run_group(group, bar)
+        except RankFailed as exc:
+            failures.append(f"{group.name}: {str(exc).splitlines()[0]}")
+            bar.note(f"group {group.name} failed:\n{exc}")
+            bar.advance(f"{group.name} failed", len(group.microbatches))
+            continue
+        for record, timeline in build_records(group, measured, env):
+            records.append(record)
+            if timeline is not None:
+                timelines[record["id"]] = timeline
+    command = "python -m benchmarks " + " ".join(argv)
+    write_outputs(args.out, records, timelines, env, suite=suite.name, command=command.strip(),
+                  failures=failures, plots=not args.no_plots)
+    print(f"{len(records)} configurations measured; report: {args.out / 'report.md'}, "
+          f"records: {args.out / 'results.jsonl'}")
+    return 1 if failures else 0

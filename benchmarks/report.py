@@ -1,0 +1,216 @@
+"""The markdown report: the targets, met or missed by how much, and a table per model."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Target", "evaluate_targets", "format_bytes", "format_ms", "render_markdown",
+           "results_table"]
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One figure held against its goal; `value` None when it was not measured."""
+
+    name: str
+    value: float | None
+    goal: float
+    at_most: bool  # True: value <= goal passes; False: value >= goal passes
+    unit: str = "x"  # "x" (a ratio) or "%" (a fraction shown in percent)
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value <= self.goal if self.at_most else self.value >= self.goal
+
+    def _show(self, value: float) -> str:
+        return f"{value:.1%}" if self.unit == "%" else f"{value:.3f}"
+
+    @property
+    def status(self) -> str:
+        """"met", "not measured", or "missed by <amount> (<relative>)"."""
+        if self.value is None:
+            return "not measured"
+        if self.met:
+            return "met"
+        gap = abs(self.value - self.goal)
+        amount = f"{gap * 100:.1f} points" if self.unit == "%" else f"{gap:.3f}"
+        return f"missed by {amount} ({gap / self.goal:.0%} of the goal)"
+
+    def row(self) -> str:
+        goal = ("<= " if self.at_most else ">= ") + self._show(self.goal)
+        value = "-" if self.value is None else self._show(self.value)
+        return f"| {self.name} | {goal} | {value} | {self.status} |"
+
+
+def _find(records: Iterable[Record], **config: Any) -> Record | None:
+    for r in records:
+        if all(r["config"].get(k) == v for k, v in config.items()):
+            return r
+    return None
+
+
+def _reference_model(records: Sequence[Record]) -> str | None:
+    models = [r["config"]["model"] for r in records]
+    return "mlp" if "mlp" in models else (models[0] if models else None)
+
+
+def evaluate_targets(records: Sequence[Record], *, microbatches: Sequence[int] = (4, 8, 16)
+                     ) -> list[Target]:
+    """The issue's targets on the reference model (the MLP when it was run), processes
+    transport, p=2 (p=1 for the overhead)."""
+    model = _reference_model(records)
+    if model is None:
+        return []
+    base = {"model": model, "transport": "processes"}
+
+    def ratio(key: str, **config: Any) -> float | None:
+        r = _find(records, **base, **config)
+        return None if r is None else r["ratios"].get(key)
+
+    out: list[Target] = []
+    for s in ("gpipe", "1f1b"):
+        for m in microbatches:
+            out.append(Target(f"ours / torch, {s}, p=2, m={m}",
+                              ratio("ours_over_torch", schedule=s, num_ranks=2,
+                                    num_microbatches=m), 0.85, True))
+    for m in microbatches:
+        out.append(Target(f"share of the hardware bound, 1f1b, p=2, m={m}",
+                          ratio("efficiency_hardware_bound", schedule="1f1b", num_ranks=2,
+                                num_microbatches=m), 0.95, False, "%"))
+    for m in microbatches:
+        zb = _find(records, **base, schedule="zb-h1", num_ranks=2, num_microbatches=m)
+        ofb = _find(records, **base, schedule="1f1b", num_ranks=2, num_microbatches=m)
+        value = (None if zb is None or ofb is None else
+                 zb["step_time_s"]["median"] / ofb["step_time_s"]["median"])
+        out.append(Target(f"zb-h1 / 1f1b step time, p=2, m={m}", value, 1.0, True))
+    errors = [abs(r["simulator"]["error"]) for r in records if r["config"]["num_ranks"] > 1]
+    out.append(Target("simulator median |error|, all runs with p >= 2",
+                      statistics.median(errors) if errors else None, 0.10, True, "%"))
+    for m in microbatches:
+        out.append(Target(f"1-stage overhead (Pipe / plain, 1 thread), m={m}",
+                          ratio("overhead_vs_plain_1_thread", schedule="1f1b", num_ranks=1,
+                                num_microbatches=m), 1.03, True))
+    return out
+
+
+def format_ms(summary: dict[str, Any] | None, *, spread: bool = False) -> str:
+    """A time summary in milliseconds: "12.3", or "12.3 (11.9-14.0)" with its spread."""
+    if summary is None:
+        return "-"
+    text = f"{summary['median'] * 1e3:.1f}"
+    if spread:
+        text += f" ({summary['min'] * 1e3:.1f}-{summary['max'] * 1e3:.1f})"
+    return text
+
+
+def _num(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: "512 B", "45.0 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _per_rank_bytes(values: Sequence[int]) -> str:
+    return " / ".join(format_bytes(v) for v in values) or "-"
+
+
+_COLUMNS: list[tuple[str, Callable[[Record], str]]] = [
+    ("transport", lambda r: r["config"]["transport"]),
+    ("p", lambda r: str(r["config"]["num_ranks"])),
+    ("schedule", lambda r: r["config"]["schedule"]),
+    ("m", lambda r: str(r["config"]["num_microbatches"])),
+    ("step ms: median (min-max)", lambda r: format_ms(r["step_time_s"], spread=True)),
+    ("samples/s", lambda r: f"{r['samples_per_s']['median']:.0f}"),
+    ("bubble", lambda r: f"{r['bubble_fraction']['median']:.0%}"),
+    ("peak stash per rank", lambda r: _per_rank_bytes(r["peak_stashed_bytes"])),
+    ("sim ms (error)", lambda r: f"{r['simulator']['predicted_step_s'] * 1e3:.1f} "
+                                 f"({r['simulator']['error']:+.0%})"),
+    ("torch ms", lambda r: format_ms(r["torch"]["step_time_s"])),
+    ("ours/torch", lambda r: _num(r["ratios"]["ours_over_torch"])),
+    ("speedup vs 1 thread", lambda r: _num(r["ratios"]["speedup_vs_plain_1_thread"])),
+    ("vs all threads", lambda r: _num(r["ratios"]["speedup_vs_plain_all_threads"])),
+    ("eff. ideal", lambda r: _num(r["ratios"]["efficiency_ideal"], "{:.0%}")),
+    ("eff. bound", lambda r: _num(r["ratios"]["efficiency_hardware_bound"], "{:.0%}")),
+]
+
+
+def _order(r: Record) -> tuple[Any, ...]:
+    c = r["config"]
+    return (c["transport"] != "processes", c["num_ranks"], c["schedule"],
+            c["num_microbatches"])
+
+
+def results_table(records: Sequence[Record]) -> str:
+    """One markdown row per record, in a stable order."""
+    lines = ["| " + " | ".join(name for name, _ in _COLUMNS) + " |",
+             "|" + "|".join("---" for _ in _COLUMNS) + "|"]
+    for r in sorted(records, key=_order):
+        lines.append("| " + " | ".join(cell(r) for _, cell in _COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _baselines(records: Sequence[Record]) -> str:
+    """Per micro-batch count: the plain model on 1 thread and on all, and the bound."""
+    rows = {}
+    for r in records:
+        c = r["config"]
+        key = (c["num_ranks"], c["num_microbatches"], tuple(c["balance"]), c["transport"])
+        b = r["baselines"]
+        rows[key] = (format_ms(b["plain_1_thread_s"]), format_ms(b["plain_all_threads_s"]),
+                     format_ms(b["hardware_bound_s"]))
+    lines = ["| p | m | balance | transport | plain, 1 thread ms | plain, all threads ms | "
+             "hardware bound ms |", "|---|---|---|---|---|---|---|"]
+    for (p, m, balance, transport), cells in sorted(rows.items()):
+        lines.append(f"| {p} | {m} | {list(balance)} | {transport} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
+                    suite: str, command: str, failures: Sequence[str] = ()) -> str:
+    """The whole report: environment, targets, then per model its results and baselines."""
+    env = environment
+    out = [f"# Benchmark results: suite `{suite}`", "",
+           f"`{command}`", "",
+           "## Environment", "",
+           f"- torch {env.get('torch')}, Python {env.get('python')}, {env.get('platform')}",
+           f"- CPU: {env.get('cpu')} ({env.get('num_cpus')} logical CPUs); GPU: "
+           f"{', '.join(env.get('gpu') or []) or 'none'}; device {env.get('device')}, "
+           f"backend {env.get('backend')}",
+           f"- threads: {env.get('threads_per_rank')} per rank; the plain model on 1 and on "
+           f"{env.get('plain_all_threads')}",
+           f"- git commit: {env.get('git_commit')}", ""]
+    targets = evaluate_targets(records)
+    if targets:
+        model = _reference_model(records)
+        out += ["## Targets", "", f"On `{model}`, multi-process (gloo), ours and torch's "
+                "steps taken in turn on the same processes.", "",
+                "| target | goal | measured | status |", "|---|---|---|---|",
+                *(t.row() for t in targets), ""]
+    if failures:
+        out += ["## Failures", "", *(f"- {f}" for f in failures), ""]
+    for model in dict.fromkeys(r["config"]["model"] for r in records):
+        for method in dict.fromkeys(r["config"]["balance_method"] for r in records
+                                    if r["config"]["model"] == model):
+            chosen = [r for r in records if r["config"]["model"] == model
+                      and r["config"]["balance_method"] == method]
+            balances = sorted({(r["config"]["schedule"], tuple(r["config"]["balance"]))
+                               for r in chosen if r["config"]["num_ranks"] > 1})
+            out += [f"## `{model}`, balance by {method}", ""]
+            if balances:
+                out += ["Partitions (p >= 2): " + ", ".join(
+                    f"{s} {list(b)}" for s, b in balances), ""]
+            out += [results_table(chosen), "", "Baselines:", "", _baselines(chosen), ""]
+    return "\n".join(out)
