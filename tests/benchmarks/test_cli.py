@@ -1,0 +1,75 @@
+"""`python -m benchmarks`: arguments, outputs, and the quick suite end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cli import main, write_outputs
+from benchmarks.records import build_records, validate_record
+from tests.benchmarks import fakes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--models", "resnet"], ["--transport", "pigeon"], ["--ranks", "0"],
+    ["--models", "tiny", "--ranks", "9"],  # 5 layers cannot fill 9 stages: nothing to run
+])
+def test_bad_arguments_exit_2(argv: list[str], tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert "python -m benchmarks:" in capsys.readouterr().err
+
+
+def test_unknown_suite_is_an_argparse_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--suite", "huge", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+
+
+def test_write_outputs(tmp_path: Path) -> None:
+    g = fakes.group(2)
+    built = build_records(g, {4: fakes.measured(g, 4)}, fakes.ENV)
+    records = [r for r, _ in built]
+    timelines = {r["id"]: tl for r, tl in built if tl is not None}
+    write_outputs(tmp_path, records, timelines, fakes.ENV, suite="quick", command="cmd",
+                  plots=False)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == len(records)
+    for line in lines:
+        record = json.loads(line)
+        validate_record(record)
+        assert (tmp_path / record["timeline"]).exists()
+    assert "## Targets" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "environment.json").read_text()) == fakes.ENV
+    assert not (tmp_path / "plots").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_quick_suite_end_to_end(tmp_path: Path) -> None:
+    """What CI runs: the quick suite on the tiny model gives valid JSON and markdown."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--suite", "quick", "--out",
+                           str(out), "--no-progress"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for r in records:
+        validate_record(r)
+    seen = {(r["config"]["transport"], r["config"]["num_ranks"], r["config"]["schedule"])
+            for r in records}
+    assert ("processes", 2, "1f1b") in seen and ("threads", 2, "zb-h1") in seen
+    assert ("processes", 1, "1f1b") in seen
+    torch_ran = [r for r in records if r["config"]["transport"] == "processes"
+                 and r["torch"]["step_time_s"] is not None]
+    assert torch_ran and all(r["ratios"]["ours_over_torch"] > 0 for r in torch_ran)
+    report = (out / "report.md").read_text()
+    assert "## Targets" in report and "## `tiny`, balance by params" in report
+    assert (out / "plots" / "best.svg").exists()
