@@ -137,7 +137,7 @@ def _sweep_series(records: Sequence[Record], model: str, method: str, transport:
              for r in chosen if r["config"]["schedule"] == schedules[0]
              and r["baselines"]["hardware_bound_s"] is not None}
     if bound:
-        out.append(Series("hardware bound", tuple((m, v["median"] * 1e3)
+        out.append(Series("hardware bound", tuple((m, v["min"] * 1e3)
                                                   for m, v in bound.items()), "#000000", "1 3"))
     return out
 
@@ -185,7 +185,7 @@ def write_plots(out_dir: Path, records: Sequence[Record],
                              r["config"]["transport"], r["config"]["num_ranks"])
                         == (model, method, transport, p)),
                        key=lambda r: r["config"]["num_microbatches"])
-        layouts = [viz.layout(timelines[r["id"]], title=f"m={r['config']['num_microbatches']}")
+        layouts = [viz.layout(timelines[r["id"]], title=f"m = {r['config']['num_microbatches']}")
                    for r in sweep if r["id"] in timelines]
         if len(layouts) > 1:
             path = out_dir / f"timelines_vs_m_{model}_{method}_{transport}_p{p}.svg"

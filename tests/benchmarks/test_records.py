@@ -38,6 +38,7 @@ def test_figures_follow_from_the_samples() -> None:
     assert r["ratios"]["speedup_vs_plain_1_thread"] == pytest.approx(0.03 / 0.016)
     assert r["ratios"]["speedup_vs_plain_all_threads"] == pytest.approx(0.02 / 0.016)
     assert r["ratios"]["efficiency_ideal"] == pytest.approx(0.03 / 2 / 0.016)
+    # The bound's fastest round (all rounds equal here) over our median.
     assert r["ratios"]["efficiency_hardware_bound"] == pytest.approx(0.012 / 0.016)
     assert r["ratios"]["overhead_vs_plain_1_thread"] is None  # p > 1
     # The measured timeline is exactly the simulated one: its bubble is 1f1b's closed form.
