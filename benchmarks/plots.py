@@ -96,14 +96,14 @@ def line_chart_svg(series: Sequence[Series], *, title: str, x_label: str, y_labe
 
 
 def best_and_worst(records: Sequence[Record]) -> tuple[Record, Record] | None:
-    """The configurations with the highest and lowest share of the hardware bound (among
-    those with two ranks or more, if any), or None when none has that figure."""
-    scored = [r for r in records if r["ratios"].get("efficiency_hardware_bound") is not None]
+    """The configurations with the highest and lowest speedup over the plain model on one
+    thread (among those with two ranks or more, if any), or None when none has that figure."""
+    scored = [r for r in records if r["ratios"].get("speedup_vs_plain_1_thread") is not None]
     multi = [r for r in scored if r["config"]["num_ranks"] > 1]
     pool = multi or scored
     if not pool:
         return None
-    key = lambda r: r["ratios"]["efficiency_hardware_bound"]  # noqa: E731
+    key = lambda r: r["ratios"]["speedup_vs_plain_1_thread"]  # noqa: E731
     return max(pool, key=key), min(pool, key=key)
 
 
@@ -144,9 +144,10 @@ def _sweep_series(records: Sequence[Record], model: str, method: str, transport:
 
 def write_plots(out_dir: Path, records: Sequence[Record],
                 timelines: Mapping[str, Timeline]) -> list[Path]:
-    """Draw into `out_dir`: the best and worst configurations' median-step timelines (SVG, and
-    PNG when Pillow is installed), and per model, step time against micro-batches (a line
-    chart, and the visualizer's comparison of 1f1b's timelines across m). Returns the files."""
+    """Draw into `out_dir`: the median-step timelines of the configurations with the highest
+    and lowest speedup over the plain model on 1 thread (SVG, and PNG when Pillow is
+    installed), and per model, step time against micro-batches (a line chart, and the
+    visualizer's comparison of 1f1b's timelines across m). Returns the files."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     pair = best_and_worst(records)
@@ -155,8 +156,9 @@ def write_plots(out_dir: Path, records: Sequence[Record],
             tl = timelines.get(record["id"])
             if tl is None:
                 continue
-            title = (f"{name}: {record['id']} (share of the hardware bound "
-                     f"{record['ratios']['efficiency_hardware_bound']:.0%})")
+            title = (f"{name}: {record['id']} ("
+                     f"{record['ratios']['speedup_vs_plain_1_thread']:.2f}x the plain model "
+                     f"on 1 thread)")
             lay = viz.layout(tl, title=title)
             path = out_dir / f"{name}.svg"
             path.write_text(viz.render_svg(lay))

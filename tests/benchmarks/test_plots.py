@@ -35,12 +35,12 @@ def _built() -> list[tuple[dict[str, Any], Timeline | None]]:
     return build_records(g, {m: fakes.measured(g, m) for m in g.microbatches}, fakes.ENV)
 
 
-def test_best_and_worst_by_share_of_the_hardware_bound() -> None:
+def test_best_and_worst_by_speedup_over_the_plain_model() -> None:
     records = [r for r, _ in _built()]
     best, worst = best_and_worst(records) or ({}, {})
-    shares = [r["ratios"]["efficiency_hardware_bound"] for r in records]
-    assert best["ratios"]["efficiency_hardware_bound"] == max(shares)
-    assert worst["ratios"]["efficiency_hardware_bound"] == min(shares)
+    speedups = [r["ratios"]["speedup_vs_plain_1_thread"] for r in records]
+    assert best["ratios"]["speedup_vs_plain_1_thread"] == max(speedups)
+    assert worst["ratios"]["speedup_vs_plain_1_thread"] == min(speedups)
     assert best_and_worst([]) is None
 
 
