@@ -170,8 +170,10 @@ def _bound_work(model: nn.Sequential, balance: Sequence[int], stages: Sequence[i
     work: list[tuple[int, Any, Any, Any, float]] = []  # stage, input, grad, target, weight
     with torch.no_grad():
         for x, y, w in chunks:
-            value = x.to(device)
+            value = x
             for s, part in enumerate(parts):
+                # With threads on GPUs each stage's layers sit on their rank's device.
+                value = value.to(next((p.device for p in part.parameters()), device))
                 out = part(value)
                 if s in stages:
                     work.append((s, value, None if s == last else torch.ones_like(out),
