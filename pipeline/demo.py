@@ -52,28 +52,27 @@ def _bar(step: int, total: int, loss: float, width: int = 30) -> str:
     return f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}"
 
 
-def _time_plain(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, repeats: int) -> float:
+def _side_by_side(pipe: Pipe, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
+                  rounds: int = 5) -> tuple[float, float]:
+    """Median step seconds of the Pipe and the plain model, alternating so noise hits both."""
     loss_fn = nn.CrossEntropyLoss()
-    samples = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
+
+    def plain() -> None:
         model.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
-        if i:  # the first run warms up
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
-
-def _time_pipe(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, repeats: int) -> float:
-    loss_fn = nn.CrossEntropyLoss()
-    samples = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
+    def piped() -> None:
         pipe.zero_grad(set_to_none=True)
         pipe.step(x, y, loss_fn)
-        if i:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+
+    times: dict[str, list[float]] = {"pipe": [], "plain": []}
+    for i in range(rounds + 1):
+        for name, fn in (("pipe", piped), ("plain", plain)):
+            start = time.perf_counter()
+            fn()
+            if i:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    return statistics.median(times["pipe"]), statistics.median(times["plain"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     print(f"\nloss {first:.4f} -> {last:.4f}")
     x, y = _data(args.batch, 10, seed=10_000)
-    pipe_s = _time_pipe(pipe, x, y, repeats=5)
-    plain_s = _time_plain(model, x, y, repeats=5)
+    pipe_s, plain_s = _side_by_side(pipe, model, x, y)
     print(f"step time: Pipe 2 x cpu, 1f1b, m={args.chunks}: {pipe_s * 1e3:.1f} ms; "
           f"plain model, 1 thread: {plain_s * 1e3:.1f} ms; speedup {plain_s / pipe_s:.2f}x")
     timeline = pipe.last_timeline()
