@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.demo import Residual
 from pipeline.partition import split_sizes
 from pipeline.profile import balance_by_params, balance_by_time
 
@@ -113,20 +114,6 @@ class _Attention(nn.Module):
         return out
 
 
-class _FeedForward(nn.Module):
-    """Pre-norm MLP (4x hidden) with a residual connection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(_WIDTH)
-        self.up = nn.Linear(_WIDTH, 4 * _WIDTH)
-        self.down = nn.Linear(4 * _WIDTH, _WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm(x))))
-        return out
-
-
 class _Head(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -149,7 +136,7 @@ def _transformer() -> nn.Sequential:
     torch.manual_seed(0)
     blocks: list[nn.Module] = []
     for _ in range(_LAYERS):
-        blocks += [_Attention(), _FeedForward()]
+        blocks += [_Attention(), Residual(_WIDTH, 4 * _WIDTH)]  # the pre-norm MLP block
     return nn.Sequential(_Embedding(), *blocks, _Head())
 
 
