@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,17 +14,16 @@ from pipeline import multiprocess
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.distributed import PeerFailure
 from pipeline.execute import Executor, PipelineError
-from pipeline.microbatch import gather, scatter
+from pipeline.microbatch import batch_size, gather, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
-from pipeline.stage import StepContext
+from pipeline.stage import LossFn, StepContext
 from pipeline.transport import PipelineAborted
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
 _METHODS = ("uniform", "params", "time", "size")
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class PipeConfigError(ValueError):
@@ -240,7 +239,7 @@ class Pipe(nn.Module):
                                       f"pass target (only other ranks may pass None)")
             device = self.devices[self._probe.rank_of(last)]
             parts = scatter(target, chunks)
-            rows = [_rows(p) for p in parts]
+            rows = [batch_size(p) for p in parts]
             weights = [r / sum(rows) for r in rows]
             targets = [t[0] if len(t) == 1 else t
                        for t in (tuple(v.to(device) if isinstance(v, torch.Tensor) else v
@@ -388,10 +387,6 @@ class Pipe(nn.Module):
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
-
-
-def _rows(values: tuple[Any, ...]) -> int:
-    return next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def _step_seed() -> int:

@@ -19,7 +19,7 @@ from pipeline.split_backward import WeightGrad, backward_input, backward_weight
 from pipeline.transport import Transport, move
 from schedules import Action, Event, Op
 
-__all__ = ["StageRuntime", "StepContext"]
+__all__ = ["LossFn", "StageRuntime", "StepContext"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
