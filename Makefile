@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m pipeline.demo
+	$(PY) -m benchmarks.demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check schedules pipeline viz benchmarks tests

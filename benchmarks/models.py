@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.demo import Residual
+from benchmarks.demo import Residual
 from pipeline.partition import split_sizes
 from pipeline.profile import balance_by_params, balance_by_time
 

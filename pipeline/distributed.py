@@ -1,21 +1,22 @@
 """The multi-process transport: torch.distributed isend/irecv between the ranks of adjacent stages.
 
-Messages carry tuples of tensors (and None). Their shapes and dtypes travel as a small int64
-header the first time a channel (sender, kind, stage) is used and again only when they change,
-never as pickled objects. A receiver takes a peer's messages in the order the peer sends them,
-which it derives from the schedule (plain data, the same on every rank): earlier messages are
-buffered until their consumer runs, so matching never depends on tags and works on NCCL too.
-Every wait polls, so a failure anywhere (an error mark in the rendezvous store, a dead peer's
-broken connection, or the timeout) turns into an error naming the failed rank, never a hang.
+One message per transfer. A message is one flat byte buffer: an 8-byte flag, then each tensor's
+bytes (16-byte aligned); tensors are views into it on arrival, never copied again. Both sides
+remember the shapes and dtypes last used for each (peer, message) and agree on the buffer's size
+without a handshake: the receiver posts a buffer of that size before the data exists. When a
+shape changes (uneven micro-batches the first time, a new batch size), the sender fills the
+posted buffer with flag 1 and sends a small int64 header and the new buffer after it. The order
+of receives comes from the lowered schedule (`schedules.lower` keeps each pair's receives in the
+sender's order), so matching needs no tags and works on NCCL too; a peer's next receive is
+posted as soon as its previous message arrives. Every wait watches for failures: an error mark
+in the rendezvous store, a poison flag (a failing rank fills each peer's next posted buffer
+with its rank), a dead peer's broken connection, or the timeout, so no rank hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
-import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -24,21 +25,28 @@ import torch
 import torch.distributed as dist
 
 from pipeline.transport import PipelineAborted, move
+from pipeline.waiting import Waiter, poll
 from schedules import Op, Schedule
+from schedules.lower import Message, message
 
 __all__ = ["DistributedTransport", "PeerFailure"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
 _HEADER = 64  # int64 slots: [entries, (code, dtype, requires_grad, ndim, *shape) per entry]
+_FLAG = 8  # bytes of the flag that opens every message
+_ALIGN = 16
 _FAILED_KEY = "pipeline/failed"
+_RESULT: Message = ("S", 0, 0)  # messages outside the schedule (results, checkpoints)
+
+Meta = tuple[int, ...]
 
 
 class PeerFailure(RuntimeError):
     """A peer rank died or its connection broke."""
 
 
-def _describe(values: tuple[Any, ...]) -> list[int]:
+def _describe(values: tuple[Any, ...]) -> Meta:
     meta = [len(values)]
     for i, v in enumerate(values):
         if v is None:
@@ -57,10 +65,10 @@ def _describe(values: tuple[Any, ...]) -> list[int]:
     if len(meta) > _HEADER:
         raise ValueError(f"a message of {len(values)} entries with these shapes needs a "
                          f"{len(meta)}-slot header; at most {_HEADER} fit")
-    return meta
+    return tuple(meta)
 
 
-def _parse(meta: list[int]) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
+def _parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
     out: list[tuple[torch.dtype, bool, tuple[int, ...]] | None] = []
     i = 1
     for _ in range(meta[0]):
@@ -74,37 +82,30 @@ def _parse(meta: list[int]) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | 
     return out
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    # gloo has no bool: send the bytes.
-    t = t.detach().contiguous()
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return -(-n // _ALIGN) * _ALIGN
 
 
-class _Waiter:
-    """A daemon thread that blocks in `work.wait()` for the transport's thread, in order."""
+def _size(meta: Meta | None) -> int:
+    """Bytes of a message with these shapes (a bare flag while none were agreed)."""
+    if meta is None:
+        return _FLAG
+    return _ALIGN + sum(_nbytes(e[0], e[2]) for e in _parse(meta) if e is not None)
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]]] = (
-            queue.SimpleQueue())
-        self._thread: threading.Thread | None = None
 
-    def submit(self, work: Any) -> tuple[threading.Event, list[BaseException]]:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="pipeline-p2p-wait",
-                                            daemon=True)
-            self._thread.start()
-        event, error = threading.Event(), list[BaseException]()
-        self._queue.put((work, event, error))
-        return event, error
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool: send the bytes
 
-    def _loop(self) -> None:
-        while True:
-            work, event, error = self._queue.get()
-            try:
-                work.wait()
-            except BaseException as exc:  # handed to the waiting thread
-                error.append(exc)
-            event.set()
+
+def _flag(buf: torch.Tensor, value: int | None = None) -> int:
+    view = buf[:_FLAG].view(torch.int64)
+    if value is not None:
+        view.fill_(value)
+        return value
+    return int(view.item())
 
 
 class DistributedTransport:
@@ -112,73 +113,66 @@ class DistributedTransport:
 
     def __init__(self, rank: int, device: torch.device, *, timeout: float,
                  group: dist.ProcessGroup | None = None) -> None:
-        self.rank = rank
+        self.rank = rank  # within `group`
         self.device = device
         self.timeout = timeout
         self.group = group
+        self.world_size = dist.get_world_size(group)
+        # isend/irecv address global ranks, whatever group they go through.
+        self._global = [dist.get_global_rank(group, r) if group is not None else r
+                        for r in range(self.world_size)]
         self._comm_device = device if device.type == "cuda" else torch.device("cpu")
         self._store = _default_store()
-        self._sent_meta: dict[tuple[int, str, int], list[int]] = {}
-        self._recv_meta: dict[tuple[int, str, int], list[int]] = {}
-        self._pending: list[tuple[Any, torch.Tensor]] = []
-        self._expected: dict[int, deque[tuple[str, int, int]]] = {}
-        self._buffer: dict[tuple[str, int, int], tuple[Any, ...]] = {}
-        # peer -> (message key, [(buffer, work) for its flag and its tensors])
-        self._posted: dict[int, tuple[tuple[str, int, int], list[tuple[torch.Tensor, Any]]]] = {}
-        self._last_check = 0.0
+        self._sent_meta: dict[tuple[int, Message], Meta] = {}
+        self._recv_meta: dict[tuple[int, Message], Meta] = {}
+        self._pending: list[tuple[Any, torch.Tensor]] = []  # sends in flight, with their buffers
+        self._expected: dict[int, deque[Message]] = {}  # per peer: receives still to post
+        self._to_send: dict[int, deque[Message]] = {}  # per peer: what it expects from us next
+        self._posted: dict[int, tuple[Message, torch.Tensor, Any]] = {}
+        self._arrived: dict[Message, tuple[tuple[Any, ...], list[bool]]] = {}
         self._polls = dist.get_backend(group) == "nccl"
-        self._waiter = _Waiter()
+        self._waiter = Waiter()
+        self._last_check = [0.0]
 
     def begin(self, schedule: Schedule) -> None:
-        """Derive, for each peer, the order in which it will send to this rank."""
-        self._buffer.clear()
-        self._expected = {}
-        last = schedule.num_stages - 1
-        for peer, row in enumerate(schedule.actions):
-            if peer == self.rank:
-                continue
-            order: deque[tuple[str, int, int]] = deque()
-            for a in row:
-                if a.op is Op.F and a.stage < last and schedule.rank_of(a.stage + 1) == self.rank:
-                    order.append(("F", a.stage + 1, a.microbatch))
-                elif (a.op in (Op.B, Op.I) and a.stage > 0
-                      and schedule.rank_of(a.stage - 1) == self.rank):
-                    order.append(("B", a.stage - 1, a.microbatch))
-            self._expected[peer] = order
+        """Read this step's order of messages with each peer from the lowered schedule and
+        post the first receive from each."""
+        self._arrived.clear()
+        self._expected, self._to_send = {}, {}
+        for a in schedule.actions[self.rank]:
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                msg = message(a)
+                peer = schedule.rank_of(msg[1] - 1 if msg[0] == "F" else msg[1] + 1)
+                self._expected.setdefault(peer, deque()).append(msg)
+            elif a.op in (Op.SEND_F, Op.SEND_B):
+                msg = message(a)
+                self._to_send.setdefault(schedule.rank_of(msg[1]), deque()).append(msg)
+        for peer in self._expected:
             self._post_next(peer)
 
     # -- sending ------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        work = dist.isend(tensor, dst, group=self.group)
+        work = dist.isend(tensor, self._global[dst], group=self.group)
         self._pending.append((work, tensor))  # keep the buffer alive until the send completes
 
-    def send(self, kind: str, stage: int, microbatch: int, values: tuple[Any, ...],
-             dst_rank: int) -> None:
-        """Send a flag (0: shapes as last time on this channel; 1: changed), then the tensors.
-
-        The receiver has already posted receives shaped like the last message (it keeps the
-        same record), so an unchanged message lands without a handshake. On a change, a zero
-        message of the old shapes fills those receives first, then the new header and tensors.
-        """
-        del microbatch  # the order of sends identifies the micro-batch
+    def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
         meta = _describe(values)
-        channel = (dst_rank, kind, stage)
-        cached = self._sent_meta.get(channel)
-        changed = cached != meta
-        self._isend(torch.tensor([int(changed)], dtype=torch.int64,
-                                 device=self._comm_device), dst_rank)
-        if changed:
-            if cached is not None:
-                for entry in _parse(cached):
-                    if entry is not None:
-                        self._isend(self._empty(entry[2], entry[0], zero=True), dst_rank)
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self._comm_device)
+        key = (dst_rank, msg)
+        agreed = self._sent_meta.get(key)
+        if agreed != meta:
+            # The receiver posted a buffer shaped as agreed: say "changed" in it, then send
+            # the new shapes and the message.
+            notice = torch.zeros(_size(agreed), dtype=torch.uint8, device=self._comm_device)
+            _flag(notice, 1)
+            self._isend(notice, dst_rank)
+            header = torch.zeros(_HEADER, dtype=torch.int64)
             header[:len(meta)] = torch.tensor(meta, dtype=torch.int64)
-            self._isend(header, dst_rank)
-            self._sent_meta[channel] = meta
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                self._isend(_wire(v.to(self._comm_device)), dst_rank)
+            self._isend(header.to(self._comm_device), dst_rank)
+            self._sent_meta[key] = meta
+        self._isend(self._pack(values, meta), dst_rank)
+        plan = self._to_send.get(dst_rank)
+        if plan and plan[0] == msg:
+            plan.popleft()
         self._reap()
         if not self._polls:
             # gloo writes from its own I/O thread; with every core busy computing, that thread
@@ -186,11 +180,18 @@ class DistributedTransport:
             # the core now: the peer is likely waiting for exactly this message.
             os.sched_yield()
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, *,
-               zero: bool = False) -> torch.Tensor:
-        wire = torch.uint8 if dtype == torch.bool else dtype
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=wire, device=self._comm_device)
+    def _pack(self, values: tuple[Any, ...], meta: Meta) -> torch.Tensor:
+        buf = torch.empty(_size(meta), dtype=torch.uint8, device=self._comm_device)
+        _flag(buf, 0)
+        offset = _ALIGN
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                size = _nbytes(v.dtype, tuple(v.shape))
+                n = v.numel() * v.element_size()
+                wire = v.detach().view(torch.uint8) if v.dtype == torch.bool else v.detach()
+                buf[offset:offset + n].view(wire.dtype).view(v.shape).copy_(wire)
+                offset += size
+        return buf
 
     def _reap(self) -> None:
         # Only pollable work can be reaped early; gloo sends finish in the background and are
@@ -206,159 +207,124 @@ class DistributedTransport:
         self._pending.clear()
 
     # -- receiving ----------------------------------------------------------------------------
-    def recv(self, kind: str, stage: int, microbatch: int, src_rank: int,
-             device: torch.device) -> tuple[Any, ...]:
-        key = (kind, stage, microbatch)
-        expected = self._expected.get(src_rank)
-        while key not in self._buffer:
-            if not expected:
-                raise AssertionError(f"rank {self.rank}: {key} is not among what rank "
+    def post(self, msg: Message, src_rank: int) -> None:
+        """A RECV: the receive is posted by now (usually it was, when the previous message
+        from `src_rank` arrived)."""
+        if src_rank not in self._posted and msg not in self._arrived:
+            self._post_next(src_rank)
+
+    def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
+        while msg not in self._arrived:
+            posted = self._posted.get(src_rank)
+            if posted is None:
+                raise AssertionError(f"rank {self.rank}: {msg} is not among what rank "
                                      f"{src_rank} sends under this schedule")
-            nxt = expected.popleft()
-            self._buffer[nxt] = self._receive(src_rank, nxt)
-        values = self._buffer.pop(key)
-        flags = [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
+            self._arrived[posted[0]] = self._receive(src_rank)
+        values, flags = self._arrived.pop(msg)
         return move(values, device, grad_flags=flags)
 
     def _post_next(self, src: int) -> None:
-        """Post the receives of the next message expected from `src`: its flag, and its tensors
-        shaped as the last message on that channel (see `send`)."""
         expected = self._expected.get(src)
         if not expected or src in self._posted:
             return
-        kind, stage, _ = expected[0]
-        flag = self._empty((1,), torch.int64)
-        works = [(flag, dist.irecv(flag, src, group=self.group))]
-        meta = self._recv_meta.get((src, kind, stage))
-        for entry in _parse(meta) if meta is not None else ():
-            if entry is not None:
-                buf = self._empty(entry[2], entry[0])
-                works.append((buf, dist.irecv(buf, src, group=self.group)))
-        self._posted[src] = (expected[0], works)
+        msg = expected.popleft()
+        buf = torch.empty(_size(self._recv_meta.get((src, msg))), dtype=torch.uint8,
+                          device=self._comm_device)
+        self._posted[src] = (msg, buf, dist.irecv(buf, self._global[src], group=self.group))
 
-    def _recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
-                     what: str) -> torch.Tensor:
-        buf = self._empty(shape, dtype)
-        self._finish_recv(dist.irecv(buf, src, group=self.group), what, src)
-        return buf.view(torch.bool) if dtype == torch.bool else buf
+    def _recv_now(self, size: int, dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
+        buf = torch.empty(size, dtype=dtype, device=self._comm_device)
+        self._finish_recv(dist.irecv(buf, self._global[src], group=self.group), what, src)
+        return buf
+
+    def _receive(self, src: int) -> tuple[tuple[Any, ...], list[bool]]:
+        """Complete the receive posted for `src`, post its next one, and unpack."""
+        msg, buf, work = self._posted.pop(src)
+        kind, stage, mb = msg
+        what = (f"the {'activations' if kind == 'F' else 'gradients'} of stage {stage}, "
+                f"micro-batch {mb} from rank {src}") if kind in "FB" else (
+                f"a result from rank {src}")
+        self._finish_recv(work, what, src)
+        flag = _flag(buf)
+        if flag < 0:  # poison: a rank failed (see `abort`)
+            failed = -flag - 1
+            self._check_failed()
+            raise PipelineAborted(failed, f"rank {failed} failed (told rank {self.rank} "
+                                          f"through rank {src})")
+        if flag == 1:  # new shapes: the header, then the message itself
+            header = self._recv_now(_HEADER, torch.int64, src, what).tolist()
+            meta = tuple(header[:_meta_length(header)])
+            self._recv_meta[(src, msg)] = meta
+            buf = self._recv_now(_size(meta), torch.uint8, src, what)
+        self._post_next(src)  # the next message's receive goes out before anything else
+        values: list[Any] = []
+        flags: list[bool] = []
+        offset = _ALIGN
+        for entry in _parse(self._recv_meta[(src, msg)]):
+            if entry is None:
+                values.append(None)
+                flags.append(False)
+                continue
+            dtype, grad, shape = entry
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            t = buf[offset:offset + n].view(_wire(dtype)).view(shape)
+            values.append(t.view(torch.bool) if dtype == torch.bool else t)
+            flags.append(grad)
+            offset += _nbytes(dtype, shape)
+        return tuple(values), flags
 
     def _finish_recv(self, work: Any, what: str, src: int) -> None:
         if self._polls:
             self._wait(work, what, src)
-        else:
-            self._wait_blocking(work, what, src)
-
-    def _wait_blocking(self, work: Any, what: str, src: int) -> None:
-        """gloo receive: block right here (no thread hand-off on the critical path).
-
-        It cannot hang: a peer that fails sends every rank a poison flag (see `abort`), a dead
-        peer's connection breaks, and the wait itself gives up after the timeout.
-        """
+            return
+        # gloo: block right here (no thread hand-off on the critical path). It cannot hang: a
+        # failing peer poisons this receive (see `abort`), a dead peer's connection breaks,
+        # and the wait itself gives up after the timeout.
         try:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower():
-                raise TimeoutError(f"rank {self.rank} waited {self.timeout:.0f}s for {what}; "
+                raise TimeoutError(f"rank {self.rank} waited {self.timeout:g}s for {what}; "
                                    f"raise Pipe(timeout=...) if a stage is really that slow"
                                    ) from None
             self._check_failed()
             raise PeerFailure(f"rank {src} is gone (its process died or its connection broke) "
                               f"while rank {self.rank} waited for {what}: {exc}") from exc
 
-    def _receive(self, src: int, key: tuple[str, int, int]) -> tuple[Any, ...]:
-        kind, stage, mb = key
-        what = (f"the {'activations' if kind == 'F' else 'gradients'} of stage {stage}, "
-                f"micro-batch {mb} from rank {src}") if kind in "FB" else (
-                f"a result from rank {src}")
-        posted = self._posted.pop(src, None)
-        if posted is None:  # a message outside the schedule (results): post it now
-            self._expected.setdefault(src, deque()).appendleft(key)
-            self._post_next(src)
-            posted = self._posted.pop(src)
-            self._expected[src].popleft()
-        assert posted[0] == key, f"rank {self.rank}: posted {posted[0]}, need {key}"
-        (flag, flag_work), *prepared = posted[1]
-        self._finish_recv(flag_work, what, src)
-        changed = int(flag.item())
-        if changed < 0:  # poison: a rank failed (see `abort`)
-            failed = -changed - 1
-            self._check_failed()
-            raise PipelineAborted(failed, f"rank {failed} failed (told rank {self.rank} "
-                                          f"through rank {src})")
-        for _, work in prepared:  # the tensors, or a zero filler when shapes changed
-            self._finish_recv(work, what, src)
-        channel = (src, kind, stage)
-        if changed:
-            header = self._recv_tensor((_HEADER,), torch.int64, src, what).tolist()
-            self._recv_meta[channel] = header
-            tensors = [self._recv_tensor(e[2], e[0], src, what)
-                       for e in _parse(header) if e is not None]
-        else:
-            tensors = [buf for buf, _ in prepared]
-        self._post_next(src)  # the next message's receives go out before anything else
-        values: list[Any] = []
-        received = iter(tensors)
-        for entry in _parse(self._recv_meta[channel]):
-            if entry is None:
-                values.append(None)
-                continue
-            dtype, grad, _ = entry
-            t = next(received)
-            t = t.view(torch.bool) if dtype == torch.bool else t
-            values.append(t.requires_grad_(True) if grad else t)
-        return tuple(values)
+    # -- messages outside the schedule --------------------------------------------------------
+    def send_result(self, tensor: torch.Tensor, dst: int) -> None:
+        """One tensor to `dst` outside the schedule (results, checkpoints), in order."""
+        self.send(_RESULT, (tensor,), dst)
 
-    def recv_direct(self, src: int, shape: tuple[int, ...], *,
-                    values_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One tensor sent by `send(..., (tensor,), dst)` outside the schedule (results,
-        checkpoints): taken in order, like every message from `src`."""
-        out = self._receive(src, ("S", 0, 0))[0]
+    def recv_result(self, src: int, shape: tuple[int, ...],
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The next tensor `src` sent with `send_result`."""
+        self._expected.setdefault(src, deque()).appendleft(_RESULT)
+        self._post_next(src)
+        (out,), _ = self._receive(src)
         assert isinstance(out, torch.Tensor)
-        if tuple(out.shape) != shape or values_dtype not in (None, out.dtype):
-            raise AssertionError(f"rank {self.rank}: expected {shape} {values_dtype} from rank "
+        if tuple(out.shape) != shape or dtype not in (None, out.dtype):
+            raise AssertionError(f"rank {self.rank}: expected {shape} {dtype} from rank "
                                  f"{src}, got {tuple(out.shape)} {out.dtype}")
-        return out.detach()
+        return out.detach().clone()
 
     # -- waiting and failing ------------------------------------------------------------------
     def _wait(self, work: Any, what: str, src: int | None) -> None:
-        """Wait for `work` while watching for failures elsewhere and for the deadline.
-
-        NCCL work can be polled (`is_completed`); gloo's point-to-point work only completes
-        inside a blocking `wait()`, so a helper thread blocks there and this thread watches
-        (used for sends at the end of a step, whose peer may have failed after its receives).
-        """
-        deadline = time.monotonic() + self.timeout
-        error: list[BaseException] = []
-        event = None
-        if not self._polls:
-            event, error = self._waiter.submit(work)
-        pause = 0.0
-        while True:
-            if event is None:
-                if work.is_completed():
-                    break
-                # Spin briefly (transfers usually finish within microseconds), then back off.
-                pause = min(pause * 2 + 1e-6, 1e-3)
-                time.sleep(pause)
-            elif event.wait(0.05):  # wakes as soon as the helper's wait() returns
-                break
-            now = time.monotonic()
-            if now - self._last_check > 0.05:
-                self._last_check = now
-                self._check_failed()
-            if now > deadline:
-                raise TimeoutError(f"rank {self.rank} waited {self.timeout:.0f}s for {what}; "
-                                   f"raise Pipe(timeout=...) if a stage is really that slow")
         try:
-            if error:
-                raise error[0]
-            if self._polls:
-                work.wait()  # NCCL: orders this stream after the transfer
+            poll(work, polls=self._polls, waiter=self._waiter, timeout=self.timeout,
+                 on_tick=self._tick, what=f"rank {self.rank} waited {{:g}}s for {what}")
         except RuntimeError as exc:
             self._check_failed()
             peer = f"rank {src}" if src is not None else "a peer"
             raise PeerFailure(f"{peer} is gone (its process died or its connection broke) "
                               f"while rank {self.rank} waited for {what}: {exc}") from exc
+
+    def _tick(self, now: float) -> None:
+        if now - self._last_check[0] > 0.05:
+            self._last_check[0] = now
+            self._check_failed()
 
     def _check_failed(self) -> None:
         if self._store is None:
@@ -370,22 +336,35 @@ class DistributedTransport:
         except Exception as exc:  # the store lives in rank 0's process
             raise PeerFailure(f"rank {self.rank} lost the rendezvous store (hosted by rank 0; "
                               f"is it dead?): {exc}") from exc
-        rank, _, message = text.partition(":")
-        raise PipelineAborted(int(rank), message)
+        rank, _, note = text.partition(":")
+        raise PipelineAborted(int(rank), note)
 
-    def abort(self, rank: int, message: str) -> None:
+    def abort(self, rank: int, note: str) -> None:
         """Tell every rank that `rank` failed: a mark in the store (first writer wins) with the
-        message, and a poison flag to every peer, which wakes a receive blocked on this rank;
-        a peer blocked on another rank hears it when that rank fails in turn."""
+        note, and a poison flag in the buffer each peer posted for our next message to it,
+        which wakes a receive blocked on this rank; a peer blocked on another rank hears it
+        when that rank fails in turn."""
         if self._store is not None:
             # Best effort: if the store is gone, peers still see a broken connection or time out.
             with contextlib.suppress(Exception):
-                self._store.compare_set(_FAILED_KEY, "", f"{rank}:{message}")
-        poison = torch.tensor([-1 - rank], dtype=torch.int64, device=self._comm_device)
-        for peer in range(dist.get_world_size(self.group)):
-            if peer != self.rank:
-                with contextlib.suppress(Exception):
-                    dist.isend(poison, peer, group=self.group)
+                self._store.compare_set(_FAILED_KEY, "", f"{rank}:{note}")
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            plan = self._to_send.get(peer)
+            meta = self._sent_meta.get((peer, plan[0])) if plan else None
+            poison = torch.zeros(_size(meta), dtype=torch.uint8, device=self._comm_device)
+            _flag(poison, -1 - rank)
+            with contextlib.suppress(Exception):
+                dist.isend(poison, self._global[peer], group=self.group)
+
+
+def _meta_length(header: list[int]) -> int:
+    """How many slots of a zero-padded header `_describe` wrote."""
+    i = 1
+    for _ in range(header[0]):
+        i += 1 if header[i] == 0 else 4 + header[i + 3]
+    return i
 
 
 def _default_store() -> Any:

@@ -1,17 +1,19 @@
-"""Running a schedule: one thread per rank in this process, or this process's rank of many."""
+"""Running lowered schedules: persistent rank workers in this process, or this process's rank."""
 
 from __future__ import annotations
 
-import threading
+import functools
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline import multiprocess
+from pipeline import collectives
 from pipeline.distributed import DistributedTransport, PeerFailure
-from pipeline.stage import StageRuntime, StepContext
+from pipeline.stage import StageRuntime, StepInputs, StepResult
 from pipeline.transport import LocalTransport, PipelineAborted
+from pipeline.workers import RankWorkers
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Executor", "PipelineError"]
@@ -22,98 +24,117 @@ class PipelineError(RuntimeError):
 
 
 class Executor:
-    """Runs validated schedules over a Pipe's stages and reports what ran."""
+    """Runs lowered schedules over a Pipe's stages and reports what ran.
 
-    def __init__(self, partitions: list[nn.Sequential], devices: list[torch.device],
-                 world: tuple[int, int] | None, group: Any, timeout: float) -> None:
-        self.partitions = partitions
+    Built once per Pipe: the stage runtimes, the transport and (with several ranks in one
+    process) the rank worker threads live as long as the Pipe and serve every step.
+    """
+
+    def __init__(self, partitions: list[nn.Module], devices: list[torch.device],
+                 placement: Schedule, world: tuple[int, int] | None, group: Any,
+                 timeout: float) -> None:
         self.devices = devices
         self.world = world
-        self.group = group
         self.timeout = timeout
-        self._dist_transport: DistributedTransport | None = None
+        self.broken: str | None = None
+        self._rank_of = placement.rank_of
+        self._placement = placement.placement
+        self.transport: LocalTransport | DistributedTransport
+        if world is not None:
+            self.transport = DistributedTransport(world[0], devices[world[0]], timeout=timeout,
+                                                  group=group)
+            ranks = [world[0]]
+        else:
+            self.transport = LocalTransport(timeout)
+            ranks = list(range(placement.num_ranks))
+        self.runtimes = [StageRuntime(r, {s: partitions[s] for s in placement.stages_of(r)},
+                                      devices[r], placement.num_stages, placement.rank_of,
+                                      self.transport) for r in ranks]
+        self.workers: RankWorkers | None = None
+        if world is None and len(ranks) > 1:
+            self.workers = RankWorkers(devices)
+            weakref.finalize(self, self.workers.close)
 
-    def run(self, schedule: Schedule, ctx: StepContext, checkpoint: str
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
+    def run(self, schedule: Schedule, step: StepInputs, result: StepResult, checkpoint: str
             ) -> tuple[Timeline, list[dict[str, int]]]:
-        """Execute `schedule`; return the measured timeline and per-rank memory statistics."""
-        runtimes = self._run_rank(schedule, ctx) if self.world else self._run_threads(schedule, ctx)
+        """Execute the lowered `schedule`; return the measured timeline and per-rank memory."""
+        if self.broken is not None:
+            raise PipelineError(self.broken)
+        if schedule.placement != self._placement:
+            raise AssertionError("the executor runs lowered schedules of its own placement")
+        self.transport.begin(schedule)
+        if self.world is not None:
+            self._run_rank(schedule, step, result)
+        else:
+            self._run_threads(schedule, step, result)
         timeline = Timeline(
-            schedule.num_ranks, tuple(e for rt in runtimes for e in rt.events), "s",
+            schedule.num_ranks, tuple(e for rt in self.runtimes for e in rt.events), "s",
             {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
              "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
              "devices": [str(d) for d in self.devices], "checkpoint": checkpoint})
         stats = [{"peak_stashed_microbatches": rt.peak_stashed,
-                  "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in runtimes]
+                  "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in self.runtimes]
         return timeline, stats
 
     def share(self, values: torch.Tensor | None, shape: tuple[int, ...],
               src: int) -> torch.Tensor | None:
         """`values` from rank `src` to every rank (multi-process); as is in one process."""
-        if not self.world:
+        if self.world is None:
             return values
+        assert isinstance(self.transport, DistributedTransport)
         try:
-            return multiprocess.share(self.transport(), values, src, self.world[1], shape)
+            return collectives.share(self.transport, values, src, self.world[1], shape)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
-
-    def _runtime(self, rank: int, schedule: Schedule, transport: Any) -> StageRuntime:
-        return StageRuntime(rank, {s: self.partitions[s] for s in schedule.stages_of(rank)},
-                            self.devices[rank], schedule.num_stages, schedule.rank_of, transport)
 
     def _failure(self, rank: int, action: Action | None, exc: BaseException) -> str:
         where = "before its first action" if action is None else (
             f"at {action} ({_describe(action)})")
         return f"rank {rank} ({self.devices[rank]}) failed {where}: {type(exc).__name__}: {exc}"
 
-    def _run_threads(self, schedule: Schedule, ctx: StepContext) -> list[StageRuntime]:
-        transport = LocalTransport(self.timeout)
-        runtimes = [self._runtime(r, schedule, transport) for r in range(schedule.num_ranks)]
+    def _run_threads(self, schedule: Schedule, step: StepInputs, result: StepResult) -> None:
+        transport = self.transport
         failures: list[tuple[int, Action | None, BaseException]] = []
 
-        def work(rt: StageRuntime) -> None:
+        def job(rt: StageRuntime) -> None:
             try:
-                if rt.device.type == "cuda":
-                    torch.cuda.set_device(rt.device)
-                rt.run(schedule.actions[rt.rank], ctx)
+                rt.run(schedule.actions[rt.rank], step, result)
             except PipelineAborted:
                 pass  # another rank failed first; its error is the one to report
             except BaseException as exc:
                 failures.append((rt.rank, rt.current, exc))
                 transport.abort(rt.rank, f"rank {rt.rank} failed")
 
-        if len(runtimes) == 1:
-            work(runtimes[0])
+        if self.workers is None:
+            job(self.runtimes[0])
         else:
-            threads = [threading.Thread(target=work, args=(rt,), name=f"pipe-rank-{rt.rank}",
-                                        daemon=True) for rt in runtimes]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            stuck = self.workers.run([functools.partial(job, rt) for rt in self.runtimes],
+                                     failed=lambda: bool(failures), grace=min(self.timeout, 5.0))
+            if stuck:
+                self.broken = (
+                    f"rank(s) {stuck} did not stop within {min(self.timeout, 5.0):g}s of a "
+                    f"failure elsewhere (still at " + ", ".join(
+                        str(self.runtimes[r].current) for r in stuck)
+                    + "); their threads are abandoned and this Pipe cannot run another step: "
+                    "build a new one")
+                self.workers.close()
+                self.workers = None
         if failures:
             rank, action, exc = failures[0]
-            raise PipelineError(self._failure(rank, action, exc)) from exc
-        return runtimes
+            message = self._failure(rank, action, exc)
+            if self.broken is not None:
+                message += f"\n{self.broken}"
+            raise PipelineError(message) from exc
 
-    def transport(self) -> DistributedTransport:
-        # One per Pipe: the shapes agreed with each peer carry over from step to step.
-        if self._dist_transport is None:
-            assert self.world is not None
-            self._dist_transport = DistributedTransport(
-                self.world[0], self.devices[self.world[0]], timeout=self.timeout,
-                group=self.group)
-        return self._dist_transport
-
-    def _run_rank(self, schedule: Schedule, ctx: StepContext) -> list[StageRuntime]:
+    def _run_rank(self, schedule: Schedule, step: StepInputs, result: StepResult) -> None:
         assert self.world is not None
-        rank = self.world[0]
-        transport = self.transport()
-        transport.begin(schedule)
-        rt = self._runtime(rank, schedule, transport)
+        rank, rt, transport = self.world[0], self.runtimes[0], self.transport
         try:
-            if rt.device.type == "cuda":
-                torch.cuda.set_device(rt.device)
-            rt.run(schedule.actions[rank], ctx)
+            rt.run(schedule.actions[rank], step, result)
             transport.finish()
         except PipelineAborted as exc:  # another rank failed and said so
             raise PipelineError(str(exc)) from None
@@ -124,7 +145,6 @@ class Executor:
             message = self._failure(rank, rt.current, exc)
             transport.abort(rank, message)
             raise PipelineError(message) from exc
-        return [rt]
 
 
 def _describe(action: Action) -> str:
@@ -132,4 +152,3 @@ def _describe(action: Action) -> str:
             Op.W: "weight-gradient backward", Op.U: "weight update"}.get(action.op, action.op.value)
     unit = "batch" if action.op is Op.U else "micro-batch"
     return f"{what} of stage {action.stage}, {unit} {action.microbatch}"
-

@@ -10,15 +10,16 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline import multiprocess
+from pipeline import bootstrap, collectives
 from pipeline.checkpoint import CHECKPOINT_MODES
-from pipeline.distributed import PeerFailure
+from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.execute import Executor, PipelineError
 from pipeline.microbatch import batch_size, gather, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
-from pipeline.stage import LossFn, StepContext
+from pipeline.stage import LossFn, StepInputs, StepResult
 from pipeline.transport import PipelineAborted
+from pipeline.versions import WeightVersions
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
@@ -84,7 +85,7 @@ class Pipe(nn.Module):
         self._schedule_arg = schedule
         # Several processes (torchrun, or our launcher): this process is one rank.
         self.group = group
-        self.world = multiprocess.world(group)
+        self.world = bootstrap.world(group)
         count = len(devices) if devices is not None else (
             self.world[1] if self.world else None)
         per_rank = self._stages_per_rank(schedule, stages, balance, count)
@@ -99,7 +100,7 @@ class Pipe(nn.Module):
                 f"{num_stages} stages at {per_rank} per rank need {self.num_ranks} ranks, got "
                 f"{count} {what}: pass one device per rank (one process per rank)"
             )
-        self.devices = (multiprocess.rank_devices(devices, self.num_ranks, self.world[0])
+        self.devices = (bootstrap.rank_devices(devices, self.num_ranks, self.world[0])
                         if self.world else _resolve_devices(devices, self.num_ranks))
         layers = list(model)
         bounds = [0]
@@ -112,9 +113,9 @@ class Pipe(nn.Module):
             if schedule.num_stages != num_stages:
                 raise PipeConfigError(f"the schedule has {schedule.num_stages} stages but the "
                                       f"balance {self.balance} has {num_stages}")
-            self._probe = schedule
-        else:
-            self._probe = self._schedule(1, 1)  # placement comes from the schedule
+        self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, per (chunks, batches)
+        # The placement comes from the schedule.
+        self._probe = self._schedule(1, 1) if not isinstance(schedule, Schedule) else schedule
         self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
                              else tuple(range(num_stages)))
         # Register the (local) layers under their original names: same Parameters, same keys.
@@ -122,13 +123,13 @@ class Pipe(nn.Module):
         for s in self.local_stages:
             device = self.devices[self._probe.rank_of(s)]
             for i in range(bounds[s], bounds[s + 1]):
-                self.add_module(names[i], multiprocess.materialize(layers[i], device))
+                self.add_module(names[i], bootstrap.materialize(layers[i], device))
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
-        self._previous: dict[int, dict[str, torch.Tensor]] = {}  # 2BW: last step's weights
+        self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
-        self._executor = Executor(self.partitions, self.devices, self.world, self.group,
-                                  self.timeout)
+        self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
+                                  self.group, self.timeout)
 
     # -- configuration --------------------------------------------------------------------------
     @staticmethod
@@ -136,15 +137,16 @@ class Pipe(nn.Module):
                          balance: Sequence[int] | str | None, num_ranks: int | None) -> int:
         if isinstance(schedule, Schedule):
             return schedule.stages_per_rank
-        if schedule not in schedules.available():
+        if not isinstance(schedule, str) or schedule not in schedules.available():
             raise PipeConfigError(f"unknown schedule {schedule!r}; known: "
                                   f"{', '.join(schedules.available())}, or a Schedule object")
-        if schedule != "interleaved":
-            return 1
+        gen = schedules.info(schedule)
+        if gen.stages_option is None:
+            return gen.stages_per_rank
         count = len(balance) if isinstance(balance, list | tuple) else stages
         if count is not None and num_ranks is not None:
             return max(1, count // num_ranks)
-        return 2
+        return gen.stages_per_rank
 
     def _resolve_balance(self, model: nn.Sequential, balance: Sequence[int] | str | None,
                          stages: int | None, num_ranks: int | None, per_rank: int,
@@ -192,6 +194,14 @@ class Pipe(nn.Module):
                     )
 
     def _schedule(self, chunks: int, num_batches: int) -> Schedule:
+        """The lowered, validated schedule for `chunks` micro-batches x `num_batches` batches,
+        built once and reused by every step of that shape."""
+        key = (chunks, num_batches)
+        if key not in self._schedules:
+            self._schedules[key] = self._make_schedule(chunks, num_batches)
+        return self._schedules[key]
+
+    def _make_schedule(self, chunks: int, num_batches: int) -> Schedule:
         arg = self._schedule_arg
         if isinstance(arg, Schedule):
             if arg.num_stages != len(self.balance):
@@ -201,19 +211,26 @@ class Pipe(nn.Module):
                 raise PipeConfigError(
                     f"the schedule is for {arg.num_microbatches} micro-batches x "
                     f"{arg.num_batches} batches; this call needs chunks={chunks} x {num_batches}")
-            return arg
-        options: dict[str, int] = {}
-        if arg == "interleaved":
-            options["stages_per_rank"] = len(self.balance) // self.num_ranks
-        if arg == "2bw":
-            options["num_batches"] = num_batches
-        elif num_batches != 1:
-            raise AssertionError("multi-batch runs are for 2bw only")
-        return schedules.get_schedule(arg, self.num_ranks, chunks, **options)
+            return schedules.validate(schedules.lower(arg))
+        gen = schedules.info(arg)
+        options = gen.options_for(stages_per_rank=len(self.balance) // self.num_ranks,
+                                  num_batches=num_batches)
+        built = schedules.get_schedule(arg, self.num_ranks, chunks, **options)
+        return schedules.validate(schedules.lower(built))
+
+    @property
+    def multi_batch(self) -> bool:
+        """Whether `step_many` runs several batches as one schedule (weight-versioned, 2BW)."""
+        arg = self._schedule_arg
+        if isinstance(arg, Schedule):
+            return arg.num_batches > 1
+        return schedules.info(arg).multi_batch
 
     # -- running --------------------------------------------------------------------------------
-    def _run(self, schedule: Schedule, ctx: StepContext) -> None:
-        self._timeline, self._stats = self._executor.run(schedule, ctx, self.checkpoint)
+    def _run(self, schedule: Schedule, step: StepInputs) -> StepResult:
+        result = StepResult()
+        self._timeline, self._stats = self._executor.run(schedule, step, result, self.checkpoint)
+        return result
 
     def _share(self, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Last stage's result to every rank (multi-process); as is in one process."""
@@ -246,24 +263,29 @@ class Pipe(nn.Module):
                                        for v in part) for part in parts)]
         return inputs, targets, weights
 
+    def _forward_only(self, chunks: int) -> Schedule:
+        """The schedule's forwards in its order, lowered; inference uses the current weights."""
+        key = (chunks, 0)  # no batch count is 0: a key of its own in the cache
+        if key not in self._schedules:
+            compute = self._schedule(chunks, 1).compute_only()
+            self._schedules[key] = schedules.lower(compute.replace(actions=tuple(
+                tuple(Action(a.stage, Op.F, a.microbatch) for a in row if a.op is Op.F)
+                for row in compute.actions)))
+        return self._schedules[key]
+
     def forward(self, x: Any) -> Any:
         """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph).
 
         Multi-process: returns the output on the last stage's rank and None on the others.
         """
-        schedule = self._schedule(self.chunks, 1)
-        # The schedule's forwards in its order; inference always uses the current weights.
-        forward_only = schedule.replace(actions=tuple(
-            tuple(Action(a.stage, Op.F, a.microbatch) for a in row if a.op is Op.F)
-            for row in schedule.actions))
         inputs, _, _ = self._context(x, None, None, self.chunks)
-        ctx = StepContext(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
+        step = StepInputs(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
                           _step_seed())
         with torch.no_grad():
-            self._run(forward_only, ctx)
-        if not ctx.outputs:
+            result = self._run(self._forward_only(self.chunks), step)
+        if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
-        return gather([ctx.outputs[m] for m in range(self.chunks)])
+        return gather([result.outputs[m] for m in range(self.chunks)])
 
     def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the batch's mean loss.
@@ -278,13 +300,13 @@ class Pipe(nn.Module):
                   optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """Train on several batches, calling `optimizer.step()` after each; returns the losses.
 
-        Under `2bw` the batches run as one schedule without a flush, each stage updating its
-        weights right after its share of each batch (numerically the same as `step` followed by
-        `optimizer.step()` and `optimizer.zero_grad()`, batch after batch). Other schedules
-        run one batch at a time. Gradients are left cleared (None).
+        Under a multi-batch schedule (`2bw`) the batches run as one schedule without a flush,
+        each stage updating its weights right after its share of each batch (numerically the
+        same as `step` followed by `optimizer.step()` and `optimizer.zero_grad()`, batch after
+        batch). Other schedules run one batch at a time. Gradients are left cleared (None).
         """
         pairs = list(batches)
-        if self._schedule_arg != "2bw":
+        if not self.multi_batch:
             losses = []
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
@@ -310,37 +332,33 @@ class Pipe(nn.Module):
         total = m * len(pairs)
         checkpointed = [self.checkpoint == "always" or (self.checkpoint == "except_last"
                                                         and k % m != m - 1) for k in range(total)]
-        ctx = StepContext(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
-                          optimizer=optimizer, num_versions_kept=len(pairs),
-                          track_memory=self.track_memory)
         versioned = any(a.version is not None for row in schedule.actions for a in row)
+        step = StepInputs(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
+                          versions=self._versions if versioned else None,
+                          track_memory=self.track_memory)
         if versioned:
-            self._open_versions(ctx)
-        self._run(schedule, ctx)
+            self._versions.open(len(pairs), optimizer)
+        try:
+            result = self._run(schedule, step)
+        except BaseException:
+            if versioned:
+                self._versions.abandon()
+            raise
         if versioned:
-            self._previous = {s: ctx.versions[(s, len(pairs))] for s in self.local_stages}
+            self._versions.close()
         losses = None
-        if ctx.losses:
-            losses = torch.stack([torch.stack([ctx.losses[k] for k in range(b * m, (b + 1) * m)])
-                                  .sum() for b in range(len(pairs))])
+        if result.losses:
+            losses = torch.stack([torch.stack([result.losses[k]
+                                               for k in range(b * m, (b + 1) * m)]).sum()
+                                  for b in range(len(pairs))])
         shared = self._share(losses, (len(pairs),))
         assert shared is not None
         return list(shared.unbind())
 
-    def _open_versions(self, ctx: StepContext) -> None:
-        # Version 0: the previous step's weights (the current ones on the very first step);
-        # version 1: the current weights, copied because an update may change them meanwhile.
-        for s in self.local_stages:
-            part = self.partitions[s]
-            current = {name: p.detach().clone().requires_grad_(p.requires_grad)
-                       for name, p in part.named_parameters()}
-            previous = self._previous.get(s)
-            ctx.versions[(s, 0)] = previous if previous is not None else {
-                name: t.detach().clone().requires_grad_(t.requires_grad)
-                for name, t in current.items()}
-            ctx.versions[(s, 1)] = current
-            for t in ctx.versions[(s, 0)].values():
-                t.grad = None
+    def close(self) -> None:
+        """Stop the rank worker threads (also done when the Pipe is garbage-collected or the
+        interpreter exits). A closed Pipe cannot run steps."""
+        self._executor.close()
 
     # -- inspection -------------------------------------------------------------------------------
     def last_timeline(self) -> Timeline:
@@ -370,8 +388,10 @@ class Pipe(nn.Module):
             for key in model._modules[name].state_dict():
                 owner[f"{name}.{key}"] = rank
         try:
-            return multiprocess.gather_state_dict(model, dict(self.state_dict()), owner,
-                                                  self._executor.transport(), dst)
+            transport = self._executor.transport
+            assert isinstance(transport, DistributedTransport)
+            return collectives.gather_state_dict(model, dict(self.state_dict()), owner,
+                                                 transport, dst)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 

@@ -1,8 +1,7 @@
-"""The stage runtime: one rank executes its action list, whatever schedule produced it."""
+"""The stage runtime: one rank executes its lowered action list, whatever schedule produced it."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,16 +16,18 @@ from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple
 from pipeline.split_backward import WeightGrad, backward_input, backward_weight
 from pipeline.transport import Transport, move
+from pipeline.versions import WeightVersions
 from schedules import Action, Event, Op
+from schedules.lower import Message, message
 
-__all__ = ["LossFn", "StageRuntime", "StepContext"]
+__all__ = ["LossFn", "StageRuntime", "StepInputs", "StepResult"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-@dataclass
-class StepContext:
-    """Everything one step shares between ranks (read-only for them, except the outputs)."""
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step gives every rank; nobody writes to it."""
 
     inputs: Sequence[tuple[Any, ...]]  # micro-batches for the first stage
     targets: Sequence[Any] | None  # per micro-batch, for the loss on the last stage
@@ -34,15 +35,17 @@ class StepContext:
     loss_weights: Sequence[float]  # micro-batch rows / batch rows: mean of means is the mean
     checkpointed: Sequence[bool]  # per micro-batch
     seed: int
+    versions: WeightVersions | None = None  # versioned (2BW) schedules
+    track_memory: bool = False
     t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class StepResult:
+    """What the ranks of one step produce: losses and outputs of the last stage, per micro-batch."""
+
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
-    # 2BW: (stage, version) -> {parameter name: tensor}; guarded by `update_lock`.
-    versions: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    optimizer: Any = None
-    num_versions_kept: int = 0  # after the step, keep version n: the next step's "previous"
-    update_lock: threading.Lock = field(default_factory=threading.Lock)
-    track_memory: bool = False
 
 
 @dataclass
@@ -54,9 +57,10 @@ class _Stash:
 
 
 class StageRuntime:
-    """Holds one rank's stages and runs its actions: F, B, I, W and U (2BW updates).
+    """Holds one rank's stages and runs its actions: F, B, I, W, U, SEND and RECV.
 
-    It never looks at which schedule it is running: the actions say everything.
+    It never looks at which schedule it is running: the actions say everything. Data between
+    stages on this rank stays here; data for another rank waits in the outbox for its SEND.
     """
 
     def __init__(self, rank: int, stages: dict[int, nn.Module], device: torch.device,
@@ -74,36 +78,63 @@ class StageRuntime:
         self.peak_stashed_bytes = 0
         self._stash: dict[tuple[int, int], _Stash] = {}
         self._bytes: dict[tuple[int, int], int] = {}  # what each stash entry holds
+        self._local: dict[Message, tuple[Any, ...]] = {}  # between stages of this rank
+        self._outbox: dict[Message, tuple[Any, ...]] = {}  # produced, waiting for its SEND
         self.current: Action | None = None  # for error reports
         self._ready = 0.0  # when the current action had its inputs
+        self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
+                          Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
+                          Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post}
 
     # -- driving ------------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], ctx: StepContext) -> None:
+    def run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
+        """Execute this rank's lowered actions for one step."""
         self.events = []
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
-        self._stash.clear()
-        self._bytes.clear()
-        handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
-                    Op.W: self._weight, Op.U: self._update}
+        for store in (self._stash, self._bytes, self._local, self._outbox):
+            store.clear()
+        events, t0, clock = self.events, step.t0, time.perf_counter
         for action in actions:
-            handler = handlers.get(action.op)
-            if handler is None:
-                continue  # SEND/RECV of a lowered schedule: the transport does them
             self.current = action
-            self._ready = time.perf_counter()
-            handler(action, ctx)
-            # Compute time only: waiting for a peer's data is idle time (a bubble), so the
-            # clock starts when the handler has its inputs (see _received).
-            self.events.append(Event(self.rank, action, self._ready - ctx.t0,
-                                     time.perf_counter() - ctx.t0))
-        if self._stash:  # internal invariant: a validated schedule frees everything it stashed
-            raise AssertionError(f"rank {self.rank}: left stashed {sorted(self._stash)}")
+            self._ready = clock()
+            self._handlers[action.op](action, step, result)
+            if action.is_compute:
+                # Compute time only: waiting for a peer's data is idle time (a bubble), so the
+                # clock starts when the handler has its inputs (see _received).
+                events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+        self.current = None
+        if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
+            raise AssertionError(f"rank {self.rank}: left {sorted(self._stash)} stashed and "
+                                 f"{sorted(self._outbox)} unsent")
 
-    def _received(self) -> None:
+    def _send(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        msg = message(action)
+        self.transport.send(msg, self._outbox.pop(msg), self.rank_of(msg[1]))
+
+    def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        msg = message(action)
+        src = self.rank_of(msg[1] - 1 if msg[0] == "F" else msg[1] + 1)
+        self.transport.post(msg, src)
+
+    def _take(self, msg: Message, src_stage: int) -> tuple[Any, ...]:
+        """The data `msg` carries: from this rank's own stage, or waited for from a peer."""
+        src = self.rank_of(src_stage)
+        if src == self.rank:
+            values = self._local.pop(msg)
+            return move(values, self.device, grad_flags=[
+                isinstance(v, torch.Tensor) and v.requires_grad for v in values])
+        values = self.transport.wait(msg, src, self.device)
         self._ready = time.perf_counter()
+        return values
+
+    def _give(self, msg: Message, values: tuple[Any, ...]) -> None:
+        if self.rank_of(msg[1]) == self.rank:
+            self._local[msg] = values
+        else:
+            self._outbox[msg] = values
 
     # -- forward ------------------------------------------------------------------------------
-    def _call(self, action: Action, inputs: tuple[Any, ...], ctx: StepContext) -> tuple[Any, ...]:
+    def _call(self, action: Action, inputs: tuple[Any, ...], step: StepInputs) -> tuple[Any, ...]:
         module = self.stages[action.stage]
         # As in nn.Sequential, a layer gets the previous output as one argument (a tuple stays
         # a tuple): transported tuples are unpacked for transport only.
@@ -112,49 +143,46 @@ class StageRuntime:
             def fn() -> Any:
                 return module(arg)
         else:
-            weights = ctx.versions[(action.stage, action.version)]
+            assert step.versions is not None, f"{action} needs weight versions"
+            weights = step.versions.weights(action.stage, action.version)
 
             def fn() -> Any:
                 return functional_call(module, weights, (arg,))
-        seed = stage_seed(ctx.seed, action.stage, action.microbatch)
+        seed = stage_seed(step.seed, action.stage, action.microbatch)
         return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
 
-    def _forward(self, action: Action, ctx: StepContext) -> None:
+    def _forward(self, action: Action, step: StepInputs, result: StepResult) -> None:
         s, m = action.stage, action.microbatch
-        if s == 0:
-            inputs = move(ctx.inputs[m], self.device)
-        else:
-            inputs = self.transport.recv("F", s, m, self.rank_of(s - 1), self.device)
-            self._received()
-        train = ctx.loss_fn is not None
-        keep_graph = train and not ctx.checkpointed[m]
+        inputs = move(step.inputs[m], self.device) if s == 0 else self._take(("F", s, m), s - 1)
+        train = step.loss_fn is not None
+        keep_graph = train and not step.checkpointed[m]
         saved = SavedBytes()
         with torch.set_grad_enabled(keep_graph):
-            if ctx.track_memory and keep_graph:
+            if step.track_memory and keep_graph:
                 with saved:
-                    outputs = self._call(action, inputs, ctx)
+                    outputs = self._call(action, inputs, step)
             else:
-                outputs = self._call(action, inputs, ctx)
+                outputs = self._call(action, inputs, step)
         last = s == self.num_stages - 1
         if not train:
             if last:
-                ctx.outputs[m] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
-                                       for o in outputs)
+                result.outputs[m] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                          for o in outputs)
             else:
-                self.transport.send("F", s + 1, m, outputs, self.rank_of(s + 1))
+                self._give(("F", s + 1, m), outputs)
             return
         loss = None
         if last:
-            loss = self._loss(outputs, m, ctx)
-            ctx.losses[m] = loss.detach()
+            loss = self._loss(outputs, m, step)
+            result.losses[m] = loss.detach()
         elif keep_graph:
-            self.transport.send("F", s + 1, m, outputs, self.rank_of(s + 1))
+            self._give(("F", s + 1, m), outputs)
         else:
             # Run without a graph, nothing requires grad; the replay will. Mark floating
             # outputs so the next stage still computes (and returns) their gradients.
-            marked = tuple(o.detach().requires_grad_(True) if isinstance(o, torch.Tensor)
-                           and o.is_floating_point() else o for o in outputs)
-            self.transport.send("F", s + 1, m, marked, self.rank_of(s + 1))
+            self._give(("F", s + 1, m), tuple(
+                o.detach().requires_grad_(True) if isinstance(o, torch.Tensor)
+                and o.is_floating_point() else o for o in outputs))
         input_bytes = sum(t.numel() * t.element_size() for t in inputs
                           if isinstance(t, torch.Tensor))
         self._stash[(s, m)] = _Stash(inputs, outputs if keep_graph else None, loss)
@@ -163,37 +191,36 @@ class StageRuntime:
         self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
         self._bytes[(s, m)] = input_bytes + saved.bytes
 
-    def _loss(self, outputs: tuple[Any, ...], m: int, ctx: StepContext) -> torch.Tensor:
-        assert ctx.loss_fn is not None and ctx.targets is not None
+    def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
+        assert step.loss_fn is not None and step.targets is not None
         out = outputs[0] if len(outputs) == 1 else outputs
-        loss = ctx.loss_fn(out, ctx.targets[m])
+        loss = step.loss_fn(out, step.targets[m])
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(
                 f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "
                 f"{type(loss).__name__} with shape {getattr(loss, 'shape', None)}"
             )
-        return loss * ctx.loss_weights[m]
+        return loss * step.loss_weights[m]
 
     # -- backward -----------------------------------------------------------------------------
-    def _recompute(self, action: Action, stash: _Stash, ctx: StepContext) -> None:
+    def _recompute(self, action: Action, stash: _Stash, step: StepInputs) -> None:
         with torch.enable_grad(), recomputing():
-            stash.outputs = self._call(action, stash.inputs, ctx)
+            stash.outputs = self._call(action, stash.inputs, step)
         if action.stage == self.num_stages - 1:
-            stash.loss = self._loss(stash.outputs, action.microbatch, ctx)
+            stash.loss = self._loss(stash.outputs, action.microbatch, step)
 
-    def _backward(self, action: Action, ctx: StepContext) -> None:
+    def _backward(self, action: Action, step: StepInputs, result: StepResult) -> None:
         s, m = action.stage, action.microbatch
         stash = self._stash[(s, m)]
         if stash.outputs is None:
-            self._recompute(action, stash, ctx)
+            self._recompute(action, stash, step)
         assert stash.outputs is not None
         if s == self.num_stages - 1:
             assert stash.loss is not None
             roots: list[torch.Tensor] = [stash.loss]
             grads: list[torch.Tensor] = [torch.ones_like(stash.loss)]
         else:
-            incoming = self.transport.recv("B", s, m, self.rank_of(s + 1), self.device)
-            self._received()
+            incoming = self._take(("B", s, m), s + 1)
             pairs = [(o, g) for o, g in zip(stash.outputs, incoming, strict=True)
                      if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
             roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -204,18 +231,18 @@ class StageRuntime:
                            for t in stash.inputs]
             self._free(s, m)
         else:  # I: input gradients now, weight gradients at this micro-batch's W
-            params = self._params(action, ctx)
+            params = self._params(action, step)
             input_grads, stash.weight_grad = backward_input(roots, grads, stash.inputs, params)
         if s > 0:
-            self.transport.send("B", s - 1, m, tuple(input_grads), self.rank_of(s - 1))
+            self._give(("B", s - 1, m), tuple(input_grads))
 
-    def _params(self, action: Action, ctx: StepContext) -> list[torch.Tensor]:
+    def _params(self, action: Action, step: StepInputs) -> list[torch.Tensor]:
         if action.version is None:
             return list(self.stages[action.stage].parameters())
-        return list(ctx.versions[(action.stage, action.version)].values())
+        assert step.versions is not None
+        return list(step.versions.weights(action.stage, action.version).values())
 
-    def _weight(self, action: Action, ctx: StepContext) -> None:
-        del ctx
+    def _weight(self, action: Action, step: StepInputs, result: StepResult) -> None:
         stash = self._stash[(action.stage, action.microbatch)]
         assert stash.weight_grad is not None, f"{action} before its I"
         backward_weight(stash.weight_grad)
@@ -225,34 +252,6 @@ class StageRuntime:
         del self._stash[(s, m)]
         self.stashed_bytes -= self._bytes.pop((s, m))
 
-    # -- 2BW weight update ----------------------------------------------------------------------
-    def _update(self, action: Action, ctx: StepContext) -> None:
-        """U(s, b): batch b's gradients (computed at version b) update the live weights.
-
-        The live parameters hold version b + 1. Their gradient becomes batch b's; the optimizer,
-        if the step owns one, makes version b + 2 in place, and a copy of it is kept while a
-        later batch (or the next step) computes with it. Version b is dropped: its backward
-        passes are all done.
-        """
-        s, b = action.stage, action.microbatch
-        module = self.stages[s]
-        used = ctx.versions[(s, b)]
-        with ctx.update_lock:
-            for name, p in module.named_parameters():
-                g = used[name].grad
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.to(p.device)
-                else:
-                    p.grad.add_(g)
-            if ctx.optimizer is not None:
-                ctx.optimizer.step()
-                for p in module.parameters():
-                    p.grad = None
-            if b + 2 <= ctx.num_versions_kept:
-                ctx.versions[(s, b + 2)] = {
-                    name: p.detach().clone().requires_grad_(p.requires_grad)
-                    for name, p in module.named_parameters()
-                }
-            del ctx.versions[(s, b)]
+    def _update(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        assert step.versions is not None, f"{action} needs weight versions"
+        step.versions.update(action.stage, action.microbatch)

@@ -9,6 +9,9 @@ from typing import Any, Protocol
 
 import torch
 
+from schedules import Schedule
+from schedules.lower import Message
+
 __all__ = ["LocalTransport", "PipelineAborted", "Transport", "move"]
 
 
@@ -21,18 +24,24 @@ class PipelineAborted(RuntimeError):
 
 
 class Transport(Protocol):
-    """Point-to-point messages keyed by (kind, stage, micro-batch).
+    """Point-to-point messages named by `schedules.lower`'s `Message` (kind, stage, micro-batch).
 
-    `kind` is "F" (activations for `stage`'s forward) or "B" (gradients for `stage`'s backward).
-    A message is a tuple whose tensors arrive on the receiver's device; `None` entries stay None.
-    Tensors that required grad on the sender come back as fresh leaves requiring grad.
+    The runtime calls `begin` with the lowered schedule, `send` at each SEND, `post` at each
+    RECV (posting never blocks), `wait` right before the compute that needs the data, and
+    `finish` at the end of the step. A message is a tuple whose tensors arrive on the
+    receiver's device; `None` entries stay None. Tensors that required grad on the sender come
+    back as fresh leaves requiring grad.
     """
 
-    def send(self, kind: str, stage: int, microbatch: int, values: tuple[Any, ...],
-             dst_rank: int) -> None: ...
+    def begin(self, schedule: Schedule) -> None: ...
 
-    def recv(self, kind: str, stage: int, microbatch: int, src_rank: int,
-             device: torch.device) -> tuple[Any, ...]: ...
+    def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None: ...
+
+    def post(self, msg: Message, src_rank: int) -> None: ...
+
+    def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]: ...
+
+    def finish(self) -> None: ...
 
     def abort(self, rank: int, message: str) -> None: ...
 
@@ -54,56 +63,66 @@ def move(values: Sequence[Any], device: torch.device, *, grad_flags: Sequence[bo
 
 
 class LocalTransport:
-    """A mailbox shared by the worker threads of one process.
+    """A mailbox shared by the worker threads of one process, for the life of a Pipe.
 
     On CUDA the receiver copies on a side stream after waiting for the event the sender recorded
     when the data was ready, and its compute stream waits for that copy: transfers overlap with
-    compute and no thread blocks on the device.
+    compute and no thread blocks on the device. A waiting thread sleeps on a condition variable
+    (the GIL is released).
     """
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._box: dict[tuple[str, int, int], tuple[tuple[Any, ...], Any]] = {}
+        self._box: dict[Message, tuple[tuple[Any, ...], Any]] = {}
         self._cond = threading.Condition()
         self._failed: tuple[int, str] | None = None
         self._streams: dict[torch.device, Any] = {}
 
-    def send(self, kind: str, stage: int, microbatch: int, values: tuple[Any, ...],
-             dst_rank: int) -> None:
-        del dst_rank  # one mailbox serves every rank
-        event = None
-        cuda = [v for v in values if isinstance(v, torch.Tensor) and v.is_cuda]
-        if cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(cuda[0].device))
+    def begin(self, schedule: Schedule) -> None:
+        """Called once per step before any rank runs: a clean mailbox."""
+        del schedule  # one mailbox keyed by message serves every order
         with self._cond:
-            self._box[(kind, stage, microbatch)] = (values, event)
+            self._box.clear()
+            self._failed = None
+
+    def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
+        del dst_rank
+        event = None
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(v.device))
+                break
+        with self._cond:
+            self._box[msg] = (values, event)
             self._cond.notify_all()
 
-    def recv(self, kind: str, stage: int, microbatch: int, src_rank: int,
-             device: torch.device) -> tuple[Any, ...]:
-        key = (kind, stage, microbatch)
+    def post(self, msg: Message, src_rank: int) -> None:
+        del msg, src_rank  # a mailbox needs no posted receive
+
+    def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
         deadline = time.monotonic() + self.timeout
         with self._cond:
-            while key not in self._box:
+            while msg not in self._box:
                 if self._failed is not None:
                     raise PipelineAborted(*self._failed)
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    kind, stage, microbatch = msg
                     what = "activations" if kind == "F" else "gradients"
                     raise TimeoutError(
-                        f"waited {self.timeout:.0f}s for the {what} of stage {stage}, micro-batch "
+                        f"waited {self.timeout:g}s for the {what} of stage {stage}, micro-batch "
                         f"{microbatch} from rank {src_rank}; raise Pipe(timeout=...) if a stage "
                         f"is really that slow"
                     )
                 self._cond.wait(min(left, 1.0))
-            values, event = self._box.pop(key)
+            values, event = self._box.pop(msg)
         flags = [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
         if device.type != "cuda" or event is None:
             return move(values, device, grad_flags=flags)
-        return self._recv_cuda(values, event, device, flags)
+        return self._wait_cuda(values, event, device, flags)
 
-    def _recv_cuda(self, values: tuple[Any, ...], event: Any, device: torch.device,
+    def _wait_cuda(self, values: tuple[Any, ...], event: Any, device: torch.device,
                    flags: list[bool]) -> tuple[Any, ...]:
         stream = self._streams.get(device)
         if stream is None:
@@ -117,6 +136,9 @@ class LocalTransport:
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 v.record_stream(compute)  # the copy stream's allocation is used on compute
         return moved
+
+    def finish(self) -> None:
+        """Nothing to wait for: a send is complete once it is in the mailbox."""
 
     def abort(self, rank: int, message: str) -> None:
         with self._cond:

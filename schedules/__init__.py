@@ -3,7 +3,7 @@
 from schedules.csvio import dump_csv, dumps_csv, load_csv, loads_csv
 from schedules.ir import Action, Op, Schedule, ScheduleError
 from schedules.lower import lower
-from schedules.registry import available, get_schedule, options, register
+from schedules.registry import GeneratorInfo, available, get_schedule, info, options, register
 from schedules.simulate import Costs, Event, Timeline, peak_activations, simulate
 from schedules.text import format_grid, from_text, to_text
 from schedules.validate import validate
@@ -12,6 +12,7 @@ __all__ = [
     "Action",
     "Costs",
     "Event",
+    "GeneratorInfo",
     "Op",
     "Schedule",
     "ScheduleError",
@@ -22,6 +23,7 @@ __all__ = [
     "format_grid",
     "from_text",
     "get_schedule",
+    "info",
     "load_csv",
     "loads_csv",
     "lower",

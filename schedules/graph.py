@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from schedules.ir import Action, Op, Schedule
+from schedules.lower import Message, consumed, message, recv_action, send_action, source_stage
 
 __all__ = ["Deadlock", "Key", "execute", "prerequisites"]
 
@@ -26,41 +27,43 @@ class Deadlock:
 def prerequisites(schedule: Schedule) -> Callable[[Action], tuple[Key, ...]]:
     """Return a function giving the actions each action must wait for.
 
-    Compute-only schedules depend directly on the producing action of another stage; a lowered
-    schedule (with SEND/RECV) routes every cross-rank dependency through a RECV on the consumer's
-    rank, which waits for the matching SEND, which waits for the producer. Receives block and
-    sends do not (torch's isend/irecv), so this graph is exactly what a blocking-receive
-    execution must respect: a cycle in it is a deadlock.
+    A compute action depends on the producer of the data it consumes. In a lowered schedule
+    (with SEND/RECV) a cross-rank input instead comes through a RECV on the consumer's rank,
+    which must have been posted earlier on that rank, and the matching SEND on the producer's
+    rank, which follows the producer. Receives are posted without blocking and sends never
+    block (torch's irecv/isend): the consumer is what waits. A cycle in this graph is a deadlock.
     """
     present: set[Key] = {_key(a) for row in schedule.actions for a in row}
     lowered = schedule.has_comms
-    last = schedule.num_stages - 1
+    n = schedule.num_stages
     per_batch = schedule.num_microbatches
     rank_of = schedule.rank_of
 
-    def grad_producer(stage: int, mb: int) -> Key:
-        # The stage above sends its input gradient from B or, when split, from I.
-        return (stage, Op.I, mb) if (stage, Op.I, mb) in present else (stage, Op.B, mb)
+    def producer(msg: Message) -> Key:
+        # A gradient comes from B or, when the backward is split, from I.
+        kind, _, mb = msg
+        src = source_stage(msg)
+        if kind == "F":
+            return (src, Op.F, mb)
+        return (src, Op.I, mb) if (src, Op.I, mb) in present else (src, Op.B, mb)
 
-    def cross(producer: Key, consumer_stage: int, recv: Op) -> Key:
-        if lowered and rank_of(producer[0]) != rank_of(consumer_stage):
-            return (consumer_stage, recv, producer[2])
-        return producer
+    def data(a: Action) -> list[Key]:
+        msg = consumed(a, n)
+        if msg is None:
+            return []
+        if lowered and rank_of(source_stage(msg)) != rank_of(a.stage):
+            return [_key(recv_action(msg)), _key(send_action(msg))]
+        return [producer(msg)]
 
     def deps(a: Action) -> tuple[Key, ...]:
         s, op, mb = a.stage, a.op, a.microbatch
         if op is Op.F:
-            out: list[Key] = []
-            if s > 0:
-                out.append(cross((s - 1, Op.F, mb), s, Op.RECV_F))
+            out = data(a)
             if a.version is not None and a.version >= 2:
                 out.append((s, Op.U, a.version - 2))  # version v is made by update v - 2
             return tuple(out)
         if op in (Op.B, Op.I):
-            out = [(s, Op.F, mb)]
-            if s < last:
-                out.append(cross(grad_producer(s + 1, mb), s, Op.RECV_B))
-            return tuple(out)
+            return ((s, Op.F, mb), *data(a))
         if op is Op.W:
             return ((s, Op.I, mb),)
         if op is Op.U:
@@ -69,14 +72,9 @@ def prerequisites(schedule: Schedule) -> Callable[[Action], tuple[Key, ...]]:
                 (s, Op.W, m) if (s, Op.W, m) in present else (s, Op.B, m)
                 for m in range(first, first + per_batch)
             )
-        if op is Op.SEND_F:
-            return ((s, Op.F, mb),)
-        if op is Op.SEND_B:
-            return (grad_producer(s, mb),)
-        if op is Op.RECV_F:
-            return ((s - 1, Op.SEND_F, mb),)
-        # RECV_B
-        return ((s + 1, Op.SEND_B, mb),)
+        if op in (Op.SEND_F, Op.SEND_B):
+            return (producer(message(a)),)
+        return ()  # RECV: posting a receive waits for nothing
 
     return deps
 

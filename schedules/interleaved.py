@@ -25,7 +25,7 @@ def _rounds(num_ranks: int, num_microbatches: int) -> list[range]:
     return rounds
 
 
-@register("interleaved")
+@register("interleaved", stages_per_rank=2, stages_option="stages_per_rank")
 def interleaved(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Each rank holds v = `stages_per_rank` stages r, r + p, ..., and runs 1F1B over them.
 

@@ -9,7 +9,7 @@ from schedules.registry import register
 __all__ = ["pipedream_2bw"]
 
 
-@register("2bw")
+@register("2bw", batches_option="num_batches")
 def pipedream_2bw(num_ranks: int, num_microbatches: int, num_batches: int = 1) -> Schedule:
     """1F1B over all `num_batches * num_microbatches` micro-batches, with an update per batch.
 

@@ -1,26 +1,85 @@
-"""The registry of schedule generators: names to functions, and `get_schedule`."""
+"""The registry of schedule generators: names, functions and their metadata; `get_schedule`."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from schedules.ir import Schedule, ScheduleError
 
-__all__ = ["Generator", "available", "get_schedule", "options", "register"]
+__all__ = ["Generator", "GeneratorInfo", "available", "get_schedule", "info", "options",
+           "register"]
 
 Generator = Callable[..., Schedule]
-_GENERATORS: dict[str, Generator] = {}
 
 
-def register(name: str) -> Callable[[Generator], Generator]:
-    """Register `fn(num_ranks, num_microbatches, **options) -> Schedule` under `name`."""
+@dataclass(frozen=True, slots=True)
+class GeneratorInfo:
+    """What a runtime needs to know about a generator, so that nothing branches on its name.
+
+    `stages_per_rank` is how many stages each rank holds; when `stages_option` names one of the
+    generator's options, that option sets the count instead (and `stages_per_rank` is its
+    default). `batches_option` names the option that runs several batches without a flush
+    (weight-versioned schedules such as PipeDream-2BW); None means one batch per schedule.
+    """
+
+    name: str
+    fn: Generator
+    options: tuple[str, ...]
+    stages_per_rank: int = 1
+    stages_option: str | None = None
+    batches_option: str | None = None
+
+    @property
+    def multi_batch(self) -> bool:
+        return self.batches_option is not None
+
+    def options_for(self, *, stages_per_rank: int, num_batches: int = 1) -> dict[str, int]:
+        """The options that make this generator produce `stages_per_rank` stages per rank over
+        `num_batches` batches; a `ScheduleError` if it cannot."""
+        out: dict[str, int] = {}
+        if self.stages_option is not None:
+            out[self.stages_option] = stages_per_rank
+        elif stages_per_rank != self.stages_per_rank:
+            raise ScheduleError(f"schedule {self.name!r} places {self.stages_per_rank} stage(s) "
+                                f"per rank (got a request for {stages_per_rank})")
+        if self.batches_option is not None:
+            out[self.batches_option] = num_batches
+        elif num_batches != 1:
+            raise ScheduleError(f"schedule {self.name!r} runs one batch at a time (got "
+                                f"num_batches={num_batches}); multi-batch schedules such as "
+                                f"'2bw' declare a batches_option")
+        return out
+
+
+_GENERATORS: dict[str, GeneratorInfo] = {}
+
+
+def register(name: str, *, stages_per_rank: int = 1, stages_option: str | None = None,
+             batches_option: str | None = None) -> Callable[[Generator], Generator]:
+    """Register `fn(num_ranks, num_microbatches, **options) -> Schedule` under `name`.
+
+    Declare what the schedule needs from a runtime: `stages_per_rank` (fixed), or
+    `stages_option` (the option that sets it, e.g. interleaved's "stages_per_rank"), and
+    `batches_option` for schedules that run several batches without a flush (2bw's
+    "num_batches"). `Pipe` reads these instead of the name.
+    """
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank must be an int >= 1 (got {stages_per_rank!r})")
 
     def wrap(fn: Generator) -> Generator:
         if name in _GENERATORS:
             raise ValueError(f"schedule {name!r} is already registered")
-        _GENERATORS[name] = fn
+        accepted = _option_names(fn)
+        for what, option in (("stages_option", stages_option),
+                             ("batches_option", batches_option)):
+            if option is not None and option not in accepted:
+                raise ValueError(f"{what}={option!r} is not an option of {fn.__name__} "
+                                 f"(its options: {', '.join(accepted) or 'none'})")
+        _GENERATORS[name] = GeneratorInfo(name, fn, accepted, stages_per_rank, stages_option,
+                                          batches_option)
         return fn
 
     return wrap
@@ -32,13 +91,18 @@ def available() -> tuple[str, ...]:
     return tuple(_GENERATORS)
 
 
+def info(name: str) -> GeneratorInfo:
+    """The generator registered as `name` with its metadata."""
+    _load_builtins()
+    found = _GENERATORS.get(name)
+    if found is None:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(_GENERATORS)}")
+    return found
+
+
 def options(name: str) -> tuple[str, ...]:
     """The keyword options the generator `name` accepts (e.g. `("stages_per_rank",)`)."""
-    _load_builtins()
-    fn = _GENERATORS.get(name)
-    if fn is None:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(_GENERATORS)}")
-    return _option_names(fn)
+    return info(name).options
 
 
 def _option_names(fn: Generator) -> tuple[str, ...]:
@@ -51,20 +115,16 @@ def get_schedule(name: str, num_ranks: int, num_microbatches: int, **options: in
 
     Options: `stages_per_rank` (interleaved), `num_batches` (2bw).
     """
-    _load_builtins()
-    fn = _GENERATORS.get(name)
-    if fn is None:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(_GENERATORS)}")
-    accepted = _option_names(fn)
-    unknown = sorted(set(options) - set(accepted))
+    gen = info(name)
+    unknown = sorted(set(options) - set(gen.options))
     if unknown:
         raise ScheduleError(f"schedule {name!r} takes no option {', '.join(unknown)}; "
-                            f"it accepts: {', '.join(accepted) or 'none'}")
+                            f"it accepts: {', '.join(gen.options) or 'none'}")
     for what, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                         *options.items()):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}: {what} must be an int >= 1 (got {value!r})")
-    return fn(num_ranks, num_microbatches, **options)
+    return gen.fn(num_ranks, num_microbatches, **options)
 
 
 _BUILTINS = ("gpipe", "one_f_one_b", "interleaved", "pipedream_2bw", "zero_bubble")

@@ -6,6 +6,7 @@ from collections import Counter
 
 from schedules.graph import Key, execute
 from schedules.ir import Op, Schedule, ScheduleError
+from schedules.lower import Message, consumed, message, source_stage
 from schedules.text import format_grid
 
 __all__ = ["validate"]
@@ -123,18 +124,78 @@ def _check_versions(schedule: Schedule) -> None:
                                     {rank: i})
 
 
+def _check_comms(schedule: Schedule) -> None:
+    """A lowered schedule: each cross-rank message has one SEND and one RECV, nothing else is
+    sent, and between each pair of ranks the receiver posts in the order the sender sends."""
+    n = schedule.num_stages
+    sends: dict[tuple[int, int], list[tuple[Message, int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[Message, int]]] = {}
+    needed: dict[Message, tuple[int, int]] = {}  # message -> (rank, position) of its consumer
+    for rank, row in enumerate(schedule.actions):
+        for i, a in enumerate(row):
+            if a.is_compute:
+                msg = consumed(a, n)
+                if msg is not None and schedule.rank_of(source_stage(msg)) != rank:
+                    needed[msg] = (rank, i)
+                continue
+            msg = message(a)
+            if not 0 <= msg[1] < n or not 0 <= source_stage(msg) < n:
+                raise _fail(schedule, f"{a}: it would move data from stage {source_stage(msg)} "
+                            f"to stage {msg[1]}, outside stages 0..{n - 1}", {rank: i})
+            src, dst = schedule.rank_of(source_stage(msg)), schedule.rank_of(msg[1])
+            if src == dst:
+                raise _fail(schedule, f"{a}: stages {source_stage(msg)} and {msg[1]} are both on "
+                            f"rank {src}; nothing crosses ranks there", {rank: i})
+            side = sends if a.op in (Op.SEND_F, Op.SEND_B) else recvs
+            side.setdefault((src, dst), []).append((msg, i))
+    for msg, (rank, i) in needed.items():
+        src = schedule.rank_of(source_stage(msg))
+        for side, what, where in ((recvs, "RECV", rank), (sends, "SEND", src)):
+            if msg not in {m for m, _ in side.get((src, rank), ())}:
+                raise _fail(schedule, f"{schedule.actions[rank][i]} needs data from rank {src} "
+                            f"but the schedule has no {what} for it on rank {where}",
+                            {rank: i})
+    for pair in sorted(set(sends) | set(recvs)):
+        src, dst = pair
+        out, into = sends.get(pair, []), recvs.get(pair, [])
+        for k, ((sent, i), (posted, j)) in enumerate(zip(out, into, strict=False)):
+            if sent != posted:
+                raise _fail(schedule,
+                            f"rank {dst} posts receives from rank {src} out of order: message "
+                            f"{k} rank {src} sends is {_name(sent)} but rank {dst}'s receive "
+                            f"{k} expects {_name(posted)}. Messages between two ranks match in "
+                            f"order: post receives in the order the peer sends",
+                            {src: i, dst: j})
+        if len(out) != len(into):
+            extra, rank = (out[len(into)], src) if len(out) > len(into) else (
+                into[len(out)], dst)
+            raise _fail(schedule, f"{schedule.actions[rank][extra[1]]}: no matching "
+                        f"{'RECV' if rank == src else 'SEND'} for it between ranks {src} and "
+                        f"{dst}", {rank: extra[1]})
+
+
+def _name(msg: Message) -> str:
+    kind, stage, mb = msg
+    what = "activations for" if kind == "F" else "gradients for"
+    return f"{what} stage {stage}, micro-batch {mb}"
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` and return it; raise `ScheduleError` showing the grid marked where it fails.
 
     Rules: actions in range and on the rank holding their stage, none repeated; every stage and
     micro-batch runs F once and B once (or I and W once); F(s,m) after F(s-1,m); B(s,m) after
-    B(s+1,m) and F(s,m); W after I; 2BW weight versions; and no deadlock when every rank runs its
-    list in order with blocking receives (sends never block).
+    B(s+1,m) and F(s,m); W after I; 2BW weight versions; lowered schedules: one SEND and one
+    RECV per cross-rank message, receives posted in each sender's order; and no deadlock when
+    every rank runs its list in order, each compute action waiting for its data (sends never
+    block).
     """
     _check_actions(schedule)
     _check_complete(schedule)
     if any(a.version is not None for row in schedule.actions for a in row):
         _check_versions(schedule)
+    if schedule.has_comms:
+        _check_comms(schedule)
     result = execute(schedule, lambda a: 1.0)
     if not isinstance(result, tuple):
         lines = []

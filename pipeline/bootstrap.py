@@ -1,4 +1,4 @@
-"""What Pipe needs to be one rank of many: the world, devices, local layers, shared results."""
+"""Process-group bootstrap: which rank of how many this process is, its device, its own layers."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.distributed import DistributedTransport
-
-__all__ = ["gather_state_dict", "materialize", "rank_devices", "share", "world"]
+__all__ = ["materialize", "rank_devices", "world"]
 
 
 def world(group: Any = None) -> tuple[int, int] | None:
@@ -61,42 +59,3 @@ def materialize(layer: nn.Module, device: torch.device) -> nn.Module:
         if callable(reset):
             reset()
     return layer
-
-
-def share(transport: DistributedTransport, values: torch.Tensor | None, src: int,
-          num_ranks: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """`values` from rank `src` to every rank, point to point, with the failure-aware waits
-    (a collective would hang on a rank that failed after this one finished its actions)."""
-    if transport.rank == src:
-        assert values is not None
-        for dst in range(num_ranks):
-            if dst != src:
-                transport.send("S", 0, 0, (values,), dst)
-        transport.finish()
-        return values
-    return transport.recv_direct(src, shape)
-
-
-def gather_state_dict(full_model: nn.Module, local: dict[str, torch.Tensor],
-                      owner_of: dict[str, int], transport: DistributedTransport,
-                      dst: int) -> dict[str, torch.Tensor] | None:
-    """The whole model's state_dict on rank `dst` (None elsewhere), keys as in the model.
-
-    Every rank knows every key, shape and dtype from the model's structure (built on any device,
-    meta included), so only raw tensors travel, in key order.
-    """
-    structure = full_model.state_dict()
-    if transport.rank != dst:
-        for key in structure:
-            if owner_of[key] == transport.rank:
-                transport.send("S", 0, 0, (local[key].detach().cpu(),), dst)
-        transport.finish()
-        return None
-    out: dict[str, torch.Tensor] = {}
-    for key, spec in structure.items():
-        if owner_of[key] == dst:
-            out[key] = local[key].detach().cpu()
-        else:
-            out[key] = transport.recv_direct(owner_of[key], tuple(spec.shape),
-                                             values_dtype=spec.dtype)
-    return out

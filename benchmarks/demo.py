@@ -76,7 +76,7 @@ def _side_by_side(pipe: Pipe, model: nn.Sequential, x: torch.Tensor, y: torch.Te
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=16)
