@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from benchmarks.models import get_model
+from schedules import info
 
 __all__ = ["SUITES", "TRANSPORTS", "Group", "Suite", "groups", "narrow", "num_units",
            "stages_per_rank"]
@@ -63,8 +64,8 @@ class Group:
 
 
 def stages_per_rank(schedule: str) -> int:
-    """Stages each rank holds under `schedule` (interleaved runs two)."""
-    return 2 if schedule == "interleaved" else 1
+    """Stages each rank holds under `schedule`: its generator's default (interleaved: two)."""
+    return info(schedule).stages_per_rank
 
 
 def _parse_list(text: str | None, kind: type) -> tuple | None:  # type: ignore[type-arg]

@@ -19,7 +19,7 @@ from benchmarks.stats import (
     summarize,
 )
 from benchmarks.torch_baseline import TORCH_PEERS
-from schedules import Schedule, Timeline, get_schedule
+from schedules import Schedule, Timeline, get_schedule, info
 
 __all__ = ["SCHEMA", "build_records", "record_id", "schedule_for", "validate_record"]
 
@@ -32,8 +32,8 @@ def record_id(model: str, method: str, transport: str, num_ranks: int, schedule:
 
 
 def schedule_for(name: str, num_ranks: int, m: int) -> Schedule:
-    """The schedule Pipe runs for `name` (interleaved with two stages per rank)."""
-    options = {"stages_per_rank": 2} if stages_per_rank(name) == 2 else {}
+    """The schedule Pipe runs for `name`, at its generator's default stages per rank."""
+    options = info(name).options_for(stages_per_rank=stages_per_rank(name))
     return get_schedule(name, num_ranks, m, **options)
 
 

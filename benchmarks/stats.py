@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from schedules import Action, Costs, Event, Op, Schedule, Timeline, simulate
+from schedules.lower import consumed, source_stage
 
 __all__ = [
     "RawEvent",
@@ -110,12 +111,13 @@ def comm_latency(timelines: Iterable[Timeline]) -> float:
 def _source(index: dict[tuple[int, Op, int], Event], a: Action, last_stage: int
             ) -> Event | None:
     """The event whose output `a` consumes from an adjacent stage (None: its input is local)."""
-    if a.op is Op.F and a.stage > 0:
-        return index.get((a.stage - 1, Op.F, a.microbatch))
-    if a.op in (Op.B, Op.I) and a.stage < last_stage:
-        return (index.get((a.stage + 1, Op.B, a.microbatch))
-                or index.get((a.stage + 1, Op.I, a.microbatch)))
-    return None
+    msg = consumed(a, last_stage + 1)
+    if msg is None:
+        return None
+    src = source_stage(msg)
+    if msg[0] == "F":
+        return index.get((src, Op.F, a.microbatch))
+    return index.get((src, Op.B, a.microbatch)) or index.get((src, Op.I, a.microbatch))
 
 
 def idle_not_waiting(tl: Timeline) -> float:

@@ -19,11 +19,12 @@ microbatches = st.integers(1, 32)
 def schedule_args(draw: st.DrawFn, name: str | None = None) -> tuple[str, int, int, dict[str, int]]:
     """(name, num_ranks, num_microbatches, options) for any registered generator."""
     name = name or draw(st.sampled_from(schedules.available()))
+    gen = schedules.info(name)
     options: dict[str, int] = {}
-    if name == "interleaved":
-        options["stages_per_rank"] = draw(st.integers(2, 4))
-    if name == "2bw":
-        options["num_batches"] = draw(st.integers(1, 3))
+    if gen.stages_option is not None:
+        options[gen.stages_option] = draw(st.integers(gen.stages_per_rank, 4))
+    if gen.batches_option is not None:
+        options[gen.batches_option] = draw(st.integers(1, 3))
     return name, draw(ranks), draw(microbatches), options
 
 

@@ -22,13 +22,24 @@ from pipeline import Pipe
 from tests.pipeline.reference import build, seeded_microbatch_step
 from tests.strategies import balances, sequential_specs
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1")
+SCHEDULES = schedules.available()  # every registered generator, by its metadata
 MODES = ("never", "except_last", "always")
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _per_rank(schedule: str) -> int:
+    return schedules.info(schedule).stages_per_rank
+
+
+def _balance(schedule: str, per_stage: list[int]) -> list[int]:
+    """`per_stage` layers per stage for one-stage-per-rank schedules; each stage split evenly
+    into that schedule's stages per rank otherwise (the layer count stays the same)."""
+    k = _per_rank(schedule)
+    return [size // k + (i < size % k) for size in per_stage for i in range(k)]
+
+
 def _stages_for(schedule: str, num_layers: int, draw_ranks: int) -> tuple[int, int]:
-    per_rank = 2 if schedule == "interleaved" else 1
+    per_rank = _per_rank(schedule)
     ranks = max(1, min(draw_ranks, num_layers // per_rank))
     return ranks * per_rank, ranks
 
@@ -74,7 +85,7 @@ def test_every_schedule_and_mode_on_uneven_chunks(schedule: str, checkpoint: str
                           nn.Tanh(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 3))
     reference = copy.deepcopy(model)
     x, y = torch.randn(10, 6), torch.randn(10, 3)  # 10 rows in 4 chunks: 3, 3, 2, 2
-    balance = [2, 2, 2, 2] if schedule == "interleaved" else [3, 3, 2]
+    balance = [2, 2, 2, 2] if _per_rank(schedule) == 2 else [3, 3, 2]
     pipe = Pipe(model, balance, chunks=4, schedule=schedule, checkpoint=checkpoint)
     loss = pipe.step(x, y, nn.MSELoss())
     expected = nn.MSELoss()(reference(x), y)
@@ -113,7 +124,7 @@ def test_forward_equals_model() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.GELU(), nn.Linear(7, 2))
     for schedule in SCHEDULES:
-        balance = [1, 1, 1, 2] if schedule == "interleaved" else [2, 3]
+        balance = _balance(schedule, [2, 3])
         pipe = Pipe(model, balance, chunks=3, schedule=schedule)
         x = torch.randn(11, 5)
         torch.testing.assert_close(pipe(x), model(x), **TOL)  # chunked matmuls: ulps at most
@@ -122,7 +133,7 @@ def test_forward_equals_model() -> None:
 def test_simulated_and_measured_peaks_agree() -> None:
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
     for schedule in SCHEDULES:
-        balance = [1] * 8 if schedule == "interleaved" else [2] * 4
+        balance = _balance(schedule, [2] * 4)
         pipe = Pipe(model, balance, chunks=6, schedule=schedule)
         pipe.step(torch.randn(12, 4), torch.randn(12, 4), nn.MSELoss())
         plan = schedules.simulate(pipe._schedule(6, 1))

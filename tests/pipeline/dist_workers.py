@@ -147,3 +147,52 @@ def meta_and_checkpoint(rank: int) -> Any:
         fresh.load_state_dict(full)
         torch.testing.assert_close(fresh(x), reference(x), rtol=0, atol=0)
     return sorted(pipe.state_dict())
+
+
+def one_message_per_transfer(rank: int) -> tuple[int, int]:
+    """(isend calls, SEND actions + result messages) on this rank in a step whose shapes
+    were already agreed by an earlier step."""
+    import torch.distributed as dist
+
+    model = _model()
+    pipe = Pipe(model, [4, 4], chunks=4, schedule="1f1b")
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    args = (x if rank == 0 else None, y if rank == 1 else None, nn.MSELoss())
+    pipe.step(*args)  # first step: shapes travel once
+    calls = []
+    real = dist.isend
+
+    def counting(tensor: torch.Tensor, dst: int, *rest: Any, **kw: Any) -> Any:
+        calls.append(dst)
+        return real(tensor, dst, *rest, **kw)
+
+    dist.isend = counting  # type: ignore[assignment]
+    try:
+        pipe.step(*args)
+    finally:
+        dist.isend = real  # type: ignore[assignment]
+    sends = sum(not a.is_compute and a.op.value.startswith("SEND")
+                for a in pipe._schedule(4, 1).actions[rank])
+    results = 1 if rank == 1 else 0  # the last stage shares the loss with rank 0
+    return len(calls), sends + results
+
+
+def subgroup_pipelines(rank: int, members: list[list[int]]) -> float:
+    """Two pipelines of two ranks each on four processes; each trains on its own subgroup
+    and must match the single-device model."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group(m) for m in members]  # every process creates every group
+    mine = next(g for g, m in zip(groups, members, strict=True) if rank in m)
+    model = _model(seed=len(members[0]) + members[0][0])
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [4, 4], chunks=3, schedule="1f1b", group=mine)
+    torch.manual_seed(5)
+    x, y = torch.randn(9, 6), torch.randn(9, 3)
+    first = 0 in pipe.local_stages
+    loss = pipe.step(x if first else None, None if first else y, nn.MSELoss())
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    _local_grads_match(pipe, reference, f"group {members}")
+    return float(loss)

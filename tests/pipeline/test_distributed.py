@@ -4,28 +4,38 @@ from __future__ import annotations
 
 import pytest
 
+import schedules
 from pipeline.launch import RankFailed, spawn
 from tests.pipeline import dist_workers
 
 pytestmark = pytest.mark.dist
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1")
+SCHEDULES = schedules.available()
 MODES = ("never", "except_last", "always")
+
+
+def _balances(per_rank_layers: list[int]) -> dict[str, list[int]]:
+    """Per schedule, `per_rank_layers` split evenly over the stages each rank holds."""
+    out = {}
+    for s in SCHEDULES:
+        k = schedules.info(s).stages_per_rank
+        out[s] = [n // k + (i < n % k) for n in per_rank_layers for i in range(k)]
+    return out
 
 
 @pytest.mark.timeout(300)
 def test_two_ranks_every_schedule_and_mode() -> None:
     combos = [(s, c) for s in SCHEDULES for c in MODES]
-    balances = {s: [2, 2, 2, 2] if s == "interleaved" else [4, 4] for s in SCHEDULES}
-    assert spawn(dist_workers.equivalence, 2, combos, balances, timeout=280) == [30, 30]
+    assert spawn(dist_workers.equivalence, 2, combos, _balances([4, 4]),
+                 timeout=280) == [2 * len(combos)] * 2
 
 
 @pytest.mark.timeout(300)
 def test_three_and_four_ranks() -> None:
     combos = [(s, "except_last") for s in SCHEDULES]
-    three = {s: [1, 1, 1, 1, 2, 2] if s == "interleaved" else [3, 3, 2] for s in SCHEDULES}
-    assert spawn(dist_workers.equivalence, 3, combos, three, timeout=140) == [10] * 3
-    four = {s: [1] * 8 if s == "interleaved" else [2, 2, 2, 2] for s in SCHEDULES}
+    three = _balances([2, 3, 3])
+    assert spawn(dist_workers.equivalence, 3, combos, three, timeout=140) == [2 * len(combos)] * 3
+    four = _balances([2, 2, 2, 2])
     combos = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never")]
     assert spawn(dist_workers.equivalence, 4, combos, four, timeout=140) == [6] * 4
 
@@ -64,3 +74,15 @@ def test_killed_rank_is_named_by_the_others() -> None:
     for rank, (message, seconds) in survivors.items():
         assert "rank 1" in message, (rank, message)
         assert seconds < 20, (rank, seconds)
+
+
+def test_one_message_per_transfer_once_shapes_are_agreed() -> None:
+    for calls, expected in spawn(dist_workers.one_message_per_transfer, 2, timeout=60):
+        assert calls == expected
+
+
+@pytest.mark.parametrize("members", [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])
+def test_pipelines_on_subgroups_address_global_ranks(members: list[list[int]]) -> None:
+    losses = spawn(dist_workers.subgroup_pipelines, 4, members, timeout=90)
+    for group in members:  # both ranks of a pipeline return its loss
+        assert losses[group[0]] == losses[group[1]]

@@ -264,3 +264,49 @@ def test_timeline_exports() -> None:
     assert t.unit == "s" and len(t.events) == 8
     assert schedules.Timeline.from_json(t.to_json()) == t
     assert len([e for e in t.to_chrome_trace()["traceEvents"] if e["ph"] == "X"]) == 8
+
+
+def test_a_registered_generator_runs_by_its_metadata_alone() -> None:
+    # A looped GPipe with v stages per rank: Pipe learns v from the registry, not the name.
+    from schedules.registry import _GENERATORS
+
+    @schedules.register("test-looped-gpipe", stages_per_rank=2, stages_option="virtual")
+    def looped(num_ranks: int, num_microbatches: int, virtual: int = 2) -> schedules.Schedule:
+        p, m, n = num_ranks, num_microbatches, num_ranks * virtual
+        rows = tuple(
+            tuple(schedules.Action(s, schedules.Op.F, i) for s in range(r, n, p)
+                  for i in range(m))
+            + tuple(schedules.Action(s, schedules.Op.B, i) for s in reversed(range(r, n, p))
+                    for i in range(m))
+            for r in range(p))
+        return schedules.Schedule(p, n, m, rows, name="test-looped-gpipe")
+
+    try:
+        for balance in ([1, 1, 2, 2], [1, 1, 1, 1, 1, 1]):
+            model = _mlp()
+            reference = copy.deepcopy(model)
+            pipe = Pipe(model, balance, devices=["cpu", "cpu"], chunks=3,
+                        schedule="test-looped-gpipe")
+            assert pipe.num_ranks == 2 and len(pipe.local_stages) == len(balance)
+            x, y = torch.randn(7, 8), torch.randn(7, 8)
+            loss = pipe.step(x, y, nn.MSELoss())
+            expected = nn.MSELoss()(reference(x), y)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), **TOL)
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, **TOL)
+            stages = {e.action.stage for e in pipe.last_timeline().events if e.rank == 1}
+            assert stages == set(range(1, len(balance), 2))
+            pipe.close()
+    finally:
+        del _GENERATORS["test-looped-gpipe"]
+
+
+def test_schedules_are_built_once_per_shape() -> None:
+    pipe = Pipe(_mlp(), [3, 3], chunks=2)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, y, nn.MSELoss())
+    first = pipe._schedule(2, 1)
+    assert first.has_comms  # the runtime executes the lowered form
+    pipe.step(x, y, nn.MSELoss())
+    assert pipe._schedule(2, 1) is first

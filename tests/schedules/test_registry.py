@@ -69,3 +69,30 @@ def test_options_name_what_each_generator_takes() -> None:
     assert schedules.options("1f1b") == ()
     with pytest.raises(ScheduleError, match="unknown schedule"):
         schedules.options("nope")
+
+
+def test_generators_carry_what_a_runtime_needs() -> None:
+    inter, bw, one = (schedules.info(n) for n in ("interleaved", "2bw", "1f1b"))
+    assert (inter.stages_per_rank, inter.stages_option, inter.multi_batch) == (
+        2, "stages_per_rank", False)
+    assert (bw.stages_per_rank, bw.batches_option, bw.multi_batch) == (1, "num_batches", True)
+    assert one.options_for(stages_per_rank=1) == {}
+    assert inter.options_for(stages_per_rank=3) == {"stages_per_rank": 3}
+    assert bw.options_for(stages_per_rank=1, num_batches=4) == {"num_batches": 4}
+    with pytest.raises(ScheduleError, match="'1f1b' places 1 stage\\(s\\) per rank \\(got a "
+                                            "request for 2\\)"):
+        one.options_for(stages_per_rank=2)
+    with pytest.raises(ScheduleError, match="'1f1b' runs one batch at a time"):
+        one.options_for(stages_per_rank=1, num_batches=2)
+
+
+def test_metadata_must_name_real_options() -> None:
+    def gen(num_ranks: int, num_microbatches: int, depth: int = 2) -> schedules.Schedule:
+        raise AssertionError("never generated")
+
+    with pytest.raises(ValueError, match="stages_option='virtual' is not an option of gen "
+                                         "\\(its options: depth\\)"):
+        schedules.register("test-bad-meta", stages_option="virtual")(gen)
+    with pytest.raises(ValueError, match="stages_per_rank must be an int >= 1"):
+        schedules.register("test-bad-meta", stages_per_rank=0)
+    assert "test-bad-meta" not in schedules.available()
