@@ -1,6 +1,6 @@
 import copy
 import threading
-import time
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +17,16 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see test_trans
 def _mlp(n: int = 6, width: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)])
+
+def _step_matches(pipe: Pipe, model: nn.Module, reference: nn.Module, x: Any, y: Any) -> None:
+    """One pipe step leaves the loss and gradients a plain step of `reference` leaves."""
+    loss = pipe.step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
 
 
 # -- configuration errors
@@ -97,12 +107,7 @@ def test_embedding_ids_and_bool_mask_cross_stages(schedule: str) -> None:
     ids = torch.randint(0, 20, (9, 5))
     y = torch.randn(9, 5, 3)
     pipe = Pipe(model, [1, 2, 2], chunks=3, schedule=schedule, checkpoint="always")
-    loss = pipe.step(ids, y, nn.MSELoss())
-    expected = nn.MSELoss()(reference(ids), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), **TOL)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    _step_matches(pipe, model, reference, ids, y)
 
 
 # -- PipeDream-2BW
@@ -220,19 +225,20 @@ class _Boom(nn.Module):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_failure_in_a_middle_stage_names_it_and_hangs_nobody(schedule: str) -> None:
-    before = threading.active_count()
+    before = set(threading.enumerate())
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Boom(), nn.Linear(4, 4))
     pipe = Pipe(model, [1, 2, 1], chunks=3, schedule=schedule, timeout=30)
+    workers = {t for t in set(threading.enumerate()) - before if t.name.startswith("pipe-rank")}
+    assert len(workers) == 3
     with pytest.raises(PipelineError, match=r"rank 1 \(cpu\) failed at 1F2 \(forward of stage 1, "
                                             r"micro-batch 2\): ValueError: bad micro-batch"):
         pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss())
     # Nobody is left waiting: every rank's worker took the next step (9 rows: no bad chunk).
     assert torch.isfinite(pipe.step(torch.randn(9, 4), torch.randn(9, 4), nn.MSELoss()))
     pipe.close()
-    deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threading.active_count() == before
+    for t in workers:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in workers)
 
 
 def test_loss_must_be_a_scalar() -> None:
@@ -288,13 +294,7 @@ def test_a_registered_generator_runs_by_its_metadata_alone() -> None:
             pipe = Pipe(model, balance, devices=["cpu", "cpu"], chunks=3,
                         schedule="test-looped-gpipe")
             assert pipe.num_ranks == 2 and len(pipe.local_stages) == len(balance)
-            x, y = torch.randn(7, 8), torch.randn(7, 8)
-            loss = pipe.step(x, y, nn.MSELoss())
-            expected = nn.MSELoss()(reference(x), y)
-            expected.backward()
-            torch.testing.assert_close(loss, expected.detach(), **TOL)
-            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-                torch.testing.assert_close(p.grad, q.grad, **TOL)
+            _step_matches(pipe, model, reference, torch.randn(7, 8), torch.randn(7, 8))
             stages = {e.action.stage for e in pipe.last_timeline().events if e.rank == 1}
             assert stages == set(range(1, len(balance), 2))
             pipe.close()
