@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pipeline.transport import PipelineAborted, move
 from pipeline.waiting import Waiter, poll
 from schedules import Op, Schedule
-from schedules.lower import Message, message
+from schedules.lower import Message, message, source_stage
 
 __all__ = ["DistributedTransport", "PeerFailure"]
 
@@ -142,7 +142,7 @@ class DistributedTransport:
         for a in schedule.actions[self.rank]:
             if a.op in (Op.RECV_F, Op.RECV_B):
                 msg = message(a)
-                peer = schedule.rank_of(msg[1] - 1 if msg[0] == "F" else msg[1] + 1)
+                peer = schedule.rank_of(source_stage(msg))
                 self._expected.setdefault(peer, deque()).append(msg)
             elif a.op in (Op.SEND_F, Op.SEND_B):
                 msg = message(a)

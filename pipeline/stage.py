@@ -18,7 +18,7 @@ from pipeline.split_backward import WeightGrad, backward_input, backward_weight
 from pipeline.transport import Transport, move
 from pipeline.versions import WeightVersions
 from schedules import Action, Event, Op
-from schedules.lower import Message, message
+from schedules.lower import Message, message, source_stage
 
 __all__ = ["LossFn", "StageRuntime", "StepInputs", "StepResult"]
 
@@ -113,8 +113,7 @@ class StageRuntime:
 
     def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
         msg = message(action)
-        src = self.rank_of(msg[1] - 1 if msg[0] == "F" else msg[1] + 1)
-        self.transport.post(msg, src)
+        self.transport.post(msg, self.rank_of(source_stage(msg)))
 
     def _take(self, msg: Message, src_stage: int) -> tuple[Any, ...]:
         """The data `msg` carries: from this rank's own stage, or waited for from a peer."""
