@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from benchmarks.records import build_records
@@ -38,6 +40,15 @@ def test_evaluate_targets_on_the_reference_model() -> None:
     t = targets["ours / torch, 1f1b, p=2, m=4"]
     assert t.value == pytest.approx(1 / fakes.TORCH_FACTOR, rel=0.1) and t.met
     assert targets["ours / torch, gpipe, p=2, m=16"].status == "not measured"
+    cells = [targets[f"ours / torch, {s}, p=2, m={m}"].value for s in ("gpipe", "1f1b")
+             for m in (4, 8)]
+    median = targets["ours / torch, median of the gpipe and 1f1b cells above"]
+    assert median.value == pytest.approx(statistics.median(cells))  # type: ignore[type-var]
+    bound = {r["config"]["num_microbatches"]: r["ratios"]["efficiency_hardware_bound"]
+             for r in _records() if r["config"]["schedule"] == "1f1b"
+             and r["config"]["num_ranks"] == 2 and r["config"]["transport"] == "processes"}
+    cap = targets["share of 1F1B's cap (hardware bound x (m + 1) / m), p=2, m=8"]
+    assert cap.value == pytest.approx(bound[8] * 9 / 8)
     zb = targets["zb-h1 / 1f1b step time, p=2, m=8"]
     assert zb.value is not None and zb.value < 1 and zb.met  # zb-h1's unit-cost makespan wins
     assert targets["1-stage overhead (Pipe / plain, 1 thread), m=4"].value is not None
