@@ -82,11 +82,16 @@ def _parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]
     return out
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+def _raw_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = dtype.itemsize
     for d in shape:
         n *= d
-    return -(-n // _ALIGN) * _ALIGN
+    return n
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor takes in a message, padded so the next one stays aligned."""
+    return -(-_raw_bytes(dtype, shape) // _ALIGN) * _ALIGN
 
 
 def _size(meta: Meta | None) -> int:
@@ -266,9 +271,7 @@ class DistributedTransport:
                 flags.append(False)
                 continue
             dtype, grad, shape = entry
-            n = dtype.itemsize
-            for d in shape:
-                n *= d
+            n = _raw_bytes(dtype, shape)
             t = buf[offset:offset + n].view(_wire(dtype)).view(shape)
             values.append(t.view(torch.bool) if dtype == torch.bool else t)
             flags.append(grad)
