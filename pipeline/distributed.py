@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.microbatch import Packed
 from pipeline.transport import PipelineAborted, move
 from pipeline.waiting import Waiter, poll
 from schedules import Op, Schedule
@@ -33,7 +34,9 @@ __all__ = ["DistributedTransport", "PeerFailure"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
-_HEADER = 64  # int64 slots: [entries, (code, dtype, requires_grad, ndim, *shape) per entry]
+# int64 slots: [packed, entries, (code, dtype, requires_grad, ndim, *shape) per entry]; packed
+# is 1 when the value was itself a tuple (see microbatch.Packed), so a 1-tuple stays one.
+_HEADER = 64
 _FLAG = 8  # bytes of the flag that opens every message
 _ALIGN = 16
 _FAILED_KEY = "pipeline/failed"
@@ -47,7 +50,7 @@ class PeerFailure(RuntimeError):
 
 
 def _describe(values: tuple[Any, ...]) -> Meta:
-    meta = [len(values)]
+    meta = [int(isinstance(values, Packed)), len(values)]
     for i, v in enumerate(values):
         if v is None:
             meta += [0]
@@ -70,8 +73,8 @@ def _describe(values: tuple[Any, ...]) -> Meta:
 
 def _parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
     out: list[tuple[torch.dtype, bool, tuple[int, ...]] | None] = []
-    i = 1
-    for _ in range(meta[0]):
+    i = 2
+    for _ in range(meta[1]):
         if meta[i] == 0:
             out.append(None)
             i += 1
@@ -276,7 +279,8 @@ class DistributedTransport:
             values.append(t.view(torch.bool) if dtype == torch.bool else t)
             flags.append(grad)
             offset += _nbytes(dtype, shape)
-        return tuple(values), flags
+        packed = self._recv_meta[(src, msg)][0]
+        return (Packed(values) if packed else tuple(values)), flags
 
     def _finish_recv(self, work: Any, what: str, src: int) -> None:
         if self._polls:
@@ -364,8 +368,8 @@ class DistributedTransport:
 
 def _meta_length(header: list[int]) -> int:
     """How many slots of a zero-padded header `_describe` wrote."""
-    i = 1
-    for _ in range(header[0]):
+    i = 2
+    for _ in range(header[1]):
         i += 1 if header[i] == 0 else 4 + header[i + 3]
     return i
 

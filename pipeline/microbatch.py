@@ -2,21 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["MicroBatchError", "as_tuple", "batch_size", "gather", "scatter"]
+__all__ = ["MicroBatchError", "Packed", "as_tuple", "batch_size", "from_tuple", "gather", "like",
+           "scatter"]
 
 
 class MicroBatchError(ValueError):
     """A batch that cannot be split into the requested micro-batches."""
 
 
+class Packed(tuple):  # type: ignore[type-arg]
+    """The entries of a value that was itself a tuple.
+
+    A stage's inputs and outputs travel as tuples of entries. A plain tuple of one entry stands
+    for a bare value; a value that was a tuple travels as `Packed`, so a 1-tuple stays a 1-tuple
+    (as in nn.Sequential, where a layer returning `(t,)` hands the next layer a 1-tuple).
+    """
+
+    __slots__ = ()
+
+
 def as_tuple(value: Any) -> tuple[Any, ...]:
-    """A stage's inputs and outputs travel as tuples; a single value becomes a 1-tuple."""
-    return value if isinstance(value, tuple) else (value,)
+    """The entries `value` travels as: a tuple's own entries (`Packed`), else a 1-tuple."""
+    return Packed(value) if isinstance(value, tuple) else (value,)
+
+
+def from_tuple(values: tuple[Any, ...]) -> Any:
+    """The value `as_tuple` made `values` from: a plain tuple for `Packed`, else the entry."""
+    if isinstance(values, Packed) or len(values) != 1:
+        return tuple(values)
+    return values[0]
+
+
+def like(values: Sequence[Any], entries: Iterable[Any]) -> tuple[Any, ...]:
+    """`entries` with the structure of `values` (kept `Packed` if `values` was)."""
+    return Packed(entries) if isinstance(values, Packed) else tuple(entries)
 
 
 def batch_size(values: Sequence[Any]) -> int:
@@ -55,14 +79,14 @@ def scatter(value: Any, chunks: int) -> list[tuple[Any, ...]]:
         else [v] * chunks
         for v in values
     ]
-    return [tuple(p[i] for p in parts) for i in range(chunks)]
+    return [like(values, (p[i] for p in parts)) for i in range(chunks)]
 
 
 def gather(outputs: Sequence[tuple[Any, ...]]) -> Any:
     """Concatenate micro-batch outputs along dim 0 (non-tensors from the first micro-batch)."""
-    merged = tuple(
+    merged = like(outputs[0], (
         torch.cat([o[i] for o in outputs]) if isinstance(outputs[0][i], torch.Tensor)
         and outputs[0][i].dim() > 0 else outputs[0][i]
         for i in range(len(outputs[0]))
-    )
-    return merged[0] if len(merged) == 1 else merged
+    ))
+    return from_tuple(merged)

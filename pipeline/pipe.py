@@ -14,7 +14,7 @@ from pipeline import bootstrap, collectives
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.execute import Executor, PipelineError
-from pipeline.microbatch import batch_size, gather, scatter
+from pipeline.microbatch import as_tuple, batch_size, from_tuple, gather, like, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
 from pipeline.stage import LossFn, StepInputs, StepResult
@@ -258,9 +258,8 @@ class Pipe(nn.Module):
             parts = scatter(target, chunks)
             rows = [batch_size(p) for p in parts]
             weights = [r / sum(rows) for r in rows]
-            targets = [t[0] if len(t) == 1 else t
-                       for t in (tuple(v.to(device) if isinstance(v, torch.Tensor) else v
-                                       for v in part) for part in parts)]
+            targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
+                                              for v in part))) for part in parts]
         return inputs, targets, weights
 
     def _forward_only(self, chunks: int) -> Schedule:
@@ -346,6 +345,8 @@ class Pipe(nn.Module):
             raise
         if versioned:
             self._versions.close()
+        if result.input_grads:
+            _backprop([x for x, _ in pairs], result.input_grads, m)
         losses = None
         if result.losses:
             losses = torch.stack([torch.stack([result.losses[k]
@@ -407,6 +408,32 @@ class Pipe(nn.Module):
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
+
+
+def _backprop(batches: list[Any], grads: dict[int, tuple[torch.Tensor | None, ...]],
+              chunks: int) -> None:
+    """Hand each input tensor that requires grad its gradient, as the plain model's backward
+    would: into `.grad` of a leaf, on through the graph that made a non-leaf."""
+    tensors: list[torch.Tensor] = []
+    gradients: list[torch.Tensor] = []
+    for b, x in enumerate(batches):
+        for i, v in enumerate(as_tuple(x)):
+            if not (isinstance(v, torch.Tensor) and v.requires_grad):
+                continue
+            parts = [grads.get(b * chunks + k, ()) for k in range(chunks)]
+            per_mb = [p[i] if i < len(p) and p[i] is not None else None for p in parts]
+            if all(g is None for g in per_mb):
+                continue
+            if v.dim() == 0:  # not split: every micro-batch saw all of it
+                grad = sum(g.to(v.device) for g in per_mb if g is not None)
+            else:
+                pieces = torch.tensor_split(v, chunks)  # the rows `scatter` gave each
+                grad = torch.cat([g.to(v.device) if g is not None else torch.zeros_like(piece)
+                                  for g, piece in zip(per_mb, pieces, strict=True)])
+            tensors.append(v)
+            gradients.append(grad)  # type: ignore[arg-type]
+    if tensors:
+        torch.autograd.backward(tensors, gradients)
 
 
 def _step_seed() -> int:

@@ -9,14 +9,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from pipeline.checkpoint import RngReplay, recomputing, stage_seed
 from pipeline.memory import SavedBytes
-from pipeline.microbatch import as_tuple
+from pipeline.microbatch import as_tuple, from_tuple, like
 from pipeline.split_backward import WeightGrad, backward_input, backward_weight
 from pipeline.transport import Transport, move
-from pipeline.versions import WeightVersions
+from pipeline.versions import WeightVersions, call_with
 from schedules import Action, Event, Op
 from schedules.lower import Message, message, source_stage
 
@@ -46,6 +45,8 @@ class StepResult:
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    # First stage: the gradient of each micro-batch's input entries (None where none is needed).
+    input_grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +72,11 @@ class StageRuntime:
         self.num_stages = num_stages
         self.rank_of = rank_of
         self.transport = transport
+        # A stage whose first layer works in place gets a copy of its inputs: the received
+        # inputs are leaves that require grad (autograd forbids changing them in place) and a
+        # checkpointed micro-batch replays its forward from them.
+        self._copy_inputs = {s: getattr(_first_layer(m), "inplace", False) is True
+                             for s, m in stages.items()}
         self.rng = RngReplay(device)
         self.events: list[Event] = []
         self.peak_stashed = 0
@@ -135,9 +141,12 @@ class StageRuntime:
     # -- forward ------------------------------------------------------------------------------
     def _call(self, action: Action, inputs: tuple[Any, ...], step: StepInputs) -> tuple[Any, ...]:
         module = self.stages[action.stage]
+        if self._copy_inputs[action.stage]:
+            inputs = like(inputs, (v.clone() if isinstance(v, torch.Tensor)
+                                   and v.is_floating_point() else v for v in inputs))
         # As in nn.Sequential, a layer gets the previous output as one argument (a tuple stays
-        # a tuple): transported tuples are unpacked for transport only.
-        arg = inputs[0] if len(inputs) == 1 else inputs
+        # a tuple, a 1-tuple too): transported tuples are unpacked for transport only.
+        arg = from_tuple(inputs)
         if action.version is None:
             def fn() -> Any:
                 return module(arg)
@@ -146,13 +155,29 @@ class StageRuntime:
             weights = step.versions.weights(action.stage, action.version)
 
             def fn() -> Any:
-                return functional_call(module, weights, (arg,))
+                return call_with(module, weights, arg)
         seed = stage_seed(step.seed, action.stage, action.microbatch)
-        return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
+        try:
+            return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
+        except RuntimeError as exc:
+            if "in-place operation" not in str(exc) or "leaf Variable" not in str(exc):
+                raise
+            first = _first_layer(module)
+            raise RuntimeError(
+                f"stage {action.stage} starts with {type(first).__name__}, which changes its "
+                f"input in place; a stage's input is a leaf that requires grad, which autograd "
+                f"forbids changing in place. Give the layer an `inplace = True` attribute (Pipe "
+                f"then copies the input first, as for nn.ReLU(inplace=True)), make it out of "
+                f"place, or move the stage boundary: {exc}") from exc
 
     def _forward(self, action: Action, step: StepInputs, result: StepResult) -> None:
         s, m = action.stage, action.microbatch
-        inputs = move(step.inputs[m], self.device) if s == 0 else self._take(("F", s, m), s - 1)
+        if s == 0:  # the caller's tensors that require grad get theirs: see Pipe._backprop
+            given = step.inputs[m]
+            inputs = move(given, self.device, grad_flags=[
+                isinstance(v, torch.Tensor) and v.requires_grad for v in given])
+        else:
+            inputs = self._take(("F", s, m), s - 1)
         train = step.loss_fn is not None
         keep_graph = train and not step.checkpointed[m]
         saved = SavedBytes()
@@ -165,8 +190,8 @@ class StageRuntime:
         last = s == self.num_stages - 1
         if not train:
             if last:
-                result.outputs[m] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
-                                          for o in outputs)
+                result.outputs[m] = like(outputs, (o.detach() if isinstance(o, torch.Tensor)
+                                                   else o for o in outputs))
             else:
                 self._give(("F", s + 1, m), outputs)
             return
@@ -179,9 +204,9 @@ class StageRuntime:
         else:
             # Run without a graph, nothing requires grad; the replay will. Mark floating
             # outputs so the next stage still computes (and returns) their gradients.
-            self._give(("F", s + 1, m), tuple(
+            self._give(("F", s + 1, m), like(outputs, (
                 o.detach().requires_grad_(True) if isinstance(o, torch.Tensor)
-                and o.is_floating_point() else o for o in outputs))
+                and o.is_floating_point() else o for o in outputs)))
         input_bytes = sum(t.numel() * t.element_size() for t in inputs
                           if isinstance(t, torch.Tensor))
         self._stash[(s, m)] = _Stash(inputs, outputs if keep_graph else None, loss)
@@ -192,8 +217,7 @@ class StageRuntime:
 
     def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
         assert step.loss_fn is not None and step.targets is not None
-        out = outputs[0] if len(outputs) == 1 else outputs
-        loss = step.loss_fn(out, step.targets[m])
+        loss = step.loss_fn(from_tuple(outputs), step.targets[m])
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(
                 f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "
@@ -234,6 +258,8 @@ class StageRuntime:
             input_grads, stash.weight_grad = backward_input(roots, grads, stash.inputs, params)
         if s > 0:
             self._give(("B", s - 1, m), tuple(input_grads))
+        elif any(g is not None for g in input_grads):
+            result.input_grads[m] = tuple(input_grads)
 
     def _params(self, action: Action, step: StepInputs) -> list[torch.Tensor]:
         if action.version is None:
@@ -254,3 +280,8 @@ class StageRuntime:
     def _update(self, action: Action, step: StepInputs, result: StepResult) -> None:
         assert step.versions is not None, f"{action} needs weight versions"
         step.versions.update(action.stage, action.microbatch)
+
+
+def _first_layer(stage: nn.Module) -> nn.Module:
+    """The layer that receives a stage's input (the stage itself if it is not a Sequential)."""
+    return stage[0] if isinstance(stage, nn.Sequential) and len(stage) else stage

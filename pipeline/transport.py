@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeline.microbatch import like
 from schedules import Schedule
 from schedules.lower import Message
 
@@ -59,7 +60,7 @@ def move(values: Sequence[Any], device: torch.device, *, grad_flags: Sequence[bo
             if grad_flags is not None and grad_flags[i]:
                 v.requires_grad_(True)
         out.append(v)
-    return tuple(out)
+    return like(values, out)
 
 
 class LocalTransport:

@@ -9,13 +9,36 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WeightVersions"]
+__all__ = ["WeightVersions", "call_with"]
 
 Weights = dict[str, torch.Tensor]
 
 
 def _copy(named: Iterable[tuple[str, torch.Tensor]]) -> Weights:
     return {name: t.detach().clone().requires_grad_(t.requires_grad) for name, t in named}
+
+
+def call_with(module: nn.Module, weights: Weights, arg: Any) -> Any:
+    """`module(arg)` computed with `weights` (keyed as `module.named_parameters()` names them) in
+    place of its parameters.
+
+    The swap is by parameter identity, in every module that holds the parameter, so a module
+    used twice in a stage (tied weights) sees the version under both uses; `functional_call`
+    would leave the second use on the live parameter and leak gradient into it.
+    """
+    by_id = {id(p): weights[name] for name, p in module.named_parameters()}
+    swapped: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for mod in module.modules():
+            for key, p in mod._parameters.items():
+                if p is not None and id(p) in by_id:
+                    swapped.append((mod, key, p))
+                    # A plain tensor where a Parameter stood: what functional_call does too.
+                    mod._parameters[key] = by_id[id(p)]  # type: ignore[assignment]
+        return module(arg)
+    finally:
+        for mod, key, p in reversed(swapped):
+            mod._parameters[key] = p
 
 
 class WeightVersions:

@@ -196,3 +196,36 @@ def subgroup_pipelines(rank: int, members: list[list[int]]) -> float:
     torch.testing.assert_close(loss, expected.detach(), **TOL)
     _local_grads_match(pipe, reference, f"group {members}")
     return float(loss)
+
+
+class _Pack(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x,)
+
+
+class _Unpack(nn.Module):
+    def forward(self, t: tuple[torch.Tensor]) -> torch.Tensor:
+        assert isinstance(t, tuple), f"expected a 1-tuple, got {type(t).__name__}"
+        return t[0] * 2
+
+
+def structure_and_input_grads(rank: int) -> bool:
+    """A 1-tuple crosses the process boundary as a 1-tuple, and the input's gradient reaches
+    `x.grad` on the rank that holds the input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Pack(), _Unpack(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2], chunks=3, schedule="1f1b")
+    x = torch.randn(6, 4, requires_grad=True)
+    y = torch.randn(6, 2)
+    x_ref = x.detach().clone().requires_grad_()
+    pipe.step(x if rank == 0 else None, y if rank == 1 else None, nn.MSELoss())
+    nn.MSELoss()(reference(x_ref), y).backward()
+    _local_grads_match(pipe, reference, "structure")
+    if rank == 0:
+        assert x.grad is not None, "the input's gradient was not filled"
+        torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    out = pipe(x.detach() if rank == 0 else None)
+    if rank == 1:
+        torch.testing.assert_close(out, reference(x).detach(), **TOL)
+    return True

@@ -86,3 +86,7 @@ def test_pipelines_on_subgroups_address_global_ranks(members: list[list[int]]) -
     losses = spawn(dist_workers.subgroup_pipelines, 4, members, timeout=90)
     for group in members:  # both ranks of a pipeline return its loss
         assert losses[group[0]] == losses[group[1]]
+
+
+def test_one_tuples_and_input_gradients_across_processes() -> None:
+    assert spawn(dist_workers.structure_and_input_grads, 2, timeout=60) == [True, True]
