@@ -3,9 +3,9 @@
 Every forward of stage s on micro-batch m runs under a generator seeded from (step seed, s, m),
 so dropout masks depend on neither the schedule, nor the recompute mode, nor thread timing.
 A checkpointed forward keeps only its inputs and is replayed under the same seed right before
-its backward. The CPU generator is one per process, shared by every worker thread: stages that
-draw from it run their forward under a lock (found out on their first forward), the others
-run freely. CUDA stages use their own device's generator, touched by their thread alone.
+its backward. A device's generator is shared by every worker thread on that device (the CPU
+generator by all CPU ranks, a GPU's by the ranks placed on it): stages that draw from it run
+their forward under that device's lock (found out on their first forward), the others freely.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ CHECKPOINT_MODES = ("never", "except_last", "always")
 T = TypeVar("T")
 _state = threading.local()
 _CPU_RNG_LOCK = threading.Lock()
+_CUDA_RNG_LOCKS: dict[int, threading.Lock] = {}  # per CUDA device index
 
 
 def is_recomputing() -> bool:
@@ -51,37 +52,42 @@ def stage_seed(step_seed: int, stage: int, microbatch: int) -> int:
 
 
 class RngReplay:
-    """Runs a stage's forward under its (step, stage, micro-batch) seed on one device."""
+    """Runs a stage's forward under its (step, stage, micro-batch) seed on one device.
+
+    The generator is the device's own (the process's CPU generator, or the CUDA device's), and
+    ranks that share a device share it: a forward that draws from it holds that device's lock
+    from seeding to restoring, so no other rank's draws interleave and the same seed gives the
+    same masks whatever the thread timing. Whether a forward draws at all is found out on its
+    first run (the generator's state moved); forwards that never draw run without the lock.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # (stage, training mode) -> whether that forward draws from the CPU generator.
-        self._uses_cpu_rng: dict[tuple[int, bool], bool] = {}
+        # (stage, training mode) -> whether that forward draws from the device's generator.
+        self._draws: dict[tuple[int, bool], bool] = {}
 
     def run(self, key: tuple[int, bool], seed: int, fn: Callable[[], T]) -> T:
-        if self.device.type == "cuda":
-            return self._run_cuda(seed, fn)
-        if self._uses_cpu_rng.get(key) is False:
+        if self._draws.get(key) is False:
             return fn()
-        with _CPU_RNG_LOCK:
-            generator = torch.default_generator
+        generator, lock = _generator(self.device)
+        with lock:
             saved = generator.get_state()
             generator.manual_seed(seed)
-            seeded = generator.get_state() if key not in self._uses_cpu_rng else None
+            seeded = generator.get_state() if key not in self._draws else None
             try:
                 out = fn()
                 if seeded is not None:
-                    self._uses_cpu_rng[key] = not torch.equal(seeded, generator.get_state())
+                    self._draws[key] = not torch.equal(seeded, generator.get_state())
             finally:
                 generator.set_state(saved)
         return out
 
-    def _run_cuda(self, seed: int, fn: Callable[[], T]) -> T:
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        generator = torch.cuda.default_generators[index]
-        saved = generator.get_state()
-        generator.manual_seed(seed)
-        try:
-            return fn()
-        finally:
-            generator.set_state(saved)
+
+def _generator(device: torch.device) -> tuple[torch.Generator, threading.Lock]:
+    """The default generator of `device` and the lock its users share."""
+    if device.type != "cuda":
+        return torch.default_generator, _CPU_RNG_LOCK
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _CPU_RNG_LOCK:
+        lock = _CUDA_RNG_LOCKS.setdefault(index, threading.Lock())
+    return torch.cuda.default_generators[index], lock

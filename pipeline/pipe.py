@@ -7,11 +7,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import schedules
 from pipeline import bootstrap, collectives
 from pipeline.checkpoint import CHECKPOINT_MODES
+from pipeline.context import CallerState
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.execute import Executor, PipelineError
 from pipeline.microbatch import as_tuple, batch_size, from_tuple, gather, like, scatter
@@ -229,7 +231,13 @@ class Pipe(nn.Module):
     # -- running --------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, step: StepInputs) -> StepResult:
         result = StepResult()
+        devices = [rt.device for rt in self._executor.runtimes]
+        for d in {d for d in devices if d.type == "cuda"}:
+            torch.cuda.reset_peak_memory_stats(d)
         self._timeline, self._stats = self._executor.run(schedule, step, result, self.checkpoint)
+        for stats, d in zip(self._stats, devices, strict=True):
+            if d.type == "cuda":  # ranks sharing a device report that device's peak
+                stats["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(d)
         return result
 
     def _share(self, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -279,45 +287,60 @@ class Pipe(nn.Module):
         """
         inputs, _, _ = self._context(x, None, None, self.chunks)
         step = StepInputs(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
-                          _step_seed())
+                          _step_seed(), caller=CallerState.capture())
         with torch.no_grad():
             result = self._run(self._forward_only(self.chunks), step)
         if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
         return gather([result.outputs[m] for m in range(self.chunks)])
 
-    def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+    def step(self, x: Any, target: Any, loss_fn: LossFn, *, scaler: Any = None) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the batch's mean loss.
 
         Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
         (accumulating onto what is there), for `loss_fn` reducing by mean. With `schedule="2bw"`
-        the gradients are taken at the previous step's weights (PipeDream-2BW).
+        the gradients are taken at the previous step's weights (PipeDream-2BW). Runs under the
+        caller's autocast. With a `torch.amp.GradScaler`, each micro-batch's loss is scaled
+        before its backward (the returned loss is not): `scaler.step(optimizer)` and
+        `scaler.update()` follow as in plain training.
         """
-        return self._steps([(x, target)], loss_fn, None)[0]
+        return self._steps([(x, target)], loss_fn, None, scaler)[0]
 
     def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
-                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+                  optimizer: torch.optim.Optimizer, *, scaler: Any = None
+                  ) -> list[torch.Tensor]:
         """Train on several batches, calling `optimizer.step()` after each; returns the losses.
 
         Under a multi-batch schedule (`2bw`) the batches run as one schedule without a flush,
         each stage updating its weights right after its share of each batch (numerically the
         same as `step` followed by `optimizer.step()` and `optimizer.zero_grad()`, batch after
-        batch). Other schedules run one batch at a time. Gradients are left cleared (None).
+        batch). Other schedules run one batch at a time, and take a `scaler` (GradScaler) as
+        `step` does, stepping through it. Gradients are left cleared (None).
         """
         pairs = list(batches)
         if not self.multi_batch:
             losses = []
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(self.step(x, target, loss_fn))
-                optimizer.step()
+                losses.append(self.step(x, target, loss_fn, scaler=scaler))
+                if scaler is None:
+                    optimizer.step()
+                else:
+                    scaler.step(optimizer)
+                    scaler.update()
             optimizer.zero_grad(set_to_none=True)
             return losses
+        if scaler is not None:
+            raise PipeConfigError(
+                f"schedule {self._probe.name!r} steps the optimizer inside the schedule, where "
+                f"a GradScaler cannot skip a step: train it in fp32 or bf16 (no scaler), or "
+                f"use pipe.step with a flushing schedule")
         optimizer.zero_grad(set_to_none=True)
         return self._steps(pairs, loss_fn, optimizer)
 
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
-               optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+               optimizer: torch.optim.Optimizer | None, scaler: Any = None
+               ) -> list[torch.Tensor]:
         m = self.chunks
         schedule = self._schedule(m, len(pairs))
         inputs: list[tuple[Any, ...]] = []
@@ -334,7 +357,8 @@ class Pipe(nn.Module):
         versioned = any(a.version is not None for row in schedule.actions for a in row)
         step = StepInputs(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
                           versions=self._versions if versioned else None,
-                          track_memory=self.track_memory)
+                          track_memory=self.track_memory, caller=CallerState.capture(),
+                          scaler=scaler if scaler is not None and scaler.is_enabled() else None)
         if versioned:
             self._versions.open(len(pairs), optimizer)
         try:
@@ -347,6 +371,8 @@ class Pipe(nn.Module):
             self._versions.close()
         if result.input_grads:
             _backprop([x for x, _ in pairs], result.input_grads, m)
+        if step.scaler is not None and self.world:
+            self._agree_on_overflow(step.scaler)
         losses = None
         if result.losses:
             losses = torch.stack([torch.stack([result.losses[k]
@@ -355,6 +381,25 @@ class Pipe(nn.Module):
         shared = self._share(losses, (len(pairs),))
         assert shared is not None
         return list(shared.unbind())
+
+    def _agree_on_overflow(self, scaler: Any) -> None:
+        """Multi-process with a GradScaler: if any rank's gradients overflowed, every rank's
+        scaler must skip the step. A rank whose own gradients are finite marks one of them
+        inf, so its `scaler.step` skips and its `scaler.update` backs off like the others."""
+        assert self.world is not None
+        device = self.devices[self.world[0]]
+        scaler.scale(torch.zeros((), device=device))  # ranks without the loss start the scale
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = torch.zeros(1, device=device)
+        if grads and not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+            local.fill_(1.0)
+        try:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as exc:
+            raise PipelineError(f"rank {self.world[0]}: could not agree on gradient overflow "
+                                f"with the other ranks: {exc}") from exc
+        if local.item() and grads and all(bool(g.isfinite().all()) for g in grads):
+            grads[0].view(-1)[0] = float("inf")
 
     def close(self) -> None:
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.checkpoint import RngReplay, recomputing, stage_seed
+from pipeline.context import CallerState
 from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple, from_tuple, like
 from pipeline.split_backward import WeightGrad, backward_input, backward_weight
@@ -36,6 +37,8 @@ class StepInputs:
     seed: int
     versions: WeightVersions | None = None  # versioned (2BW) schedules
     track_memory: bool = False
+    caller: CallerState = field(default_factory=CallerState)  # autocast, inference mode
+    scaler: Any = None  # a torch.amp.GradScaler: each micro-batch's loss is scaled for backward
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -99,6 +102,10 @@ class StageRuntime:
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox):
             store.clear()
+        with step.caller.step():
+            self._run(actions, step, result)
+
+    def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         events, t0, clock = self.events, step.t0, time.perf_counter
         for action in actions:
             self.current = action
@@ -158,7 +165,8 @@ class StageRuntime:
                 return call_with(module, weights, arg)
         seed = stage_seed(step.seed, action.stage, action.microbatch)
         try:
-            return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
+            with step.caller.forward():
+                return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
         except RuntimeError as exc:
             if "in-place operation" not in str(exc) or "leaf Variable" not in str(exc):
                 raise
@@ -217,7 +225,8 @@ class StageRuntime:
 
     def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
         assert step.loss_fn is not None and step.targets is not None
-        loss = step.loss_fn(from_tuple(outputs), step.targets[m])
+        with step.caller.forward():  # plain training computes the loss under autocast too
+            loss = step.loss_fn(from_tuple(outputs), step.targets[m])
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(
                 f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "
@@ -240,7 +249,8 @@ class StageRuntime:
         assert stash.outputs is not None
         if s == self.num_stages - 1:
             assert stash.loss is not None
-            roots: list[torch.Tensor] = [stash.loss]
+            roots: list[torch.Tensor] = [stash.loss if step.scaler is None
+                                         else step.scaler.scale(stash.loss)]
             grads: list[torch.Tensor] = [torch.ones_like(stash.loss)]
         else:
             incoming = self._take(("B", s, m), s + 1)

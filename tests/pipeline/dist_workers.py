@@ -229,3 +229,21 @@ def structure_and_input_grads(rank: int) -> bool:
     if rank == 1:
         torch.testing.assert_close(out, reference(x).detach(), **TOL)
     return True
+
+
+def scaler_overflow(rank: int) -> tuple[bool, float]:
+    """Only the last rank's gradients overflow; every rank's GradScaler must skip the step and
+    back off alike. Returns (weights unchanged, new scale)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[2].weight.register_hook(lambda g: g * float("inf"))
+    pipe = Pipe(model, [2, 1], chunks=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    pipe.step(x, y, nn.MSELoss(), scaler=scaler)
+    scaler.step(optimizer)
+    scaler.update()
+    same = all(torch.equal(p, b) for p, b in zip(pipe.parameters(), before, strict=True))
+    return same, scaler.get_scale()

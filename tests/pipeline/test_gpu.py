@@ -63,3 +63,65 @@ def test_nccl_two_ranks() -> None:
     balances = {"1f1b": [4, 4], "zb-h1": [4, 4], "interleaved": [2, 2, 2, 2]}
     assert spawn(dist_workers.equivalence, 2, combos, balances, backend="nccl",
                  timeout=200) == [6, 6]
+
+
+def _shared_gpu_pipe(model: nn.Module, **kwargs: object) -> Pipe:
+    n = min(2, torch.cuda.device_count())
+    return Pipe(model, [2, 1], devices=[f"cuda:{i % n}" for i in range(2)], chunks=3,
+                **kwargs)  # type: ignore[arg-type]
+
+
+def test_bf16_autocast_on_cuda_matches_the_plain_model() -> None:
+    _gpus(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    reference = copy.deepcopy(model).cuda()
+    pipe = _shared_gpu_pipe(model)
+    x, y = torch.randn(12, 32, device="cuda"), torch.randn(12, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, expected_out = pipe(x), reference(x)
+        loss = pipe.step(x, y, nn.MSELoss())
+        expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    assert out.dtype == expected_out.dtype == torch.bfloat16
+    bf16 = {"rtol": 1.6e-2, "atol": 1e-2}  # see tests/pipeline/test_amp.py
+    torch.testing.assert_close(out.to(expected_out.device), expected_out, **bf16)
+    torch.testing.assert_close(loss.cpu(), expected.detach().cpu(), **bf16)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), **bf16)
+
+
+def test_fp16_grad_scaler_on_cuda() -> None:
+    _gpus(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    pipe = _shared_gpu_pipe(model)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(12, 32, device="cuda"), torch.randn(12, 8, device="cuda")
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            losses.append(pipe.step(x, y, nn.MSELoss(), scaler=scaler).item())
+        scaler.step(optimizer)
+        scaler.update()
+    assert losses[-1] < losses[0]
+    model[2].weight.register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = scaler.get_scale()
+    with torch.autocast("cuda", dtype=torch.float16):
+        pipe.step(x, y, nn.MSELoss(), scaler=scaler)
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == scale / 2
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_memory_stats_report_cuda_peaks() -> None:
+    _gpus(1)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    pipe = _shared_gpu_pipe(model)
+    pipe.step(torch.randn(64, 256), torch.randn(64, 256), nn.MSELoss())
+    stats = pipe.memory_stats()
+    assert all(s["peak_allocated_bytes"] >= 64 * 1024 * 4 for s in stats)  # the hidden layer
