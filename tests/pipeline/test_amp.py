@@ -1,4 +1,4 @@
-"""Mixed precision through Pipe: the caller's autocast and inference mode, GradScaler, RNG replay."""
+"""Mixed precision through Pipe: the caller's autocast and inference mode, GradScaler, RNG."""
 
 import copy
 
