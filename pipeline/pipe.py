@@ -449,6 +449,30 @@ class Pipe(nn.Module):
             state_dict = {k: v for k, v in state_dict.items() if k in mine}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def training_state(self) -> dict[str, Any]:
+        """Everything this rank needs to resume training bit-identically, beside the optimizer's
+        own `state_dict()`: the parameters and buffers (the model's keys), PipeDream-2BW's
+        previous weights, and the random state the next step's seed is drawn from (torch's
+        global generators). Multi-process, each rank saves and loads its own."""
+        return {
+            "model": dict(self.state_dict()),
+            "weight_versions": {s: dict(w) for s, w in self._versions.previous.items()},
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore what `training_state()` saved (then load the optimizer's state yourself)."""
+        missing = {"model", "weight_versions", "rng_cpu", "rng_cuda"} - set(state)
+        if missing:
+            raise PipeConfigError(f"not a Pipe training state: it lacks {sorted(missing)} "
+                                  f"(save one with pipe.training_state())")
+        self.load_state_dict(state["model"])
+        self._versions.load_previous(state["weight_versions"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"]:
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+
     def extra_repr(self) -> str:
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "

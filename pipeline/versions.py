@@ -114,3 +114,18 @@ class WeightVersions:
         """Per stage, the weights the next step computes its first batch with (empty before
         the first step)."""
         return self._previous
+
+    def load_previous(self, previous: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restore `previous` (from a saved training state) onto the stages' devices."""
+        unknown = sorted(set(previous) - set(self._modules))
+        if unknown:
+            raise ValueError(f"the saved weight versions are for stages {unknown}, which this "
+                             f"pipeline (stages {sorted(self._modules)}) does not hold")
+        restored: dict[int, Weights] = {}
+        for s, weights in previous.items():
+            live = dict(self._modules[s].named_parameters())
+            if set(weights) != set(live):
+                raise ValueError(f"the saved weight versions of stage {s} have keys "
+                                 f"{sorted(weights)}, the stage has {sorted(live)}")
+            restored[s] = _copy((name, t.to(live[name].device)) for name, t in weights.items())
+        self._previous = restored

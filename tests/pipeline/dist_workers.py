@@ -247,3 +247,33 @@ def scaler_overflow(rank: int) -> tuple[bool, float]:
     scaler.update()
     same = all(torch.equal(p, b) for p, b in zip(pipe.parameters(), before, strict=True))
     return same, scaler.get_scale()
+
+
+def resume(rank: int, schedule: str) -> bool:
+    """Each rank saves its own training state mid-run; a fresh Pipe that loads it continues
+    bit-identically to the run that never stopped."""
+    def fresh(seed: int) -> tuple[Pipe, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.3), nn.Tanh(), nn.Linear(12, 3))
+        pipe = Pipe(model, [2, 2], chunks=2, schedule=schedule, checkpoint="always")
+        return pipe, torch.optim.Adam(pipe.parameters(), lr=0.01)
+
+    def train(pipe: Pipe, opt: torch.optim.Optimizer, batches: list[Any]) -> None:
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            pipe.step(x, y, nn.MSELoss())
+            opt.step()
+
+    torch.manual_seed(42)
+    batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(4)]
+    pipe, opt = fresh(0)
+    train(pipe, opt, batches)
+    expected = [p.detach().clone() for p in pipe.parameters()]
+    pipe, opt = fresh(0)
+    train(pipe, opt, batches[:2])
+    saved = copy.deepcopy({"pipe": pipe.training_state(), "optimizer": opt.state_dict()})
+    pipe, opt = fresh(5)
+    pipe.load_training_state(saved["pipe"])
+    opt.load_state_dict(saved["optimizer"])
+    train(pipe, opt, batches[2:])
+    return all(torch.equal(p, e) for p, e in zip(pipe.parameters(), expected, strict=True))

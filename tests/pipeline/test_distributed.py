@@ -90,3 +90,8 @@ def test_pipelines_on_subgroups_address_global_ranks(members: list[list[int]]) -
 
 def test_one_tuples_and_input_gradients_across_processes() -> None:
     assert spawn(dist_workers.structure_and_input_grads, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_resume_across_processes_is_bit_identical(schedule: str) -> None:
+    assert spawn(dist_workers.resume, 2, schedule, timeout=60) == [True, True]
