@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.config import SUITES, Group, groups, narrow, num_units
+from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.harness import Measured, merge_ranks, resolve_balances, roles, run_rank
 from benchmarks.plots import write_plots
@@ -82,7 +82,8 @@ def _device(choice: str) -> str:
 
 def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[str, Timeline],
                   env: dict[str, Any], *, suite: str, command: str,
-                  failures: Sequence[str] = (), plots: bool = True) -> list[Path]:
+                  failures: Sequence[str] = (), notes: Sequence[str] = (),
+                  plots: bool = True) -> list[Path]:
     """results.jsonl (one record per line), environment.json, timelines/*.json, report.md and
     plots/; returns what was written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[
     (out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
     report = out / "report.md"
     report.write_text(render_markdown(records, env, suite=suite, command=command,
-                                      failures=failures))
+                                      failures=failures, notes=notes))
     written += [results, out / "environment.json", report]
     if plots and records:
         written += write_plots(out / "plots", records, timelines)
@@ -119,9 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 2
     chosen = groups(suite, device=device)
+    notes: list[str] = []
     if device == "cuda":
-        usable = torch.cuda.device_count()
-        chosen = [g for g in chosen if g.num_ranks <= usable]
+        chosen, notes = fit_to_gpus(chosen, torch.cuda.device_count())
     if not chosen:
         print("python -m benchmarks: nothing to run with these filters", file=sys.stderr)
         return 2
@@ -145,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timelines[record["id"]] = timeline
     command = "python -m benchmarks " + " ".join(argv)
     write_outputs(args.out, records, timelines, env, suite=suite.name, command=command.strip(),
-                  failures=failures, plots=not args.no_plots)
+                  failures=failures, notes=notes, plots=not args.no_plots)
     print(f"{len(records)} configurations measured; report: {args.out / 'report.md'}, "
           f"records: {args.out / 'results.jsonl'}")
     return 1 if failures else 0

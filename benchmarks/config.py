@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 from benchmarks.models import get_model
 from schedules import info
 
-__all__ = ["SUITES", "TRANSPORTS", "Group", "Suite", "groups", "narrow", "num_units",
-           "stages_per_rank"]
+__all__ = ["SUITES", "TRANSPORTS", "Group", "Suite", "fit_to_gpus", "groups", "narrow",
+           "num_units", "stages_per_rank"]
 
 TRANSPORTS = ("threads", "processes")
 _ONE_RANK_SCHEDULES = ("gpipe", "1f1b")  # with one stage the others say nothing new
@@ -129,6 +129,31 @@ def groups(suite: Suite, *, device: str = "cpu") -> list[Group]:
                 out.append(Group(name, method, p, suite.transports, chosen, mbs,
                                  suite.warmup, suite.repeats, device))
     return out
+
+
+def fit_to_gpus(groups_: Sequence[Group], num_gpus: int) -> tuple[list[Group], list[str]]:
+    """What `num_gpus` GPUs can run, and a note for each thing left out.
+
+    One process per rank needs a GPU per rank (NCCL cannot put two ranks on one device), so
+    groups with more ranks than GPUs keep only their threads pipeline, whose ranks share the
+    GPUs (rank r on cuda:r mod num_gpus), beside the plain model; without a threads transport
+    the group is skipped.
+    """
+    kept: list[Group] = []
+    notes: list[str] = []
+    for g in groups_:
+        if g.num_ranks <= num_gpus or "processes" not in g.transports:
+            kept.append(g)
+            continue
+        why = (f"{g.name}: one process per rank needs {g.num_ranks} GPUs and {num_gpus} "
+               f"{'is' if num_gpus == 1 else 'are'} here")
+        if "threads" in g.transports:
+            kept.append(replace(g, transports=("threads",)))
+            notes.append(f"{why}: the multi-process pipelines (ours and torch's) are skipped; "
+                         f"the threads pipeline shares the GPU(s)")
+        else:
+            notes.append(f"{why}: skipped")
+    return kept, notes
 
 
 def num_units(groups_: Sequence[Group]) -> int:

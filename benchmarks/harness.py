@@ -241,8 +241,9 @@ class _Process:
         p = group.num_ranks
         self.rank = rank if self.role == "pipe" else 0
         cuda = group.device == "cuda"
-        self.devices = [torch.device("cuda", r) if cuda else torch.device("cpu")
-                        for r in range(p)]
+        # More ranks than GPUs happens with threads only (config.fit_to_gpus): they share.
+        self.devices = [torch.device("cuda", r % torch.cuda.device_count()) if cuda
+                        else torch.device("cpu") for r in range(p)]
         self.device = self.devices[self.rank]
         torch.set_num_threads((os.cpu_count() or 1) if self.role == "plain:all" else 1)
         if cuda and self.role == "pipe":

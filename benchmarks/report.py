@@ -189,7 +189,8 @@ def _baselines(records: Sequence[Record]) -> str:
 
 
 def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
-                    suite: str, command: str, failures: Sequence[str] = ()) -> str:
+                    suite: str, command: str, failures: Sequence[str] = (),
+                    notes: Sequence[str] = ()) -> str:
     """The whole report: environment, targets, then per model its results and baselines."""
     env = environment
     out = [f"# Benchmark results: suite `{suite}`", "",
@@ -211,6 +212,8 @@ def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
                 *(t.row() for t in targets), ""]
     if failures:
         out += ["## Failures", "", *(f"- {f}" for f in failures), ""]
+    if notes:
+        out += ["## Not run here", "", *(f"- {n}" for n in notes), ""]
     for model in dict.fromkeys(r["config"]["model"] for r in records):
         for method in dict.fromkeys(r["config"]["balance_method"] for r in records
                                     if r["config"]["model"] == model):

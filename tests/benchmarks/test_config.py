@@ -58,3 +58,16 @@ def test_groups_skip_what_cannot_run() -> None:
     (g,) = groups(s)
     assert "interleaved" not in g.schedules and g.microbatches == (4,)
     assert stages_per_rank("interleaved") == 2 and stages_per_rank("1f1b") == 1
+
+
+def test_one_gpu_keeps_the_threads_pipeline_and_says_what_it_skips() -> None:
+    from benchmarks.config import SUITES, fit_to_gpus, groups
+
+    chosen = groups(SUITES["quick"], device="cuda")
+    kept, notes = fit_to_gpus(chosen, 1)
+    assert {g.num_ranks for g in kept} == {1, 2}
+    assert all(g.transports == ("threads",) for g in kept if g.num_ranks == 2)
+    assert all(g.transports == tuple(SUITES["quick"].transports) for g in kept
+               if g.num_ranks == 1)
+    assert notes and all("needs 2 GPUs and 1 is here" in n for n in notes)
+    assert fit_to_gpus(chosen, 2) == (list(chosen), [])
