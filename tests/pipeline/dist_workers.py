@@ -198,12 +198,16 @@ def subgroup_pipelines(rank: int, members: list[list[int]]) -> float:
     return float(loss)
 
 
-class _Pack(nn.Module):
+class Pack(nn.Module):
+    """Returns its input wrapped in a 1-tuple."""
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         return (x,)
 
 
-class _Unpack(nn.Module):
+class Unpack(nn.Module):
+    """Takes a 1-tuple and doubles its element; a bare tensor here would be indexed by row."""
+
     def forward(self, t: tuple[torch.Tensor]) -> torch.Tensor:
         assert isinstance(t, tuple), f"expected a 1-tuple, got {type(t).__name__}"
         return t[0] * 2
@@ -213,7 +217,7 @@ def structure_and_input_grads(rank: int) -> bool:
     """A 1-tuple crosses the process boundary as a 1-tuple, and the input's gradient reaches
     `x.grad` on the rank that holds the input."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), _Pack(), _Unpack(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), Pack(), Unpack(), nn.Linear(4, 2))
     reference = copy.deepcopy(model)
     pipe = Pipe(model, [2, 2], chunks=3, schedule="1f1b")
     x = torch.randn(6, 4, requires_grad=True)

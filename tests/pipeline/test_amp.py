@@ -29,25 +29,31 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(12, 16), torch.randn(12, 8)
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_autocast_reaches_every_rank(checkpoint: str) -> None:
-    model = _model()
-    reference = copy.deepcopy(model)
-    pipe = Pipe(model, [2, 3], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
-    x, y = _data()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def autocast_matches_plain(pipe: Pipe, model: nn.Module, reference: nn.Module, x: torch.Tensor,
+                           y: torch.Tensor, device_type: str) -> None:
+    """Under bf16 autocast, `pipe(x)` and `pipe.step` give the plain model's dtype, output,
+    loss and (fp32) gradients; with autocast off again the output is fp32."""
+    with torch.autocast(device_type, dtype=torch.bfloat16):
         out, expected_out = pipe(x), reference(x)
         loss = pipe.step(x, y, nn.MSELoss())
         expected = nn.MSELoss()(reference(x), y)
     expected.backward()
     assert out.dtype == expected_out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, expected_out, **BF16)
-    torch.testing.assert_close(loss, expected.detach(), **BF16)
+    torch.testing.assert_close(out.to(expected_out.device), expected_out, **BF16)
+    torch.testing.assert_close(loss.cpu(), expected.detach().cpu(), **BF16)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and p.grad.dtype == torch.float32  # fp32 master weights
-        torch.testing.assert_close(p.grad, q.grad, **BF16)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), **BF16)
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=False):
         assert pipe(x).dtype == torch.float32  # and nothing sticks to the rank threads
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_autocast_reaches_every_rank(checkpoint: str) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 3], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    autocast_matches_plain(pipe, model, reference, *_data(), "cpu")
 
 
 def test_autocast_off_leaves_fp32_exact() -> None:

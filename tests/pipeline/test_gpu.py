@@ -11,6 +11,7 @@ from torch import nn
 from pipeline import Pipe
 from pipeline.launch import spawn
 from tests.pipeline import dist_workers
+from tests.pipeline.test_amp import autocast_matches_plain
 
 pytestmark = pytest.mark.gpu
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # TF32 is off by default for matmuls; cuBLAS order differs
@@ -78,17 +79,7 @@ def test_bf16_autocast_on_cuda_matches_the_plain_model() -> None:
     reference = copy.deepcopy(model).cuda()
     pipe = _shared_gpu_pipe(model)
     x, y = torch.randn(12, 32, device="cuda"), torch.randn(12, 8, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out, expected_out = pipe(x), reference(x)
-        loss = pipe.step(x, y, nn.MSELoss())
-        expected = nn.MSELoss()(reference(x), y)
-    expected.backward()
-    assert out.dtype == expected_out.dtype == torch.bfloat16
-    bf16 = {"rtol": 1.6e-2, "atol": 1e-2}  # see tests/pipeline/test_amp.py
-    torch.testing.assert_close(out.to(expected_out.device), expected_out, **bf16)
-    torch.testing.assert_close(loss.cpu(), expected.detach().cpu(), **bf16)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), **bf16)
+    autocast_matches_plain(pipe, model, reference, x, y, "cuda")
 
 
 def test_fp16_grad_scaler_on_cuda() -> None:

@@ -9,23 +9,9 @@ from torch import nn
 
 import schedules
 from pipeline import Pipe
+from tests.pipeline.dist_workers import Pack, Unpack
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see test_transparency)
-
-
-class Pack(nn.Module):
-    """Returns its input wrapped in a 1-tuple."""
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (x,)
-
-
-class Unpack(nn.Module):
-    """Takes a 1-tuple and doubles its element; a bare tensor here would be indexed by row."""
-
-    def forward(self, t: tuple[torch.Tensor]) -> torch.Tensor:
-        assert isinstance(t, tuple), f"expected a 1-tuple, got {type(t).__name__}"
-        return t[0] * 2
 
 
 class Combine(nn.Module):
