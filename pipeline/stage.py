@@ -183,7 +183,8 @@ class StageRuntime:
         if s == 0:  # the caller's tensors that require grad get theirs: see Pipe._backprop
             given = step.inputs[m]
             inputs = move(given, self.device, grad_flags=[
-                isinstance(v, torch.Tensor) and v.requires_grad for v in given])
+                step.loss_fn is not None and isinstance(v, torch.Tensor) and v.requires_grad
+                for v in given])
         else:
             inputs = self._take(("F", s, m), s - 1)
         train = step.loss_fn is not None

@@ -184,3 +184,14 @@ def test_dropout_replays_with_ranks_sharing_the_cpu() -> None:
 @pytest.mark.dist
 def test_grad_scaler_overflow_on_one_rank_skips_every_rank() -> None:
     assert spawn(dist_workers.scaler_overflow, 2, timeout=60) == [(True, 2.0**9)] * 2
+
+
+def test_inference_on_an_input_that_requires_grad() -> None:
+    model = _model()
+    pipe = Pipe(model, [2, 3], devices=["cpu", "cpu"], chunks=2)
+    x = _data()[0].requires_grad_()
+    with torch.inference_mode():
+        assert pipe(x).is_inference()
+    out = pipe(x)
+    assert not out.requires_grad and x.grad is None
+    torch.testing.assert_close(out, model(x).detach(), **TOL)
