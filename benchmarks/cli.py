@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import queue
 import sys
@@ -13,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.harness import Measured, merge_ranks, resolve_balances, roles, run_rank
 from benchmarks.plots import write_plots
-from benchmarks.progress import ProgressBar
 from benchmarks.records import build_records, validate_record
 from benchmarks.report import render_markdown
 from pipeline.launch import RankFailed, spawn
@@ -27,6 +28,7 @@ from schedules import Timeline
 __all__ = ["main", "run_group", "write_outputs"]
 
 _GROUP_TIMEOUT = 7200.0
+_log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,11 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA with NCCL when GPUs exist, else CPU with gloo")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log what runs to stderr (-v: groups and balances, -vv: more)")
     p.add_argument("--no-plots", action="store_true", help="skip the SVG/PNG plots")
     return p
 
 
-def run_group(group: Group, bar: ProgressBar) -> dict[int, Measured]:
+def run_group(group: Group, bar: tqdm[Any]) -> dict[int, Measured]:
     """Spawn the group's processes, advance the bar as each micro-batch count finishes, and
     return the merged measurements. Raises RankFailed if a process fails."""
     n = len(roles(group))
@@ -64,7 +68,8 @@ def run_group(group: Group, bar: ProgressBar) -> dict[int, Measured]:
         while True:
             try:
                 m = progress.get(timeout=0.2)
-                bar.advance(f"{group.name} m={m}")
+                bar.set_postfix_str(f"{group.name} m={m}", refresh=False)
+                bar.update()
             except queue.Empty:
                 if future.done():
                     break
@@ -110,6 +115,9 @@ def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.verbose:  # the library logs but configures nothing; the command line may
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(asctime)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         suite = narrow(SUITES[args.suite], models=args.models, ranks=args.ranks,
@@ -127,23 +135,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m benchmarks: nothing to run with these filters", file=sys.stderr)
         return 2
     env = environment(device)
-    bar = ProgressBar(num_units(chosen), enabled=not args.no_progress)
+    # One unit per (group, micro-batch count), on stderr.
+    bar = tqdm(total=num_units(chosen), disable=args.no_progress, unit="run",
+               dynamic_ncols=True)
     records: list[dict[str, Any]] = []
     timelines: dict[str, Timeline] = {}
     failures: list[str] = []
     for group in chosen:
         group = resolve_balances(group)
+        _log.info("group %s: %d processes, micro-batches %s", group.name,
+                  len(roles(group)), list(group.microbatches))
         try:
             measured = run_group(group, bar)
         except RankFailed as exc:
             failures.append(f"{group.name}: {str(exc).splitlines()[0]}")
-            bar.note(f"group {group.name} failed:\n{exc}")
-            bar.advance(f"{group.name} failed", len(group.microbatches))
+            bar.write(f"group {group.name} failed:\n{exc}", file=sys.stderr)
+            bar.set_postfix_str(f"{group.name} failed", refresh=False)
+            bar.update(len(group.microbatches))
             continue
         for record, timeline in build_records(group, measured, env):
             records.append(record)
             if timeline is not None:
                 timelines[record["id"]] = timeline
+    bar.close()
     command = "python -m benchmarks " + " ".join(argv)
     write_outputs(args.out, records, timelines, env, suite=suite.name, command=command.strip(),
                   failures=failures, notes=notes, plots=not args.no_plots)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,7 @@ __all__ = ["Measured", "Sample", "Variant", "alternate", "bound_key", "merge_ran
 Sample = tuple[float, float, list[RawEvent] | None]  # start, end (perf_counter), events
 LossFn = Callable[[Any, Any], torch.Tensor]
 _TIMEOUT = 600.0  # seconds a process waits at the barrier for the others
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +78,8 @@ def resolve_balances(group: Group) -> Group:
     every group (profiled balances vary from run to run)."""
     balances = {s: _balance(group.model, group.balance_method,
                             group.num_ranks * stages_per_rank(s)) for s in group.schedules}
+    _log.info("group %s: balance by %s: %s", group.name, group.balance_method,
+              {s: list(b) for s, b in balances.items()})
     return replace(group, balances=balances)
 
 

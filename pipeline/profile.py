@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeline.memory import SavedBytes
-from pipeline.microbatch import as_tuple
 from pipeline.partition import partition
 
 __all__ = [
@@ -38,20 +39,60 @@ def layer_params(model: nn.Sequential) -> list[float]:
     return counts
 
 
-def _walk(model: nn.Sequential, sample: Any, each: Callable[[nn.Module, tuple[Any, ...]],
-                                                             tuple[Any, ...]]) -> None:
-    values = as_tuple(sample)
-    for layer in model:
-        values = each(layer, values)
+@contextmanager
+def _untouched(model: nn.Module, sample: Any) -> Iterator[None]:
+    """Run the model for real, then put back what running it changes: buffers (BatchNorm's
+    running statistics and `num_batches_tracked`), every `.grad` (the objects themselves, not
+    copies, so an optimizer holding them sees nothing) and the random streams dropout drew from.
+    Cheaper than profiling a copy, which would double the model's memory."""
+    buffers = [(module, name, b, b.detach().clone()) for module in model.modules()
+               for name, b in module.named_buffers(recurse=False)]
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None  # backward accumulates in place: keep the caller's tensors out of reach
+    devices = sorted({t.device.index or 0 for t in [*params, *tree_leaves(sample)]
+                      if isinstance(t, torch.Tensor) and t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for module, name, b, saved in buffers:
+                b.copy_(saved)
+                setattr(module, name, b)  # in case a layer rebound the attribute
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
 
 
-def _requires_grad(values: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor)
-                 else v for v in values)
+def _walk(model: nn.Sequential, sample: Any, each: Callable[[nn.Module, Any], Any]) -> None:
+    """Each layer gets the previous layer's output as one argument, exactly as nn.Sequential
+    (and the stage runtime) calls it: a tuple stays a tuple, a 1-tuple stays a 1-tuple."""
+    with _untouched(model, sample):
+        value = sample
+        for layer in model:
+            value = each(layer, value)
 
 
-def _backward(outputs: tuple[Any, ...]) -> None:
-    tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+def _fresh_inputs(value: Any) -> Any:
+    """`value` cut from the graph, floating tensors requiring grad (so the input gradient is
+    part of the measured backward). The leaf is cloned: an in-place layer (ReLU(inplace=True))
+    may then write to its input, as it does inside a model."""
+    def fresh(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if not v.is_floating_point():
+            return v.detach()
+        return v.detach().requires_grad_(True).clone()
+    return tree_map(fresh, value)
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+def _backward(outputs: Any) -> None:
+    tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if tensors:
         torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
 
@@ -60,26 +101,26 @@ def layer_times(model: nn.Sequential, sample: Any, *, repeats: int = 5,
                 warmup: int = 1) -> list[float]:
     """Median forward + backward seconds of each layer on `sample` (one batch or micro-batch).
 
-    Each layer runs on the previous layer's real output, so shapes are the model's own.
+    Each layer runs on the previous layer's real output, so shapes are the model's own. The
+    model is left as it was (see `_untouched`).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 (got {repeats})")
     times: list[float] = []
 
-    def measure(layer: nn.Module, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    def measure(layer: nn.Module, value: Any) -> Any:
         samples = []
         for i in range(warmup + repeats):
-            inputs = _requires_grad(values)
+            inputs = _fresh_inputs(value)
             _sync(inputs)
             start = time.perf_counter()
-            outputs = as_tuple(layer(*inputs))
+            outputs = layer(inputs)
             _backward(outputs)
             _sync(outputs)
             if i >= warmup:
                 samples.append(time.perf_counter() - start)
         times.append(statistics.median(samples))
-        layer.zero_grad(set_to_none=True)
-        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+        return _detached(outputs)
 
     _walk(model, sample, measure)
     return times
@@ -87,22 +128,23 @@ def layer_times(model: nn.Sequential, sample: Any, *, repeats: int = 5,
 
 def layer_sizes(model: nn.Sequential, sample: Any) -> list[float]:
     """Bytes each layer keeps for training: its parameters (with their gradients) plus the
-    activations autograd saves for its backward on `sample`."""
+    activations autograd saves for its backward on `sample`. The model is left as it was."""
     sizes: list[float] = []
 
-    def measure(layer: nn.Module, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    def measure(layer: nn.Module, value: Any) -> Any:
+        inputs = _fresh_inputs(value)
         with SavedBytes() as saved:
-            outputs = as_tuple(layer(*_requires_grad(values)))
+            outputs = layer(inputs)
         params = sum(2 * p.numel() * p.element_size() for p in layer.parameters())
         sizes.append(float(saved.bytes + params))
-        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+        return _detached(outputs)
 
     _walk(model, sample, measure)
     return sizes
 
 
-def _sync(values: Sequence[Any]) -> None:
-    for v in values:
+def _sync(values: Any) -> None:
+    for v in tree_leaves(values):
         if isinstance(v, torch.Tensor) and v.is_cuda:
             torch.cuda.synchronize(v.device)
             return

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["COMM_OPS", "COMPUTE_OPS", "Action", "Op", "Schedule", "ScheduleError"]
+__all__ = ["COMPUTE_OPS", "Action", "Op", "Schedule", "ScheduleError"]
 
 
 class ScheduleError(ValueError):
@@ -41,7 +41,6 @@ class Op(str, Enum):
 
 
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.U})
-COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 
 # Longest names first so that "SEND_F" is not read as "S" + ... and "B" never shadows "RECV_B".
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)(?:v(\d+))?$")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,9 +59,9 @@ def test_quick_suite_end_to_end(tmp_path: Path) -> None:
     """What CI runs: the quick suite on the tiny model gives valid JSON and markdown."""
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--suite", "quick", "--out",
-                           str(out), "--no-progress"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=280)
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"\b(\d+)/\1 \[", proc.stderr), proc.stderr[-500:]  # the bar got to the end
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     for r in records:
         validate_record(r)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
@@ -14,10 +20,13 @@ from benchmarks.harness import (
     alternate,
     bound_key,
     merge_ranks,
+    resolve_balances,
     roles,
     variant_keys,
 )
 from tests.benchmarks import fakes
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_alternate_rotates_skips_warmup_and_marks_who_sat_out() -> None:
@@ -98,3 +107,23 @@ def test_bound_work_runs_each_ranks_stages_and_touches_only_their_weights() -> N
     rank0()
     assert [p.grad is not None for p in model.parameters()] == [True, True, False, False,
                                                                False, False]
+
+
+def test_resolve_balances_logs_them_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    group = fakes.group(2, schedules=("1f1b",))
+    with caplog.at_level(logging.INFO, logger="benchmarks"):
+        resolved = resolve_balances(group)
+    assert resolved.balances["1f1b"] == (2, 3)  # the tiny model by params: 5 layers
+    assert [r.getMessage() for r in caplog.records if r.name == "benchmarks.harness"] == [
+        "group tiny/params/p2: balance by params: {'1f1b': [2, 3]}"]
+
+
+def test_benchmarks_log_nothing_unless_configured() -> None:
+    """Library style: a NullHandler, no output, even for warnings (no last-resort printing)."""
+    code = ("import logging, benchmarks.harness as h; from tests.benchmarks import fakes; "
+            "h.resolve_balances(fakes.group(2)); logging.getLogger('benchmarks.cli')"
+            ".warning('loud')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == proc.stderr == ""

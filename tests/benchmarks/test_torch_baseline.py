@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+
+import schedules
 from benchmarks.torch_baseline import TORCH_PEERS, unsupported
 
 
-def test_every_compared_schedule_has_a_peer() -> None:
-    assert TORCH_PEERS == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                           "interleaved": "ScheduleInterleaved1F1B",
-                           "zb-h1": "ScheduleInterleavedZeroBubble"}
+def test_peers_are_ours_to_compare() -> None:
+    assert set(TORCH_PEERS) <= set(schedules.available())  # a typo would compare nothing
+
+
+@pytest.mark.parametrize("schedule", schedules.available())
+def test_every_schedule_has_a_torch_peer_or_a_reason(schedule: str) -> None:
+    peer = TORCH_PEERS.get(schedule)
+    if peer is None:
+        assert f"no {schedule} schedule" in (unsupported(schedule, 2, 4) or "")
+        return
+    cls = getattr(torch_schedules, peer, None)
+    assert isinstance(cls, type) and issubclass(cls, torch_schedules._PipelineSchedule), peer
+    # Several stages per rank take torch's multi-stage classes (one PipelineStage each).
+    if schedules.info(schedule).stages_per_rank > 1:
+        assert issubclass(cls, torch_schedules.PipelineScheduleMulti), peer
 
 
 def test_unsupported_says_why() -> None:

@@ -13,8 +13,10 @@ from pipeline.checkpoint import stage_seed
 __all__ = ["build", "seeded_microbatch_step"]
 
 
-def build(spec: dict[str, Any]) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-    """The model, input and target a `sequential_specs` recipe describes."""
+def build(spec: dict[str, Any], *, dtype: torch.dtype = torch.float32
+          ) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """The model, input and target a `sequential_specs` recipe describes (in `dtype`; the
+    same values whatever the dtype, drawn in fp32 first)."""
     torch.manual_seed(spec["seed"])
     layers: list[nn.Module] = []
     width = spec["in"]
@@ -32,7 +34,7 @@ def build(spec: dict[str, Any]) -> tuple[nn.Sequential, torch.Tensor, torch.Tens
             layers.append(nn.Dropout(0.3))
     x = torch.randn(spec["batch"], spec["in"])
     y = torch.randn(spec["batch"], width)
-    return nn.Sequential(*layers), x, y
+    return nn.Sequential(*layers).to(dtype), x.to(dtype), y.to(dtype)
 
 
 def seeded_microbatch_step(model: nn.Sequential, balance: Sequence[int], x: torch.Tensor,

@@ -1,0 +1,89 @@
+"""pipeline.launch: torchrun's environment per rank, `spawn` for tests, the CLI's failure rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.launch import RankFailed, free_port, main, rank_env, spawn
+
+
+def _whoami(rank: int, tag: str) -> tuple[Any, ...]:
+    import torch.distributed as dist
+
+    return (rank, dist.get_rank(), dist.get_world_size(), os.environ["RANK"], tag)
+
+
+def _fail_on_one(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one says no")
+    return rank * 10
+
+
+def test_rank_env_is_torchruns_with_gloo_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = rank_env(2, 4, 29500)
+    assert env == {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                   "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert rank_env(0, 1, 1)["OMP_NUM_THREADS"] == "3"  # the user's choice is kept
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_spawn_returns_each_ranks_result_in_rank_order() -> None:
+    assert spawn(_whoami, 2, "x", timeout=100) == [(0, 0, 2, "0", "x"), (1, 1, 2, "1", "x")]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_spawn_names_the_failed_rank_and_keeps_the_others_results() -> None:
+    with pytest.raises(RankFailed, match=r"rank 1: ValueError: rank one says no") as err:
+        spawn(_fail_on_one, 2, timeout=100)
+    assert err.value.results == {0: 0}
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "script.py"
+    path.write_text("import json, os, sys, time\nrank = int(os.environ['RANK'])\n" + body)
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_main_starts_every_rank_with_its_environment(tmp_path: Path) -> None:
+    script = _script(tmp_path, "json.dump(dict(os.environ), open(sys.argv[1] + str(rank), 'w'))\n")
+    assert main(["--nproc", "2", str(script), str(tmp_path / "env")]) == 0
+    envs = [json.loads((tmp_path / f"env{r}").read_text()) for r in range(2)]
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+@pytest.mark.timeout(60)
+def test_main_stops_the_others_after_the_grace_and_returns_the_failure_code(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = _script(tmp_path, "sys.exit(3) if rank == 1 else time.sleep(600)\n")
+    start = time.monotonic()
+    assert main(["--nproc", "2", "--grace", "0.5", str(script)]) == 3
+    assert time.monotonic() - start < 30  # rank 0 was killed, not waited for
+    assert "rank 1 exited with code 3" in capsys.readouterr().err
+
+
+def test_main_refuses_zero_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--nproc", "0", sys.executable])
+    assert exc.value.code == 2 and "--nproc must be >= 1 (got 0)" in capsys.readouterr().err
