@@ -23,7 +23,7 @@ from benchmarks.plots import write_plots
 from benchmarks.records import build_records, validate_record
 from benchmarks.report import render_markdown
 from pipeline.launch import RankFailed, spawn
-from schedules import Timeline
+from schedules import Timeline, available
 
 __all__ = ["main", "run_group", "write_outputs"]
 
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help="comma-separated: mlp, transformer, unbalanced, tiny")
     p.add_argument("--ranks", help="comma-separated rank counts, e.g. 1,2")
     p.add_argument("--microbatches", help="comma-separated micro-batch counts, e.g. 4,8,16")
-    p.add_argument("--schedules", help="comma-separated: gpipe, 1f1b, interleaved, zb-h1, 2bw")
+    p.add_argument("--schedules", help=f"comma-separated, of: {', '.join(available())}")
     p.add_argument("--transport", help="threads, processes, or both comma-separated")
     p.add_argument("--warmup", type=int, help="untimed rounds first (suite's default)")
     p.add_argument("--repeats", type=int, help="timed rounds (suite's default)")

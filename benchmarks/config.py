@@ -33,12 +33,14 @@ class Suite:
 SUITES: dict[str, Suite] = {
     # CI: a tiny model, a few steps; checks that everything runs and renders, not the numbers.
     "quick": Suite("quick", ("tiny",), (1, 2), {"tiny": (2, 4)},
-                   ("gpipe", "1f1b", "interleaved", "zb-h1"), TRANSPORTS, warmup=1, repeats=3),
+                   ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"), TRANSPORTS,
+                   warmup=1, repeats=3),
     # The numbers in benchmarks/README.md (about 20 minutes on 2 cores).
     "full": Suite("full", ("mlp", "transformer", "unbalanced"), (1, 2),
                   {"mlp": (1, 2, 4, 8, 16, 32), "transformer": (2, 4, 8, 16),
                    "unbalanced": (4, 8, 16)},
-                  ("gpipe", "1f1b", "interleaved", "zb-h1"), TRANSPORTS, warmup=3, repeats=11),
+                  ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe-v"),
+                  TRANSPORTS, warmup=3, repeats=11),
 }
 
 

@@ -127,7 +127,8 @@ def get_schedule(name: str, num_ranks: int, num_microbatches: int, **options: in
     return gen.fn(num_ranks, num_microbatches, **options)
 
 
-_BUILTINS = ("gpipe", "one_f_one_b", "interleaved", "pipedream_2bw", "zero_bubble")
+_BUILTINS = ("gpipe", "one_f_one_b", "interleaved", "pipedream_2bw", "zero_bubble",
+             "v_shape")
 
 
 def _load_builtins() -> None:

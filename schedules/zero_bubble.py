@@ -1,4 +1,10 @@
-"""Zero-bubble H1: backward split into I (input grad) and W (weight grad); W fills bubbles."""
+"""Zero-bubble schedules with one stage per rank (Qi et al., ICLR 2024): ZB-H1, ZB-H2.
+
+The backward is split into I (input gradient, sent upstream at once) and W (weight gradient,
+needed by nobody downstream), and the W's fill the bubbles 1F1B leaves. A micro-batch's
+activations stay alive from its F until its W, so deferring a W costs memory: each schedule
+here is a trade between the two.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +13,85 @@ from collections import deque
 from schedules.ir import Action, Op, Schedule
 from schedules.registry import register
 
-__all__ = ["zb_h1"]
+__all__ = ["zb_h1", "zb_h1_tight", "zb_h2"]
 
 
 @register("zb-h1")
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """Greedy list schedule over unit-time F, I and W with 1F1B's memory bound.
+    """The paper's ZB-H1: 1F1B's order with B split into I and W, rank r deferring r W's.
 
-    Each tick, every free rank runs the first of: the next I whose gradient has arrived; the next
-    F whose input has arrived, if fewer than min(m, p - r) micro-batches are alive on the rank
-    (alive: F done, W not yet: the same bound as 1F1B); the oldest deferred W. Because I is
-    cheaper than B, gradients travel up the pipeline faster than in 1F1B, and the deferred W's
-    fill what would have been the cool-down bubble. Under unit costs and m >= p the makespan
-    is 3m + 2(p - 1), against 1F1B's 3(m + p - 1). p=3, m=4, each rank's order::
+    Rank r warms up with min(m, p - 1 - r) forwards, then runs F, I per micro-batch, adding the
+    W of micro-batch k - r after the I of micro-batch k: I is half of B, so gradients climb
+    the pipeline twice as fast as in 1F1B, and the r W's held back on rank r fill the slots
+    where it would wait for them. Unit costs F = I = W = 1: makespan 3m + p - 1 for m >= p
+    (the least possible: the last rank cannot start before p - 1 and has 3m of work), and
+    max(3m + p - 1, 2m + 2p - 1) for any m. Every rank holds at most min(m, p) micro-batches
+    (from F to W), 1F1B's peak over ranks. This is torch's `ScheduleInterleavedZeroBubble`
+    with one stage per rank. p=3, m=4, each rank's order (r: rank; `<stage><op><micro-batch>`)::
+
+        r0  0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
+        r1  1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3
+        r2  2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3
+    """
+    p, m = num_ranks, num_microbatches
+    rows = []
+    for r in range(p):
+        warmup = min(m, p - 1 - r)
+        row = [Action(r, Op.F, i) for i in range(warmup)]
+        for k in range(m):
+            if warmup + k < m:
+                row.append(Action(r, Op.F, warmup + k))
+            row.append(Action(r, Op.I, k))
+            if k >= r:
+                row.append(Action(r, Op.W, k - r))
+        row += [Action(r, Op.W, k) for k in range(max(0, m - r), m)]
+        rows.append(tuple(row))
+    return Schedule(p, p, m, tuple(rows), name="zb-h1")
+
+
+@register("zb-h2")
+def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
+    """The paper's ZB-H2: up to 2p - 1 micro-batches alive on every rank, no bubble in a rank's
+    own span.
+
+    The same greedy as `zb-h1-tight` with a cap of min(m, 2p - 1) alive micro-batches on
+    every rank: rank r fills its warm-up with 2(p - r) - 1 forwards (until its first gradient
+    arrives) and, at the end, the W's it deferred fill its cool-down, so for m >= 2p - 1 every
+    rank computes without a gap from its first action to its last (3m at unit costs: the
+    paper's parallelogram). In one step with a flush the makespan is still 3m + p - 1 (the
+    last rank starts at p - 1); the gain is that the next step's forwards can start on rank 0
+    while later ranks finish, where a runtime does not flush between steps, and that the long
+    warm-up hides transfer latency (p=4, m=8, comm=0.5: makespan 28.5, ZB-H1's 33). p=3, m=4::
+
+        r0  0F0 0F1 0F2 0F3 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3
+        r1  1F0 1F1 1F2 1I0 1F3 1I1 1W0 1I2 1W1 1I3 1W2 1W3
+        r2  2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2W0 2W1 2W2 2W3
+    """
+    p, m = num_ranks, num_microbatches
+    return _greedy(p, m, [min(m, 2 * p - 1)] * p, "zb-h2")
+
+
+@register("zb-h1-tight")
+def zb_h1_tight(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble under 1F1B's per-rank memory: at most min(m, p - r) alive on rank r.
+
+    A greedy list schedule over unit-time F, I and W: each tick every free rank runs the first
+    of its next I whose gradient has arrived; its next F whose input has arrived, if fewer
+    than the cap are alive (F done, W not yet); its oldest deferred W. Unit costs, m >= p:
+    makespan 3m + 2(p - 1), between 1F1B's 3(m + p - 1) and ZB-H1's 3m + p - 1, with the
+    total memory of 1F1B (p(p + 1)/2 micro-batches over all ranks, against ZB-H1's p^2).
+    p=3, m=4::
 
         r0  0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
         r1  1F0 1F1 1I0 1W0 1F2 1I1 1W1 1F3 1I2 1W2 1I3 1W3
         r2  2F0 2I0 2W0 2F1 2I1 2W1 2F2 2I2 2W2 2F3 2I3 2W3
     """
     p, m = num_ranks, num_microbatches
-    cap = [min(m, p - r) for r in range(p)]
+    return _greedy(p, m, [min(m, p - r) for r in range(p)], "zb-h1-tight")
+
+
+def _greedy(p: int, m: int, caps: list[int], name: str) -> Schedule:
+    """Tick by tick at unit costs, each rank runs I if it can, else F under its cap, else W."""
     done: dict[tuple[int, Op, int], int] = {}  # (rank, op, micro-batch) -> tick it finished
     rows: list[list[Action]] = [[] for _ in range(p)]
     next_f, next_i, alive = [0] * p, [0] * p, [0] * p
@@ -40,7 +105,7 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
             if i < f and (r == p - 1 or done.get((r + 1, Op.I, i), never) <= tick):
                 action, next_i[r] = Action(r, Op.I, i), i + 1
                 deferred[r].append(i)
-            elif f < m and alive[r] < cap[r] and (r == 0 or done.get((r - 1, Op.F, f),
+            elif f < m and alive[r] < caps[r] and (r == 0 or done.get((r - 1, Op.F, f),
                                                                       never) <= tick):
                 action, next_f[r] = Action(r, Op.F, f), f + 1
                 alive[r] += 1
@@ -54,4 +119,4 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
         for r, action in finished:  # visible to other ranks from the next tick on
             done[(r, action.op, action.microbatch)] = tick + 1
         tick += 1
-    return Schedule(p, p, m, tuple(tuple(row) for row in rows), name="zb-h1")
+    return Schedule(p, p, m, tuple(tuple(row) for row in rows), name=name)

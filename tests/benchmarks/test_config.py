@@ -21,6 +21,16 @@ def test_full_suite_holds_the_targets_configurations() -> None:
     assert set(full.transports) == {"threads", "processes"}
 
 
+def test_suites_run_the_zero_bubble_and_v_shape_schedules() -> None:
+    assert {"zb-h1", "zb-h2", "zb-v", "dualpipe-v"} <= set(SUITES["full"].schedules)
+    assert {"zb-h1", "zb-v", "dualpipe-v"} <= set(SUITES["quick"].schedules)
+    # tiny (5 layers) on 2 ranks: the V schedules' 4 stages fit; on 3 ranks their 6 do not.
+    two, three = groups(narrow(SUITES["quick"], ranks="2,3"))
+    assert {"zb-v", "dualpipe-v"} <= set(two.schedules)
+    assert not {"zb-v", "dualpipe-v"} & set(three.schedules)
+    assert stages_per_rank("zb-v") == stages_per_rank("dualpipe-v") == 2
+
+
 def test_narrow_replaces_each_given_list() -> None:
     s = narrow(SUITES["full"], models="mlp", ranks="2", microbatches="4,8",
                schedules="1f1b", transports="processes", warmup=0, repeats=2)

@@ -36,8 +36,9 @@ def test_three_and_four_ranks() -> None:
     three = _balances([2, 3, 3])
     assert spawn(dist_workers.equivalence, 3, combos, three, timeout=140) == [2 * len(combos)] * 3
     four = _balances([2, 2, 2, 2])
-    combos = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never")]
-    assert spawn(dist_workers.equivalence, 4, combos, four, timeout=140) == [6] * 4
+    combos = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never"),
+              ("zb-v", "always"), ("dualpipe-v", "never")]
+    assert spawn(dist_workers.equivalence, 4, combos, four, timeout=140) == [10] * 4
 
 
 def test_integer_inputs() -> None:

@@ -16,8 +16,10 @@ torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 @given(schedules_any())
 def test_csv_round_trips(schedule: Schedule) -> None:
     for s in (schedule, schedules.lower(schedule)):
+        # On one rank the loop and v placements are the same; the CSV cannot tell them apart.
         back = schedules.loads_csv(schedules.dumps_csv(s), num_microbatches=s.num_microbatches,
-                                   name=s.name)
+                                   name=s.name,
+                                   placement=s.placement if s.num_ranks == 1 else None)
         assert back == s
 
 

@@ -149,7 +149,8 @@ def test_compare_text_and_svg(capsys: pytest.CaptureFixture[str], tmp_path: Path
     code, out, _ = run(capsys, *argv, "--width", "100")
     assert code == 0
     assert "interleaved: 4 ranks, 8 stages (loop), 8 micro-batches" in out
-    assert "interleaved                 28.5 *  15.8% *" in out
+    assert "interleaved                   28.5    15.8%" in out
+    assert "zb-h1                         27 *  11.1% *" in out
     out_file = tmp_path / "c.svg"
     code, _, _ = run(capsys, *argv, "--format", "svg", "-o", str(out_file))
     assert code == 0 and len(_svg_actions(out_file.read_text())) == 64 + 64 + 128 + 96

@@ -19,9 +19,9 @@ def test_table_reports_makespan_bubble_and_peak_with_the_best_starred() -> None:
         ("gpipe", "33", "27.3%", "8 (8/8/8/8)"),
         ("1f1b", "33", "27.3%", "4 * (4/3/2/1)"),
         # 8 stages at half the cost each: 19 steps of 1.5, bubble (p-1)/(vm+p-1) = 3/19.
-        ("interleaved", "28.5 *", "15.8% *", "11 (11/9/7/5)"),
-        # 3m + 2(p-1) = 30, bubble 2(p-1)/(3m+2(p-1)) = 6/30.
-        ("zb-h1", "30", "20.0%", "4 * (4/3/2/1)"),
+        ("interleaved", "28.5", "15.8%", "11 (11/9/7/5)"),
+        # 3m + p - 1 = 27, bubble (p-1)/(3m+p-1) = 3/27; 4 alive on every rank.
+        ("zb-h1", "27 *", "11.1% *", "4 * (4/4/4/4)"),
     ]
     assert c.span == 33 and c.unit == "cost"
 

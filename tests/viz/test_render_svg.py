@@ -121,4 +121,5 @@ def test_comparison_shares_the_scale() -> None:
     assert _proportional(boxes, 33)  # gpipe and 1f1b: 3 * (8 + 3), the longest
     texts = _texts(svg)
     assert [t for t in texts if t in names] == list(names) * 2  # panel headers, table rows
-    assert "28.5 *" in texts  # interleaved, its 8 stages at half cost each: 3 * 19 / 2
+    assert "28.5" in texts  # interleaved, its 8 stages at half cost each: 3 * 19 / 2
+    assert "27 *" in texts  # zb-h1: 3m + p - 1, the best
