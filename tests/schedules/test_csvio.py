@@ -72,7 +72,7 @@ def _torch_grid() -> list[tuple[str, int, int]]:
 def test_every_torch_csv_loads_and_validates(cls: str, p: int, m: int) -> None:
     """Compute-only and with-communication CSVs of every torch class: read, and valid exactly
     when torch's own validator says so (its 1F1B order is not: torch runs 1F1B from a loop of
-    its own, and the order it writes skips a forward on every rank)."""
+    its own, and in the order it writes the last rank's forwards are shifted by one)."""
     compute = schedules.loads_csv(torch_csv(cls, p, m, comms=False), num_microbatches=m)
     rows = {r: [torch_schedules._Action.from_str(c) for c in row]
             for r, row in enumerate(_torch_cells(torch_csv(cls, p, m, comms=False)))}
