@@ -46,11 +46,14 @@ def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2 * m, 5), torch.randn(2 * m, 3)
 
 
-def _reference(model: nn.Module, m: int) -> dict[str, torch.Tensor]:
+def _reference(model: nn.Module, m: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One device's loss and gradients on the batch of m micro-batches."""
     reference = copy.deepcopy(model)
     x, y = _data(m)
-    nn.MSELoss()(reference(x), y).backward()
-    return {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    loss = nn.MSELoss()(reference(x), y)
+    loss.backward()
+    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
 
 
 def _check(grads: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor],
@@ -77,7 +80,7 @@ def ours_in_torch(rank: int, cases: list[tuple[str, int, dict[str, int]]], lower
     for name, m, options in cases:
         s = schedules.get_schedule(name, p, m, **options)
         model = _model()
-        expected = _reference(model, m)
+        expected_loss, expected = _reference(model, m)
         balance = _balance(s.num_stages)
         stages = [PipelineStage(_layers_of(model, balance, i), i, s.num_stages,
                                 torch.device("cpu")) for i in s.stages_of(rank)]
@@ -88,11 +91,15 @@ def ours_in_torch(rank: int, cases: list[tuple[str, int, dict[str, int]]], lower
             runtime._load_csv(path, format="compute_comms" if lowered else "compute_only")
         x, y = _data(m)
         first, last = 0 in s.stages_of(rank), s.num_stages - 1 in s.stages_of(rank)
+        what = f"{name} p={p} m={m} in torch ({'with comms' if lowered else 'compute-only'})"
         if last:
-            runtime.step(*((x,) if first else ()), target=y)
+            losses: list[torch.Tensor] = []
+            runtime.step(*((x,) if first else ()), target=y, losses=losses)
+            # Equal micro-batches: the mean of their mean losses is the batch's mean loss.
+            torch.testing.assert_close(torch.stack(losses).mean().detach(), expected_loss,
+                                       **TOL, msg=lambda msg, w=what: f"{w}: loss: {msg}")
         else:
             runtime.step(*((x,) if first else ()))
-        what = f"{name} p={p} m={m} in torch ({'with comms' if lowered else 'compute-only'})"
         grads = {n: q.grad for st in stages for n, q in _named(model, st.submod)}
         _check(grads, expected, what)
         done.append(what)
@@ -114,14 +121,16 @@ def torch_in_ours(rank: int, cases: list[tuple[str, int, bool]]) -> list[str]:
         loaded: Schedule = schedules.validate(
             schedules.loads_csv(torch_csv(cls, p, m, comms=comms), num_microbatches=m, name=cls))
         model = _model()
-        expected = _reference(model, m)
+        expected_loss, expected = _reference(model, m)
         pipe = Pipe(model, _balance(loaded.num_stages), chunks=m, schedule=loaded,
                     checkpoint="never")
         x, y = _data(m)
         first = 0 in pipe.local_stages
         last = loaded.num_stages - 1 in pipe.local_stages
-        pipe.step(x if first else None, y if last else None, nn.MSELoss())
+        loss = pipe.step(x if first else None, y if last else None, nn.MSELoss())
         what = f"torch's {cls} p={p} m={m} ({'with comms' if comms else 'compute-only'}) in ours"
+        torch.testing.assert_close(loss, expected_loss, **TOL,
+                                   msg=lambda msg, w=what: f"{w}: loss: {msg}")
         _check({n: q.grad for n, q in pipe.named_parameters()}, expected, what)
         done.append(what)
     return done
