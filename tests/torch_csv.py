@@ -11,25 +11,26 @@ from typing import Any
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from benchmarks.torch_baseline import peer_stages
+
 __all__ = ["TORCH_CLASSES", "build", "rank_stages", "torch_csv", "unsupported"]
 
 # Every schedule class torch 2.13 has for training.
 TORCH_CLASSES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
                  "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-_V = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # rank r holds stages r and 2p - 1 - r
 
 
 def _cls(name: str) -> Any:
     return getattr(torch_schedules, name)
 
 
-def rank_stages(name: str, num_ranks: int, rank: int) -> list[int]:
-    """The stages `rank` holds under torch's class `name` (two per rank for the multi-stage
-    classes, one for the single-stage ones)."""
-    p = num_ranks
-    if not issubclass(_cls(name), torch_schedules.PipelineScheduleMulti):
-        return [rank]
-    return [rank, 2 * p - 1 - rank] if name in _V else [rank, rank + p]
+def rank_stages(name: str, num_ranks: int, rank: int, stages_per_rank: int | None = None
+                ) -> list[int]:
+    """The stages `rank` holds under torch's class `name` (by default two per rank for the
+    multi-stage classes, one for the single-stage ones)."""
+    multi = issubclass(_cls(name), torch_schedules.PipelineScheduleMulti)
+    k = stages_per_rank or (2 if multi else 1)
+    return peer_stages(name, rank, num_ranks, num_ranks * k)
 
 
 def unsupported(name: str, num_ranks: int, num_microbatches: int) -> str | None:
@@ -41,7 +42,8 @@ def unsupported(name: str, num_ranks: int, num_microbatches: int) -> str | None:
     return None
 
 
-def build(name: str, num_ranks: int, num_microbatches: int) -> Any:
+def build(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None
+          ) -> Any:
     """Torch's schedule object for p ranks and m micro-batches, on stand-in stages.
 
     The classes compute every rank's `pipeline_order` in their constructor from the stages'
@@ -49,7 +51,7 @@ def build(name: str, num_ranks: int, num_microbatches: int) -> Any:
     the order is torch's own code's, no process group needed.
     """
     p, cls = num_ranks, _cls(name)
-    stages = rank_stages(name, p, 0)
+    stages = rank_stages(name, p, 0, stages_per_rank)
     num_stages = p * len(stages)
     fakes = [SimpleNamespace(num_stages=num_stages, group_size=p, group_rank=0, stage_index=s,
                              submod=nn.Identity()) for s in stages]
