@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.memory import SavedBytes
+
 __all__ = ["TORCH_PEERS", "TorchPipeline", "peer_stages", "unsupported"]
 
 # Our schedule -> torch's schedule class. Torch's zero-bubble for one stage per rank is its
@@ -99,3 +101,61 @@ class TorchPipeline:
             self.schedule.step(*args, target=target)
         else:
             self.schedule.step(*args)
+
+    def memory_step(self, x: Any, target: Any) -> dict[str, list[int]]:
+        """One more step (not timed: the counting costs), and this rank's peak stash as our
+        Pipe counts its own with `track_memory=True`: the most micro-batches alive at once (from
+        a stage's forward until its backward completes: B, or W when split) and the most bytes
+        they hold (each stage input plus what autograd saved in its forward, parameters not
+        counted)."""
+        counter = _StashCounter()
+        for stage in self.stages:
+            counter.watch(stage)
+        try:
+            self.step(x, target)
+        finally:
+            for stage in self.stages:  # the class's methods again
+                for name in _StashCounter.WRAPPED:
+                    vars(stage).pop(name, None)
+        return {"peak_stashed_bytes": [counter.peak_bytes],
+                "peak_stashed_microbatches": [counter.peak]}
+
+
+class _StashCounter:
+    """Counts the micro-batches a rank's torch stages hold, by wrapping each stage's forward
+    and backward calls (on the instance: torch's schedules call them through the stage)."""
+
+    WRAPPED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self) -> None:
+        self.alive: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes
+        self.peak = self.peak_bytes = 0
+
+    def watch(self, stage: Any) -> None:
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        weight = stage.backward_weight_one_chunk
+
+        def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            with SavedBytes() as saved:
+                out = forward(chunk, *args, **kwargs)
+            inputs = stage.fwd_cache[chunk][1]
+            self.alive[(stage.stage_index, chunk)] = saved.bytes + sum(
+                t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+            self.peak = max(self.peak, len(self.alive))
+            self.peak_bytes = max(self.peak_bytes, sum(self.alive.values()))
+            return out
+
+        def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            out = backward(chunk, *args, **kwargs)
+            if kwargs.get("full_backward", True):
+                del self.alive[(stage.stage_index, chunk)]
+            return out
+
+        def backward_weight_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            out = weight(chunk, *args, **kwargs)
+            del self.alive[(stage.stage_index, chunk)]
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
