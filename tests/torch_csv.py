@@ -60,12 +60,13 @@ def build(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int
     return cls(fakes[0], n_microbatches=num_microbatches)
 
 
-def torch_csv(name: str, num_ranks: int, num_microbatches: int, *, comms: bool) -> str:
+def torch_csv(name: str, num_ranks: int, num_microbatches: int, *, comms: bool,
+              stages_per_rank: int | None = None) -> str:
     """The CSV torch's own `_dump_csv` writes for its class `name`: compute-only (its
     `pipeline_order`, idle steps as empty cells) or, for the runtime classes, with communication
     (`pipeline_order_with_comms`: SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD and DualPipeV's
-    OVERLAP_F_B cells)."""
-    sched = build(name, num_ranks, num_microbatches)
+    OVERLAP_F_B cells). The multi-stage classes take `stages_per_rank` (default two)."""
+    sched = build(name, num_ranks, num_microbatches, stages_per_rank)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "torch.csv")
         if comms:

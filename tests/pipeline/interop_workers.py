@@ -112,14 +112,15 @@ def _named(model: nn.Module, part: nn.Module) -> list[tuple[str, torch.nn.Parame
     return [(n, q) for n, q in model.named_parameters() if id(q) in ids]
 
 
-def torch_in_ours(rank: int, cases: list[tuple[str, int, bool]]) -> list[str]:
-    """For each (torch class, m, with comms): load torch's CSV with our reader, run it through
-    our Pipe (the loaded Schedule as `schedule=`), compare this rank's gradients."""
+def torch_in_ours(rank: int, cases: list[tuple[str, int, bool, int | None]]) -> list[str]:
+    """For each (torch class, m, with comms, stages per rank or None for torch's default):
+    load torch's CSV with our reader, run it through our Pipe (the loaded Schedule as
+    `schedule=`), compare the loss and this rank's gradients."""
     done = []
     p = torch.distributed.get_world_size()
-    for cls, m, comms in cases:
-        loaded: Schedule = schedules.validate(
-            schedules.loads_csv(torch_csv(cls, p, m, comms=comms), num_microbatches=m, name=cls))
+    for cls, m, comms, k in cases:
+        text = torch_csv(cls, p, m, comms=comms, stages_per_rank=k)
+        loaded: Schedule = schedules.validate(schedules.loads_csv(text, num_microbatches=m))
         model = _model()
         expected_loss, expected = _reference(model, m)
         pipe = Pipe(model, _balance(loaded.num_stages), chunks=m, schedule=loaded,
@@ -128,7 +129,8 @@ def torch_in_ours(rank: int, cases: list[tuple[str, int, bool]]) -> list[str]:
         first = 0 in pipe.local_stages
         last = loaded.num_stages - 1 in pipe.local_stages
         loss = pipe.step(x if first else None, y if last else None, nn.MSELoss())
-        what = f"torch's {cls} p={p} m={m} ({'with comms' if comms else 'compute-only'}) in ours"
+        what = (f"torch's {cls} p={p} m={m}, {loaded.stages_per_rank} stage(s) per rank "
+                f"({'with comms' if comms else 'compute-only'}) in ours")
         torch.testing.assert_close(loss, expected_loss, **TOL,
                                    msg=lambda msg, w=what: f"{w}: loss: {msg}")
         _check({n: q.grad for n, q in pipe.named_parameters()}, expected, what)
@@ -137,7 +139,7 @@ def torch_in_ours(rank: int, cases: list[tuple[str, int, bool]]) -> list[str]:
 
 
 def exchange(rank: int, ours: list[tuple[str, int, dict[str, int]]],
-             theirs: list[tuple[str, int, bool]]) -> list[str]:
+             theirs: list[tuple[str, int, bool, int | None]]) -> list[str]:
     """Both directions on one set of ranks: ours in torch (with comms and compute-only), then
     torch's in ours."""
     return (ours_in_torch(rank, ours, True) + ours_in_torch(rank, ours, False)

@@ -37,14 +37,18 @@ def _comms_csv(cls: str) -> bool:
     return isinstance(build(cls, 2, 4), _PipelineScheduleRuntime)
 
 
-def _torch_cases(p: int) -> list[tuple[str, int, bool]]:
-    cases = []
-    for cls in TORCH_CLASSES:
+def _torch_cases(p: int) -> list[tuple[str, int, bool, int | None]]:
+    """(class, m, with comms, stages per rank): each class as torch builds it by default, and
+    its zero-bubble with one stage per rank too (the benchmarks' peer of zb-h1)."""
+    cases: list[tuple[str, int, bool, int | None]] = []
+    variants = [(cls, None) for cls in TORCH_CLASSES] + [("ScheduleInterleavedZeroBubble", 1)]
+    for cls, k in variants:
         if cls == "Schedule1F1B":
-            continue  # its pipeline_order is not what it runs: test_torch_csv_* reject it
+            continue  # its pipeline_order is not what it runs: test_csvio rejects it
         for m in _MICROBATCHES[p]:
             if unsupported(cls, p, m) is None:  # torch refuses e.g. DualPipeV with m < 2p
-                cases += [(cls, m, False)] + ([(cls, m, True)] if _comms_csv(cls) else [])
+                cases += [(cls, m, comms, k) for comms in (False, True)
+                          if not comms or _comms_csv(cls)]
     return cases
 
 
@@ -54,7 +58,7 @@ def test_exchange_both_ways_trains_exactly(p: int) -> None:
     ours, theirs = _ours(p), _torch_cases(p)
     names = {name for name, _, _ in ours}
     assert {"gpipe", "1f1b", "interleaved", "zb-h1"} <= names and "2bw" not in names
-    assert {cls for cls, _, _ in theirs} == set(TORCH_CLASSES) - {"Schedule1F1B"}
+    assert {case[0] for case in theirs} == set(TORCH_CLASSES) - {"Schedule1F1B"}
     results = spawn(interop_workers.exchange, p, ours, theirs, timeout=200)
     expected = len(ours) * 2 + len(theirs)
     assert [len(done) for done in results] == [expected] * p

@@ -94,6 +94,19 @@ def test_every_torch_csv_loads_and_validates(cls: str, p: int, m: int) -> None:
         assert lowered.compute_only() == compute  # same compute, in the same order
 
 
+@pytest.mark.parametrize("cls", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                                 "ScheduleInterleavedZeroBubble"])
+def test_torch_multi_stage_classes_with_one_stage_per_rank(cls: str) -> None:
+    """As the benchmarks run torch's zero-bubble peer of zb-h1: one stage per rank, both forms
+    read, valid, and the same compute (ZB1P at one stage per rank is the paper's ZB-H1)."""
+    for p, m in [(1, 3), (2, 2), (2, 6), (3, 4), (4, 8)]:
+        compute = schedules.validate(schedules.loads_csv(
+            torch_csv(cls, p, m, comms=False, stages_per_rank=1), num_microbatches=m))
+        lowered = schedules.validate(schedules.loads_csv(
+            torch_csv(cls, p, m, comms=True, stages_per_rank=1), num_microbatches=m))
+        assert compute.num_stages == p and lowered.compute_only() == compute
+
+
 def test_torch_interleaved_is_ours_once_idle_cells_are_dropped() -> None:
     for p, m in [(2, 4), (2, 6), (4, 8)]:
         ours = schedules.get_schedule("interleaved", p, m, stages_per_rank=2)
