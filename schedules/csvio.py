@@ -76,8 +76,9 @@ def dumps_csv(schedule: Schedule, *, dialect: str = "torch") -> str:
     """One row per rank, a cell per action (SEND/RECV too if the schedule is lowered).
 
     `dialect="torch"` (the default) writes what torch 2.13's `_PipelineScheduleRuntime` trains
-    with (`_load_csv(path, format="compute_comms")` for a lowered schedule, `"compute_only"`
-    otherwise), and refuses a schedule it cannot run (see `torch_incompatibility`);
+    with (`_load_csv(path, format="compute_comms")` for a schedule with SEND/RECV actions,
+    `"compute_only"` for one without: compute-only, or lowered on one rank), and refuses a
+    schedule it cannot run (see `torch_incompatibility`);
     `dialect="ours"` writes the actions as they are, weight versions and updates included.
     `loads_csv` reads both back to the same schedule.
     """
