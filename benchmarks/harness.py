@@ -291,11 +291,15 @@ class _Process:
         for model in self._copies.values():
             model.zero_grad(set_to_none=True)
 
-    def variants(self, m: int) -> tuple[list[Variant], dict[str, Pipe]]:
+    def variants(self, m: int
+                 ) -> tuple[list[Variant], dict[str, Pipe], dict[str, TorchPipeline]]:
+        """This process's variants for m micro-batches, and its pipelines (ours and torch's
+        peers, by variant key) for the memory step."""
         keys, _ = variant_keys(self.group, m)
         steps: dict[str, Callable[[], object]] = {}
         collect: dict[str, Callable[[float], list[RawEvent]]] = {}
         pipes: dict[str, Pipe] = {}
+        peers: dict[str, TorchPipeline] = {}
         x, y, loss_fn, g = self.x, self.y, self.loss_fn, self.group
         chunks = _chunks(x, y, m)
         if self.role in ("plain:1", "plain:all"):
@@ -316,6 +320,7 @@ class _Process:
                                          num_ranks=g.num_ranks, num_microbatches=m,
                                          loss_fn=loss_fn, device=self.device,
                                          group=self.torch_group)
+                    peers[f"processes/torch/{s}"] = peer
                     steps[f"processes/torch/{s}"] = _peer(peer, x, y)
             for balance in sorted(set(g.balances.values())):
                 ranks = [self.rank] if transport == "processes" else list(range(g.num_ranks))
@@ -323,7 +328,7 @@ class _Process:
                 works = [_bound_work(model, balance, range(r, len(balance), g.num_ranks), chunks,
                                      loss_fn, self.devices[r]) for r in ranks]
                 steps[bound_key(transport, balance)] = _concurrently(works)
-        return [Variant(k, steps.get(k), collect.get(k)) for k in keys], pipes
+        return [Variant(k, steps.get(k), collect.get(k)) for k in keys], pipes, peers
 
 
 def _ours(pipe: Pipe, x: Any, y: Any, loss_fn: LossFn) -> Callable[[], object]:
@@ -341,11 +346,14 @@ def run_rank(rank: int, group: Group, barrier: Any, progress: Any = None
         me = _Process(rank, group)
         results: dict[int, Measured] = {}
         for m in group.microbatches:
-            variants, pipes = me.variants(m)
+            variants, pipes, peers = me.variants(m)
             samples = alternate(variants, warmup=group.warmup, repeats=group.repeats,
                                 prepare=me.prepare, barrier=lambda: barrier.wait(_TIMEOUT),
                                 sync=me.sync)
             memory = _memory(pipes, lambda pipe: pipe.step(me.x, me.y, me.loss_fn), me.prepare)
+            for key, peer in peers.items():  # the same keys, in the same order, on every rank
+                me.prepare()
+                memory[key] = peer.memory_step(me.x, me.y)
             results[m] = Measured(samples, memory, variant_keys(group, m)[1])
             barrier.wait(_TIMEOUT)  # the pipelines' memory steps are done everywhere
             if progress is not None and rank == 0:

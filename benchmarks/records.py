@@ -71,6 +71,7 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
     costs = stage_costs(timelines, plan.num_stages)
     predicted = predict(plan, costs)
     memory = measured.memory.get(f"{transport}/ours/{s}", {})
+    torch_memory = measured.memory.get(torch_key, {})
     plain1_s = summarize(plain1) if plain1 else None
     bound_s = summarize(bound_t) if bound_t else None
     record = {
@@ -102,7 +103,10 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
                            t - tl.makespan for t, tl in zip(ours_t, timelines, strict=True)
                        ).to_dict()},
         "torch": {"schedule": TORCH_PEERS.get(s), "step_time_s": _summary(torch_t),
-                  "skipped": measured.skipped.get(torch_key)},
+                  "skipped": measured.skipped.get(torch_key),
+                  # Counted as ours is (TorchPipeline.memory_step); None where torch did not run.
+                  "peak_stashed_bytes": torch_memory.get("peak_stashed_bytes"),
+                  "peak_stashed_microbatches": torch_memory.get("peak_stashed_microbatches")},
         "baselines": {"plain_1_thread_s": _summary(plain1),
                       "plain_all_threads_s": _summary(plain_all),
                       "hardware_bound_s": _summary(bound_t)},

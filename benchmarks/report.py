@@ -145,6 +145,7 @@ _COLUMNS: list[tuple[str, Callable[[Record], str]]] = [
     ("sim ms (error)", lambda r: f"{r['simulator']['predicted_step_s'] * 1e3:.1f} "
                                  f"({r['simulator']['error']:+.0%})"),
     ("torch ms", lambda r: format_ms(r["torch"]["step_time_s"])),
+    ("torch peak stash", lambda r: _per_rank_bytes(r["torch"].get("peak_stashed_bytes") or [])),
     ("ours/torch", lambda r: _num(r["ratios"]["ours_over_torch"])),
     ("speedup vs 1 thread", lambda r: _num(r["ratios"]["speedup_vs_plain_1_thread"])),
     ("vs all threads", lambda r: _num(r["ratios"]["speedup_vs_plain_all_threads"])),

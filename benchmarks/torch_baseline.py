@@ -8,32 +8,49 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TORCH_PEERS", "TorchPipeline", "unsupported"]
+from pipeline.memory import SavedBytes
+
+__all__ = ["TORCH_PEERS", "TorchPipeline", "peer_stages", "unsupported"]
 
 # Our schedule -> torch's schedule class. Torch's zero-bubble for one stage per rank is its
-# interleaved ZB1P with a single local stage (ScheduleZBVZeroBubble needs two).
+# interleaved ZB1P with a single local stage; its V-shape schedules hold two stages per rank.
 TORCH_PEERS = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipe-v": "ScheduleDualPipeV",
 }
-_MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")  # take a list of stages
+_ROUNDS = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")  # m in rounds of p
+_V = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # rank r: stages r and 2p - 1 - r, always
 
 
 def unsupported(schedule: str, num_ranks: int, num_microbatches: int) -> str | None:
-    """Why torch cannot run `schedule` here (None: it can)."""
+    """Why torch cannot run `schedule` here (None: it can); the rules torch 2.13's
+    constructors check."""
     peer = TORCH_PEERS.get(schedule)
     if peer is None:
         return f"torch.distributed.pipelining has no {schedule} schedule"
     m, p = num_microbatches, num_ranks
     if peer == "Schedule1F1B" and m < p:
         return f"Schedule1F1B needs micro-batches >= ranks (m={m} < p={p})"
-    if peer in _MULTI:
+    if peer in _ROUNDS:
         rounds = max(1, m // p)
         if m % rounds:
             return f"{peer} needs micro-batches divisible by max(1, m // p) = {rounds} (m={m})"
+    if peer == "ScheduleDualPipeV" and m < 2 * p:
+        return (f"ScheduleDualPipeV needs micro-batches >= stages = 2 x ranks "
+                f"(m={m} < {2 * p})")
     return None
+
+
+def peer_stages(peer: str, rank: int, num_ranks: int, num_stages: int) -> list[int]:
+    """The stages `rank` holds under torch's schedule class `peer`: r and 2p - 1 - r for the
+    V-shape classes (torch fixes that placement), else r, r + p, ... (our loop placement)."""
+    if peer in _V:
+        return [rank, 2 * num_ranks - 1 - rank]
+    return list(range(rank, num_stages, num_ranks))
 
 
 def _bounds(balance: Sequence[int]) -> list[int]:
@@ -44,7 +61,8 @@ def _bounds(balance: Sequence[int]) -> list[int]:
 
 
 class TorchPipeline:
-    """This rank's stages (stage s on rank s mod p, as our loop placement) and torch's schedule.
+    """This rank's stages (`peer_stages`: the placement our schedule uses too) and torch's
+    schedule.
 
     The stages wrap the model's own layers (no copy): every variant of a measurement computes
     with the same parameters, so the comparison is not skewed by where the weights sit.
@@ -67,12 +85,13 @@ class TorchPipeline:
         self.stages = [
             PipelineStage(nn.Sequential(*layers[bounds[s]:bounds[s + 1]]), s, num_stages,
                           device, group=group)
-            for s in range(rank, num_stages, num_ranks)
+            for s in peer_stages(self.name, rank, num_ranks, num_stages)
         ]
-        self.first = self.stages[0].stage_index == 0
-        self.last = self.stages[-1].stage_index == num_stages - 1
+        self.first = any(stage.stage_index == 0 for stage in self.stages)
+        self.last = any(stage.stage_index == num_stages - 1 for stage in self.stages)
         cls = getattr(pipelining.schedules, self.name)
-        stage_arg: Any = self.stages if self.name in _MULTI else self.stages[0]
+        multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+        stage_arg: Any = self.stages if multi else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=num_microbatches, loss_fn=loss_fn)
 
     def step(self, x: Any, target: Any) -> None:
@@ -82,3 +101,61 @@ class TorchPipeline:
             self.schedule.step(*args, target=target)
         else:
             self.schedule.step(*args)
+
+    def memory_step(self, x: Any, target: Any) -> dict[str, list[int]]:
+        """One more step (not timed: the counting costs), and this rank's peak stash as our
+        Pipe counts its own with `track_memory=True`: the most micro-batches alive at once (from
+        a stage's forward until its backward completes: B, or W when split) and the most bytes
+        they hold (each stage input plus what autograd saved in its forward, parameters not
+        counted)."""
+        counter = _StashCounter()
+        for stage in self.stages:
+            counter.watch(stage)
+        try:
+            self.step(x, target)
+        finally:
+            for stage in self.stages:  # the class's methods again
+                for name in _StashCounter.WRAPPED:
+                    vars(stage).pop(name, None)
+        return {"peak_stashed_bytes": [counter.peak_bytes],
+                "peak_stashed_microbatches": [counter.peak]}
+
+
+class _StashCounter:
+    """Counts the micro-batches a rank's torch stages hold, by wrapping each stage's forward
+    and backward calls (on the instance: torch's schedules call them through the stage)."""
+
+    WRAPPED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self) -> None:
+        self.alive: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes
+        self.peak = self.peak_bytes = 0
+
+    def watch(self, stage: Any) -> None:
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        weight = stage.backward_weight_one_chunk
+
+        def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            with SavedBytes() as saved:
+                out = forward(chunk, *args, **kwargs)
+            inputs = stage.fwd_cache[chunk][1]
+            self.alive[(stage.stage_index, chunk)] = saved.bytes + sum(
+                t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+            self.peak = max(self.peak, len(self.alive))
+            self.peak_bytes = max(self.peak_bytes, sum(self.alive.values()))
+            return out
+
+        def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            out = backward(chunk, *args, **kwargs)
+            if kwargs.get("full_backward", True):
+                del self.alive[(stage.stage_index, chunk)]
+            return out
+
+        def backward_weight_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            out = weight(chunk, *args, **kwargs)
+            del self.alive[(stage.stage_index, chunk)]
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk

@@ -5,33 +5,119 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 from collections.abc import Iterable
 
 from schedules.ir import Action, Op, Schedule, ScheduleError
 
-__all__ = ["dump_csv", "dumps_csv", "load_csv", "loads_csv"]
+__all__ = ["DIALECTS", "dump_csv", "dumps_csv", "load_csv", "loads_csv", "torch_incompatibility"]
 
 _PLACEMENTS = ("loop", "v")
+DIALECTS = ("torch", "ours")
+
+# Cells torch writes that carry nothing our runtime needs (see `loads_csv`), and DualPipeV's
+# overlapped pair: "(0F3;3B1)OVERLAP_F_B" runs 0F3, then 3B1.
+_DROPPED = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
+_OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
-def dumps_csv(schedule: Schedule) -> str:
-    """One row per rank; a cell per action (with SEND/RECV if the schedule has them)."""
+def torch_incompatibility(schedule: Schedule) -> str | None:
+    """Why torch 2.13's `_PipelineScheduleRuntime` cannot run `schedule` (None: it can).
+
+    Torch's action grammar has F, B, I, W and SEND/RECV, one batch per step and one set of
+    weights; it has no weight update inside a schedule and no weight versions (PipeDream-2BW).
+    """
+    actions = [a for row in schedule.actions for a in row]
+    if any(a.op is Op.U for a in actions):
+        return ("it updates weights inside the schedule (U actions); torch.distributed."
+                "pipelining has no update action")
+    versioned = next((a for a in actions if a.version is not None), None)
+    if versioned is not None:
+        bare = Action(versioned.stage, versioned.op, versioned.microbatch)
+        return (f"its actions carry weight versions (e.g. {versioned}), which torch's action "
+                f"grammar lacks (it would read {versioned} as {bare})")
+    if schedule.num_batches > 1:
+        return (f"it runs {schedule.num_batches} batches without a flush; torch runs one "
+                f"batch per step")
+    return None
+
+
+def _torch_rows(schedule: Schedule) -> list[list[str]]:
+    """Torch's dialect: the same cells, plus, in a lowered schedule, a `<stage>REDUCE_GRAD` after
+    each stage's last backward (B or W) and the SENDs that follow it, where torch's own
+    lowering (`_add_reduce_grad`) puts it. Torch's runtime scales the gradients by 1/m there,
+    and only there: without it every gradient is m times too large. A compute-only schedule
+    gets none (torch's compute-only loader adds its own and refuses any non-compute cell)."""
+    reason = torch_incompatibility(schedule)
+    if reason is not None:
+        raise ScheduleError(
+            f"cannot write {schedule.name!r} in torch's dialect: {reason}. Write it with "
+            f"dialect='ours' (our own runtime and loads_csv read it), or choose a schedule "
+            f"without weight versions"
+        )
+    rows = []
+    for row in schedule.actions:
+        last = {a.stage: i for i, a in enumerate(row) if a.op in (Op.B, Op.W)}
+        after: dict[int, list[str]] = {}
+        if schedule.has_comms:
+            for stage, i in last.items():
+                while i + 1 < len(row) and row[i + 1].op in (Op.SEND_F, Op.SEND_B):
+                    i += 1
+                after.setdefault(i, []).append(f"{stage}REDUCE_GRAD")
+        cells = []
+        for i, a in enumerate(row):
+            cells.append(str(a))
+            cells += after.get(i, ())
+        rows.append(cells)
+    return rows
+
+
+def dumps_csv(schedule: Schedule, *, dialect: str = "torch") -> str:
+    """One row per rank, a cell per action (SEND/RECV too if the schedule is lowered).
+
+    `dialect="torch"` (the default) writes what torch 2.13's `_PipelineScheduleRuntime` trains
+    with (`_load_csv(path, format="compute_comms")` for a schedule with SEND/RECV actions,
+    `"compute_only"` for one without: compute-only, or lowered on one rank), and refuses a
+    schedule it cannot run (see `torch_incompatibility`);
+    `dialect="ours"` writes the actions as they are, weight versions and updates included.
+    `loads_csv` reads both back to the same schedule.
+    """
+    if dialect not in DIALECTS:
+        raise ScheduleError(f"dialect must be one of {DIALECTS} (got {dialect!r})")
+    rows = (_torch_rows(schedule) if dialect == "torch"
+            else [[str(a) for a in row] for row in schedule.actions])
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    for row in schedule.actions:
-        writer.writerow([str(a) for a in row])
+    writer.writerows(rows)
     return buffer.getvalue()
 
 
-def dump_csv(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    """Write `schedule` in torch's CSV format (compute-only, or with comms if lowered)."""
+def dump_csv(schedule: Schedule, path: str | os.PathLike[str], *, dialect: str = "torch") -> None:
+    """Write `schedule` to `path` as `dumps_csv` does."""
+    text = dumps_csv(schedule, dialect=dialect)
     with open(path, "w", newline="") as f:
-        f.write(dumps_csv(schedule))
+        f.write(text)
+
+
+def _cell_actions(cell: str) -> tuple[Action, ...]:
+    text = cell.strip()
+    if not text or _DROPPED.match(text):
+        return ()
+    overlap = _OVERLAP.match(text)
+    if overlap is not None:
+        return tuple(Action.parse(part) for part in overlap.group(1).split(";") if part.strip())
+    return (Action.parse(text),)
 
 
 def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "csv",
               placement: str | None = None) -> Schedule:
-    """Parse torch's CSV format. Empty cells (idle steps) are dropped.
+    """Parse a schedule CSV: ours (either dialect) or any torch 2.13 writes.
+
+    Empty cells (idle steps) are dropped. So are torch's `UNSHARD`/`RESHARD` (FSDP's gather
+    and release of a stage's sharded parameters: our stages are never sharded) and
+    `REDUCE_GRAD` (where torch scales the summed micro-batch gradients by 1/m: our runtime
+    weights each micro-batch's loss instead, so its gradients need no step of their own).
+    DualPipeV's overlapped cells, `(0F3;3B1)OVERLAP_F_B`, become their actions in order.
 
     Ranks are the rows; the stage count and micro-batch count are inferred from the actions
     (pass `num_microbatches` for a multi-batch schedule); the placement is whichever of `loop`
@@ -39,12 +125,10 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
     """
     rows: list[tuple[Action, ...]] = []
     for r, cells in enumerate(csv.reader(io.StringIO(text))):
-        actions = []
+        actions: list[Action] = []
         for c, cell in enumerate(cells):
-            if not cell.strip():
-                continue
             try:
-                actions.append(Action.parse(cell))
+                actions += _cell_actions(cell)
             except ScheduleError as exc:
                 raise ScheduleError(f"row {r} (rank {r}), column {c}: {exc}") from None
         rows.append(tuple(actions))
@@ -72,7 +156,7 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
 
 
 def load_csv(path: str | os.PathLike[str], **kwargs: object) -> Schedule:
-    """Read a schedule CSV written by `dump_csv` or by torch's `_dump_csv`."""
+    """Read a schedule CSV written by `dump_csv` or by torch's `_dump_csv` (see `loads_csv`)."""
     with open(path, newline="") as f:
         return loads_csv(f.read(), **kwargs)  # type: ignore[arg-type]
 

@@ -52,12 +52,15 @@ def test_figures_follow_from_the_samples() -> None:
     assert r["overhead_s"]["idle_with_input_ready"]["max"] == pytest.approx(0.0)
     assert r["peak_stashed_bytes"] == [1000, 2000]
     assert r["torch"]["schedule"] == "Schedule1F1B" and r["torch"]["skipped"] is None
+    assert r["torch"]["peak_stashed_bytes"] == [1500, 3000]  # torch's peer, next to ours
+    assert r["torch"]["peak_stashed_microbatches"] == [2, 2]
 
 
 def test_threads_records_say_why_torch_is_missing() -> None:
     r = _records()[record_id("tiny", "params", "threads", 2, "gpipe", 4)]
     assert r["torch"]["step_time_s"] is None and r["ratios"]["ours_over_torch"] is None
     assert "one process per rank" in r["torch"]["skipped"]
+    assert r["torch"]["peak_stashed_bytes"] is None
 
 
 def test_one_rank_records_carry_the_overhead() -> None:

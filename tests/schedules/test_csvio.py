@@ -1,5 +1,5 @@
 import csv
-import re
+import io
 from pathlib import Path
 from typing import Any
 
@@ -7,20 +7,24 @@ import pytest
 from hypothesis import given
 
 import schedules
-from schedules import Schedule, ScheduleError
+from schedules import Action, Op, Schedule, ScheduleError
+from schedules.csvio import torch_incompatibility
 from tests.strategies import schedules_any
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+from tests.torch_csv import TORCH_CLASSES, build, rank_stages, torch_csv, unsupported  # noqa: E402
 
 
 @given(schedules_any())
 def test_csv_round_trips(schedule: Schedule) -> None:
+    dialects = ["ours"] + (["torch"] if torch_incompatibility(schedule) is None else [])
     for s in (schedule, schedules.lower(schedule)):
-        # On one rank the loop and v placements are the same; the CSV cannot tell them apart.
-        back = schedules.loads_csv(schedules.dumps_csv(s), num_microbatches=s.num_microbatches,
-                                   name=s.name,
-                                   placement=s.placement if s.num_ranks == 1 else None)
-        assert back == s
+        for dialect in dialects:
+            text = schedules.dumps_csv(s, dialect=dialect)
+            # On one rank the loop and v placements are the same; the CSV cannot tell them apart.
+            back = schedules.loads_csv(text, num_microbatches=s.num_microbatches, name=s.name,
+                                       placement=s.placement if s.num_ranks == 1 else None)
+            assert back == s, dialect
 
 
 def test_empty_cells_are_idle_and_placement_is_inferred() -> None:
@@ -41,30 +45,75 @@ def test_csv_errors_name_the_cell() -> None:
         schedules.loads_csv("0F0,1F0\n1F0\n")
 
 
-def _torch_interleaved(cls: Any, p: int, m: int, v: int) -> dict[int, list[Any]]:
-    # Build torch's own pipeline_order without a process group: the generator only needs these.
-    sched = object.__new__(cls)
-    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
-    sched.number_of_rounds = max(1, m // p)
-    sched.microbatches_per_round = m // sched.number_of_rounds
-    return {r: sched._calculate_single_rank_operations(r) for r in range(p)}
+def _torch_cells(text: str) -> list[list[str]]:
+    return [row for row in csv.reader(io.StringIO(text)) if row]
 
 
-@pytest.mark.parametrize("cls_name", ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"])
-@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 6), (4, 8)])
-def test_torch_written_csv_loads_and_validates(tmp_path: Path, cls_name: str, p: int,
-                                               m: int) -> None:
-    cls = getattr(torch_schedules, cls_name)
-    writer = object.__new__(cls)
-    writer.pipeline_order = _torch_interleaved(cls, p, m, 2)
-    path = tmp_path / "torch.csv"
-    torch_schedules.PipelineScheduleMulti._dump_csv(writer, str(path))  # torch's own writer
-    ours = schedules.validate(schedules.load_csv(path))
-    assert (ours.num_ranks, ours.num_stages, ours.num_microbatches) == (p, 2 * p, m)
-    if cls_name == "ScheduleInterleaved1F1B":
-        # Same depth-first order as our generator once torch's idle cells are dropped.
-        assert ours.actions == schedules.get_schedule("interleaved", p, m,
-                                                      stages_per_rank=2).actions
+def test_torch_only_cells_are_dropped_and_overlaps_expanded() -> None:
+    text = ("0UNSHARD,0F0,0SEND_F0,(0F1;0B0)OVERLAP_F_B,0RECV_B1,0B1,0REDUCE_GRAD,0RESHARD\n"
+            "1UNSHARD,1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1,1REDUCE_GRAD\n")
+    s = schedules.loads_csv(text)
+    assert [str(a) for a in s.actions[0]] == ["0F0", "0SEND_F0", "0F1", "0B0", "0RECV_B1",
+                                              "0B1"]
+    assert [str(a) for a in s.actions[1]][-1] == "1SEND_B1"
+    with pytest.raises(ScheduleError, match="column 1: cannot parse action '\\(0F1'"):
+        schedules.loads_csv("0F0,((0F1;0B0)OVERLAP_F_B)OVERLAP_F_B\n")
+
+
+# The classes whose order torch lowers to one with communication.
+_RUNTIME_CLASSES = [c for c in TORCH_CLASSES
+                    if isinstance(build(c, 2, 4), torch_schedules._PipelineScheduleRuntime)]
+
+
+def _torch_grid() -> list[tuple[str, int, int]]:
+    return [(c, p, m) for c in TORCH_CLASSES for p in range(1, 5) for m in range(1, 9)
+            if unsupported(c, p, m) is None]
+
+
+@pytest.mark.parametrize(("cls", "p", "m"), _torch_grid())
+def test_every_torch_csv_loads_and_validates(cls: str, p: int, m: int) -> None:
+    """Compute-only and with-communication CSVs of every torch class: read, and valid exactly
+    when torch's own validator says so (its 1F1B order is not: torch runs 1F1B from a loop of
+    its own, and in the order it writes the last rank's forwards are shifted by one)."""
+    compute = schedules.loads_csv(torch_csv(cls, p, m, comms=False), num_microbatches=m)
+    rows = {r: [torch_schedules._Action.from_str(c) for c in row]
+            for r, row in enumerate(_torch_cells(torch_csv(cls, p, m, comms=False)))}
+    try:
+        torch_schedules._validate_schedule(rows, p, compute.num_stages, m)
+    except AssertionError as exc:
+        assert cls == "Schedule1F1B", exc
+        with pytest.raises(ScheduleError):
+            schedules.validate(compute)
+        return
+    schedules.validate(compute)
+    stages = {a.stage for row in compute.actions for a in row}
+    assert (compute.num_ranks, compute.num_microbatches, len(stages)) == (
+        p, m, p * len(rank_stages(cls, p, 0)))
+    if cls in _RUNTIME_CLASSES:
+        lowered = schedules.validate(schedules.loads_csv(torch_csv(cls, p, m, comms=True),
+                                                         num_microbatches=m))
+        assert lowered.has_comms or p == 1
+        assert lowered.compute_only() == compute  # same compute, in the same order
+
+
+@pytest.mark.parametrize("cls", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                                 "ScheduleInterleavedZeroBubble"])
+def test_torch_multi_stage_classes_with_one_stage_per_rank(cls: str) -> None:
+    """As the benchmarks run torch's zero-bubble peer of zb-h1: one stage per rank, both forms
+    read, valid, and the same compute (ZB1P at one stage per rank is the paper's ZB-H1)."""
+    for p, m in [(1, 3), (2, 2), (2, 6), (3, 4), (4, 8)]:
+        compute = schedules.validate(schedules.loads_csv(
+            torch_csv(cls, p, m, comms=False, stages_per_rank=1), num_microbatches=m))
+        lowered = schedules.validate(schedules.loads_csv(
+            torch_csv(cls, p, m, comms=True, stages_per_rank=1), num_microbatches=m))
+        assert compute.num_stages == p and lowered.compute_only() == compute
+
+
+def test_torch_interleaved_is_ours_once_idle_cells_are_dropped() -> None:
+    for p, m in [(2, 4), (2, 6), (4, 8)]:
+        ours = schedules.get_schedule("interleaved", p, m, stages_per_rank=2)
+        theirs = schedules.loads_csv(torch_csv("ScheduleInterleaved1F1B", p, m, comms=False))
+        assert theirs.actions == ours.actions
 
 
 def _torch_loader(path: Path, s: Schedule) -> Any:
@@ -77,19 +126,51 @@ def _torch_loader(path: Path, s: Schedule) -> Any:
     return runtime
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1"])
-@pytest.mark.parametrize("lowered", [False, True])
-def test_torch_loads_ours(tmp_path: Path, name: str, lowered: bool) -> None:
-    s = schedules.get_schedule(name, 2, 4)
-    s = schedules.lower(s) if lowered else s
-    path = tmp_path / "ours.csv"
-    schedules.dump_csv(s, path)
-    runtime = _torch_loader(path, s)
-    with open(path, newline="") as f:
-        cells = [c for row in csv.reader(f) for c in row]
-    loaded = [str(a) for rank in sorted(runtime.pipeline_order_with_comms)
-              for a in runtime.pipeline_order_with_comms[rank]]
-    if lowered:
-        assert loaded == cells
-    else:  # torch lowers it itself (adding comms, unshard/reshard): our compute, in our order
-        assert [c for c in loaded if re.fullmatch(r"\d+[FBIW]\d+", c)] == cells
+def _torch_compatible() -> list[tuple[str, int, int]]:
+    """(generator, p, m) for every registered generator whose schedules torch can run."""
+    out = []
+    for name in schedules.available():
+        gen = schedules.info(name)
+        for p, m in [(1, 3), (2, 1), (2, 5), (3, 4), (4, 8)]:
+            s = schedules.get_schedule(name, p, m,
+                                       **gen.options_for(stages_per_rank=gen.stages_per_rank))
+            if torch_incompatibility(s) is None:
+                out.append((name, p, m))
+    return out
+
+
+@pytest.mark.parametrize(("name", "p", "m"), _torch_compatible())
+def test_torch_reads_our_dialect_as_written(tmp_path: Path, name: str, p: int, m: int) -> None:
+    """Torch loads what we write, cell for cell; lowered, each stage's REDUCE_GRAD sits where
+    torch's own lowering (`_add_reduce_grad`) puts it: after the stage's m-th backward."""
+    gen = schedules.info(name)
+    compute = schedules.get_schedule(name, p, m,
+                                     **gen.options_for(stages_per_rank=gen.stages_per_rank))
+    for s in (compute, schedules.lower(compute)):
+        path = tmp_path / "ours.csv"
+        schedules.dump_csv(s, path)
+        cells = _torch_cells(path.read_text())
+        runtime = _torch_loader(path, s)
+        loaded = [[str(a) for a in runtime.pipeline_order_with_comms[r]] for r in range(p)]
+        if s.has_comms:
+            assert loaded == cells
+            for r, row in enumerate(compute.actions):
+                actions = [torch_schedules._Action.from_str(str(a)) for a in row]
+                expected = [str(a) for a in torch_schedules._add_reduce_grad(actions, m)]
+                assert [c for c in cells[r] if "SEND" not in c and "RECV" not in c] == expected
+        else:  # torch lowers it itself: our compute, in our order
+            assert cells == [[str(a) for a in row] for row in s.actions]
+            assert [[c for c in row if torch_schedules._Action.from_str(c).is_compute_op]
+                    for row in loaded] == cells
+
+
+def test_torch_dialect_refuses_what_torch_cannot_run() -> None:
+    two_bw = schedules.get_schedule("2bw", 2, 2, num_batches=2)
+    with pytest.raises(ScheduleError, match=r"no update action.*dialect='ours'"):
+        schedules.dumps_csv(two_bw)
+    assert "1U1" in schedules.dumps_csv(two_bw, dialect="ours")
+    versioned = Schedule(1, 1, 1, ((Action(0, Op.F, 0, 1), Action(0, Op.B, 0, 1)),))
+    with pytest.raises(ScheduleError, match=r"weight versions \(e.g. 0F0v1\).*read 0F0v1 as 0F0"):
+        schedules.dumps_csv(versioned)
+    with pytest.raises(ScheduleError, match="dialect must be one of"):
+        schedules.dumps_csv(versioned, dialect="megatron")

@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 import schedules
 from schedules import Action, Op
@@ -61,3 +62,15 @@ def test_batch_two_before_its_version_exists_is_rejected() -> None:
     bad = ("0F0v0", "0B0v0", "0F1v1", "0F2v2", "0B1v1", "0U0", "0U1", "0B2v2", "0U2")
     with pytest.raises(schedules.ScheduleError, match="not live"):
         schedules.validate(s.replace(actions=(tuple(Action.parse(c) for c in bad),)))
+
+
+@given(st.integers(1, 8), st.integers(1, 32), st.integers(1, 4))
+@example(4, 2, 2)  # peaks 3, 3, 2, 1 (the README's row once said min(m, p - r) = 2, 2, 2, 1)
+def test_peak_activations_closed_form(p: int, m: int, n: int) -> None:
+    """Rank r keeps min(p - r, m) micro-batches alive within one batch, and one more,
+    min(p - r, m + 1), when batches follow without a flush: its warm-up holds at most m
+    forwards, and in the steady state the next batch's forward comes before this batch's
+    backward (p=4 m=2 over two batches: 3, 3, 2, 1, not min(m, p - r) = 2, 2, 2, 1)."""
+    s = schedules.get_schedule("2bw", p, m, num_batches=n)
+    expected = tuple(min(p - r, m + (1 if n > 1 else 0)) for r in range(p))
+    assert schedules.simulate(s).peak_activations == expected
