@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, collectives
+from pipeline import bootstrap, checks, collectives
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.distributed import DistributedTransport, PeerFailure
+from pipeline.errors import PipeConfigError
 from pipeline.execute import Executor, PipelineError
 from pipeline.microbatch import batch_size, gather, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
@@ -25,10 +26,6 @@ from schedules import Action, Op, Schedule, Timeline
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
 _METHODS = ("uniform", "params", "time", "size")
-
-
-class PipeConfigError(ValueError):
-    """Pipe was built with arguments that cannot work together."""
 
 
 def _resolve_devices(devices: Sequence[str | torch.device] | None,
@@ -80,7 +77,8 @@ class Pipe(nn.Module):
             raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.timeout = timeout
+        self.timeout = checks.check_timeout(timeout)
+        checks.check_devices(devices)
         self.track_memory = track_memory
         self._schedule_arg = schedule
         # Several processes (torchrun, or our launcher): this process is one rank.
@@ -156,7 +154,8 @@ class Pipe(nn.Module):
             if stages is not None and stages != len(balance):
                 raise PipeConfigError(f"stages={stages} disagrees with balance of "
                                       f"{len(balance)} stages {list(balance)}")
-            if any(not isinstance(b, int) or b < 1 for b in balance):
+            checks.check_balance_list(balance)
+            if any(b < 1 for b in balance):
                 raise BalanceError(f"every stage needs at least one layer (balance: "
                                    f"{list(balance)})")
             if sum(balance) != n:
@@ -239,6 +238,7 @@ class Pipe(nn.Module):
     def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
         """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights."""
+        checks.check_batch(x, target, chunks)
         last = len(self.balance) - 1
         rank = self.world[0] if self.world else None
         if 0 in self.local_stages:
@@ -319,6 +319,7 @@ class Pipe(nn.Module):
 
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
                optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        checks.check_loss_fn(loss_fn)
         m = self.chunks
         schedule = self._schedule(m, len(pairs))
         inputs: list[tuple[Any, ...]] = []
@@ -401,6 +402,7 @@ class Pipe(nn.Module):
         if self.world:
             mine = set(self.state_dict())
             state_dict = {k: v for k, v in state_dict.items() if k in mine}
+        checks.check_state_dict(self.state_dict(), state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
