@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.transport import PipelineAborted, move
+from pipeline.transport import PeerTimeout, PipelineAborted, describe_message, move
 from pipeline.waiting import Waiter, poll
 from schedules import Op, Schedule
 from schedules.lower import Message, message, source_stage
@@ -156,11 +157,22 @@ class DistributedTransport:
             self._post_next(peer)
 
     # -- sending ------------------------------------------------------------------------------
+    def _p2p(self, op: Any, tensor: torch.Tensor, peer: int) -> Any:
+        """`dist.isend` or `dist.irecv` with `peer`; a broken connection (a peer that died,
+        possibly before this step began) becomes a PeerFailure naming it."""
+        try:
+            return op(tensor, self._global[peer], group=self.group)
+        except RuntimeError as exc:
+            self._check_failed()
+            raise PeerFailure(f"rank {peer} is gone (its process died or its connection broke); "
+                              f"rank {self.rank} could not reach it: {exc}") from exc
+
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        work = dist.isend(tensor, self._global[dst], group=self.group)
+        work = self._p2p(dist.isend, tensor, dst)
         self._pending.append((work, tensor))  # keep the buffer alive until the send completes
 
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
+        self._tick(time.monotonic())  # a failed step computes and sends nothing more
         meta = _describe(values)
         key = (dst_rank, msg)
         agreed = self._sent_meta.get(key)
@@ -219,6 +231,7 @@ class DistributedTransport:
             self._post_next(src_rank)
 
     def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
+        self._tick(time.monotonic())  # even when the data is here: no work for a failed step
         while msg not in self._arrived:
             posted = self._posted.get(src_rank)
             if posted is None:
@@ -235,20 +248,17 @@ class DistributedTransport:
         msg = expected.popleft()
         buf = torch.empty(_size(self._recv_meta.get((src, msg))), dtype=torch.uint8,
                           device=self._comm_device)
-        self._posted[src] = (msg, buf, dist.irecv(buf, self._global[src], group=self.group))
+        self._posted[src] = (msg, buf, self._p2p(dist.irecv, buf, src))
 
     def _recv_now(self, size: int, dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
         buf = torch.empty(size, dtype=dtype, device=self._comm_device)
-        self._finish_recv(dist.irecv(buf, self._global[src], group=self.group), what, src)
+        self._finish_recv(self._p2p(dist.irecv, buf, src), what, src)
         return buf
 
     def _receive(self, src: int) -> tuple[tuple[Any, ...], list[bool]]:
         """Complete the receive posted for `src`, post its next one, and unpack."""
         msg, buf, work = self._posted.pop(src)
-        kind, stage, mb = msg
-        what = (f"the {'activations' if kind == 'F' else 'gradients'} of stage {stage}, "
-                f"micro-batch {mb} from rank {src}") if kind in "FB" else (
-                f"a result from rank {src}")
+        what = describe_message(msg) if msg[0] in "FB" else "a result"
         self._finish_recv(work, what, src)
         flag = _flag(buf)
         if flag < 0:  # poison: a rank failed (see `abort`)
@@ -289,12 +299,12 @@ class DistributedTransport:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower():
-                raise TimeoutError(f"rank {self.rank} waited {self.timeout:g}s for {what}; "
-                                   f"raise Pipe(timeout=...) if a stage is really that slow"
-                                   ) from None
+                self._check_failed()  # a failure elsewhere explains the silence
+                raise PeerTimeout(self.rank, src, what, self.timeout) from None
             self._check_failed()
             raise PeerFailure(f"rank {src} is gone (its process died or its connection broke) "
-                              f"while rank {self.rank} waited for {what}: {exc}") from exc
+                              f"while rank {self.rank} waited for {what} from it: {exc}"
+                              ) from exc
 
     # -- messages outside the schedule --------------------------------------------------------
     def send_result(self, tensor: torch.Tensor, dst: int) -> None:
@@ -318,6 +328,10 @@ class DistributedTransport:
         try:
             poll(work, polls=self._polls, waiter=self._waiter, timeout=self.timeout,
                  on_tick=self._tick, what=f"rank {self.rank} waited {{:g}}s for {what}")
+        except TimeoutError:
+            if src is None:
+                raise
+            raise PeerTimeout(self.rank, src, what, self.timeout) from None
         except RuntimeError as exc:
             self._check_failed()
             peer = f"rank {src}" if src is not None else "a peer"

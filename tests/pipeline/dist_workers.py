@@ -196,3 +196,24 @@ def subgroup_pipelines(rank: int, members: list[list[int]]) -> float:
     torch.testing.assert_close(loss, expected.detach(), **TOL)
     _local_grads_match(pipe, reference, f"group {members}")
     return float(loss)
+
+
+def dies_between_steps(rank: int, steps_before: int) -> tuple[str, float]:
+    """Rank 1 of 3 exits after `steps_before` steps (0: before the first); the survivors'
+    next step must raise PipelineError naming it, never a raw backend error."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    pipe = Pipe(model, [1, 2, 1], chunks=2, schedule="1f1b", timeout=60)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(steps_before):
+        pipe.step(x, y, nn.MSELoss())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # let the connections break first: the case is a peer already gone
+    start = time.monotonic()
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except PipelineError as exc:
+        return f"PipelineError: {exc}", time.monotonic() - start
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", time.monotonic() - start

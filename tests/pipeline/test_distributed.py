@@ -86,3 +86,15 @@ def test_pipelines_on_subgroups_address_global_ranks(members: list[list[int]]) -
     losses = spawn(dist_workers.subgroup_pipelines, 4, members, timeout=90)
     for group in members:  # both ranks of a pipeline return its loss
         assert losses[group[0]] == losses[group[1]]
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_a_rank_that_died_between_steps_is_named(steps_before: int) -> None:
+    with pytest.raises(RankFailed) as err:
+        spawn(dist_workers.dies_between_steps, 3, steps_before, timeout=90)
+    survivors = err.value.results
+    assert sorted(survivors) == [0, 2]
+    for rank, (message, seconds) in survivors.items():
+        assert message.startswith("PipelineError: "), (rank, message)
+        assert "rank 1 is gone" in message, (rank, message)
+        assert seconds < 20, (rank, seconds)
