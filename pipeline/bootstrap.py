@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.launch import INIT_TIMEOUT_ENV
+
 __all__ = ["materialize", "rank_devices", "world"]
 
 
@@ -18,7 +20,8 @@ def world(group: Any = None) -> tuple[int, int] | None:
     """(rank, world size) when running as one of several processes, else None.
 
     Uses an initialised process group, or initialises one from torchrun's environment
-    (`WORLD_SIZE` > 1): gloo, or NCCL when CUDA is available.
+    (`WORLD_SIZE` > 1): gloo, or NCCL when CUDA is available, waiting up to
+    `PIPELINE_INIT_TIMEOUT` seconds (default 300) for the other ranks to join.
     """
     if not dist.is_available():
         return None
@@ -26,7 +29,9 @@ def world(group: Any = None) -> tuple[int, int] | None:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        # How long to wait for every rank to join: a rank that never comes is noticed then.
+        seconds = float(os.environ.get(INIT_TIMEOUT_ENV, "300"))
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     size = dist.get_world_size(group)
     if size == 1 and group is None:
         return None

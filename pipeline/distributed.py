@@ -37,7 +37,11 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 64  # int64 slots: [entries, (code, dtype, requires_grad, ndim, *shape) per entry]
 _FLAG = 8  # bytes of the flag that opens every message
 _ALIGN = 16
-_FAILED_KEY = "pipeline/failed"
+# A failing rank r takes a ticket from _FAILURES and writes "ticket\nnote" under
+# _FAILED + its global rank: a key only it writes, so a report names its writer, and the
+# lowest ticket is the first failure. Anything else in the store is ignored.
+_FAILURES = "pipeline/failures"
+_FAILED = "pipeline/failed/"
 _RESULT: Message = ("S", 0, 0)  # messages outside the schedule (results, checkpoints)
 
 Meta = tuple[int, ...]
@@ -344,27 +348,37 @@ class DistributedTransport:
             self._check_failed()
 
     def _check_failed(self) -> None:
+        """Raise PipelineAborted with the first failure any rank of this pipeline reported."""
         if self._store is None:
             return
+        reports = []
         try:
-            if not self._store.check([_FAILED_KEY]):
+            if not self._store.check([_FAILURES]):
                 return
-            text = self._store.get(_FAILED_KEY).decode()
-        except Exception as exc:  # the store lives in rank 0's process
-            raise PeerFailure(f"rank {self.rank} lost the rendezvous store (hosted by rank 0; "
-                              f"is it dead?): {exc}") from exc
-        rank, _, note = text.partition(":")
-        raise PipelineAborted(int(rank), note)
+            for rank, global_rank in enumerate(self._global):
+                key = f"{_FAILED}{global_rank}"
+                if self._store.check([key]):
+                    report = _parse_report(self._store.get(key), rank)
+                    if report is not None:
+                        reports.append(report)
+        except Exception as exc:  # outside launchers that host it, rank 0 hosts the store
+            raise PeerFailure(f"rank {self.rank} lost the rendezvous store (rank 0 hosts it "
+                              f"unless a launcher does; did rank 0 exit?): {exc}") from exc
+        if reports:
+            _, rank, note = min(reports)
+            raise PipelineAborted(rank, note)
 
     def abort(self, rank: int, note: str) -> None:
-        """Tell every rank that `rank` failed: a mark in the store (first writer wins) with the
-        note, and a poison flag in the buffer each peer posted for our next message to it,
-        which wakes a receive blocked on this rank; a peer blocked on another rank hears it
-        when that rank fails in turn."""
+        """Tell every rank that this rank (`rank`) failed: a report in the store under a key
+        only this rank writes, ticketed so that readers pick the first failure, and a poison
+        flag in the buffer each peer posted for our next message to it, which wakes a receive
+        blocked on this rank; a peer blocked on another rank hears it when that rank fails in
+        turn."""
         if self._store is not None:
             # Best effort: if the store is gone, peers still see a broken connection or time out.
             with contextlib.suppress(Exception):
-                self._store.compare_set(_FAILED_KEY, "", f"{rank}:{note}")
+                ticket = self._store.add(_FAILURES, 1)
+                self._store.set(f"{_FAILED}{self._global[self.rank]}", f"{ticket}\n{note}")
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -374,6 +388,17 @@ class DistributedTransport:
             _flag(poison, -1 - rank)
             with contextlib.suppress(Exception):
                 dist.isend(poison, self._global[peer], group=self.group)
+
+
+def _parse_report(raw: bytes, rank: int) -> tuple[int, int, str] | None:
+    """(ticket, rank, note) from what `abort` wrote, or None for anything else."""
+    try:
+        ticket, sep, note = raw.decode("utf-8").partition("\n")
+        if not sep or not ticket.isdigit() or len(ticket) > 18:
+            return None
+        return int(ticket), rank, note
+    except UnicodeDecodeError:
+        return None
 
 
 def _meta_length(header: list[int]) -> int:

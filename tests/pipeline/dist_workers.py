@@ -217,3 +217,31 @@ def dies_between_steps(rank: int, steps_before: int) -> tuple[str, float]:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}", time.monotonic() - start
     return "no error", time.monotonic() - start
+
+
+class _SlowAfterFirst(nn.Module):
+    """Sleeps in its second forward: long enough for rank 0 to have exited."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            time.sleep(2.0)
+        return x
+
+
+def first_failure_after_rank0_exits(rank: int) -> str:
+    """Rank 2 fails at once; rank 0 exits as soon as it hears; rank 1 hears only after that.
+    Every rank that reports must name rank 2, the first failure."""
+    model = nn.Sequential(nn.Linear(4, 4), _SlowAfterFirst(), _Fail("raise"))
+    pipe = Pipe(model, [1, 1, 1], chunks=4, schedule="gpipe", timeout=60)
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+    except PipelineError as exc:
+        if rank == 0:
+            os._exit(0)  # with the store in its process, as torch's default rendezvous has it
+        return str(exc)
+    return "no error"

@@ -98,3 +98,13 @@ def test_a_rank_that_died_between_steps_is_named(steps_before: int) -> None:
         assert message.startswith("PipelineError: "), (rank, message)
         assert "rank 1 is gone" in message, (rank, message)
         assert seconds < 20, (rank, seconds)
+
+
+def test_the_first_failure_is_named_even_after_rank_0_exits() -> None:
+    with pytest.raises(RankFailed) as err:
+        spawn(dist_workers.first_failure_after_rank0_exits, 3, timeout=90)
+    survivors = err.value.results
+    assert sorted(survivors) == [1, 2]
+    for rank, message in survivors.items():
+        assert "rank 2 (cpu) failed at 2F" in message and "bad micro-batch" in message, (
+            rank, message)
