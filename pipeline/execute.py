@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import weakref
 from typing import Any
@@ -18,6 +19,8 @@ from pipeline.workers import RankWorkers
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Executor", "PipelineError"]
+
+_log = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
@@ -156,6 +159,7 @@ class Executor:
                                      failed=lambda: self._stalled(failures, seen),
                                      grace=min(self.timeout, 5.0))
             if stuck:
+                _log.warning("abandoning the threads of rank(s) %s after a failure", stuck)
                 self.broken = (
                     f"rank(s) {stuck} did not stop within {min(self.timeout, 5.0):g}s of a "
                     f"failure elsewhere (still at " + ", ".join(
@@ -167,6 +171,7 @@ class Executor:
         if failures:
             rank, action, exc = failures[0]
             message = self._failure(rank, action, exc)
+            _log.info("step failed: %s", message)
             if self.broken is not None:
                 message += f"\n{self.broken}"
             raise PipelineError(message) from exc
@@ -179,12 +184,15 @@ class Executor:
             rt.run(schedule.actions[rank], step, result)
             transport.finish()
         except PipelineAborted as exc:  # another rank failed and said so
+            _log.info("rank %d: step aborted: %s", rank, exc)
             raise PipelineError(str(exc)) from None
         except PeerFailure as exc:  # another rank died
+            _log.warning("rank %d: %s", rank, exc)
             transport.abort(rank, str(exc))
             raise PipelineError(str(exc)) from exc
         except BaseException as exc:
             message = self._failure(rank, rt.current, exc)
+            _log.warning("%s", message)
             transport.abort(rank, message)
             raise PipelineError(message) from exc
 
