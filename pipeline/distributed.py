@@ -327,6 +327,32 @@ class DistributedTransport:
                                  f"{src}, got {tuple(out.shape)} {out.dtype}")
         return out.detach().clone()
 
+    def exchange(self, name: str, payload: str) -> list[str] | None:
+        """Every rank's `payload` for `name`, in rank order, through the rendezvous store (the
+        same list on every rank); None without a store. Waits at most the timeout, watching
+        for failures."""
+        if self._store is None:
+            return None
+        keys = [f"pipeline/{name}/{g}" for g in self._global]
+        try:
+            self._store.set(keys[self.rank], payload)
+            out = []
+            deadline = time.monotonic() + self.timeout
+            for rank, key in enumerate(keys):
+                while not self._store.check([key]):
+                    self._check_failed()
+                    if time.monotonic() > deadline:
+                        raise PeerTimeout(self.rank, rank, f"its configuration ({name})",
+                                          self.timeout)
+                    time.sleep(0.002)
+                out.append(self._store.get(key).decode("utf-8"))
+        except (PipelineAborted, PeerFailure, PeerTimeout):
+            raise
+        except Exception as exc:
+            raise PeerFailure(f"rank {self.rank} lost the rendezvous store while the ranks "
+                              f"compared their configuration: {exc}") from exc
+        return out
+
     # -- waiting and failing ------------------------------------------------------------------
     def _wait(self, work: Any, what: str, src: int | None) -> None:
         try:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, checks, collectives
+from pipeline import bootstrap, checks, collectives, fingerprint
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
@@ -123,6 +123,7 @@ class Pipe(nn.Module):
             for i in range(bounds[s], bounds[s + 1]):
                 self.add_module(names[i], bootstrap.materialize(layers[i], device))
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
+        self._agreement = fingerprint.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
@@ -278,6 +279,7 @@ class Pipe(nn.Module):
 
         Multi-process: returns the output on the last stage's rank and None on the others.
         """
+        self._agreement.check(self, [(x, None)])
         inputs, _, _ = self._context(x, None, None, self.chunks)
         step = StepInputs(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
                           _step_seed())
@@ -320,6 +322,7 @@ class Pipe(nn.Module):
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
                optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
         checks.check_loss_fn(loss_fn)
+        self._agreement.check(self, pairs)
         m = self.chunks
         schedule = self._schedule(m, len(pairs))
         inputs: list[tuple[Any, ...]] = []

@@ -245,3 +245,24 @@ def first_failure_after_rank0_exits(rank: int) -> str:
             os._exit(0)  # with the store in its process, as torch's default rendezvous has it
         return str(exc)
     return "no error"
+
+
+def disagreeing_ranks(rank: int, field: str) -> str:
+    """Two ranks built or called differently in `field`; returns what each raised."""
+    from pipeline import PipeConfigError
+
+    model = _model()
+    balance = [[2, 6], [6, 2]][rank] if field == "balance" else [4, 4]
+    schedule = ["gpipe", "1f1b"][rank] if field == "schedule" else "1f1b"
+    rows = [8, 6][rank] if field == "batch rows" else 8
+    pipe = Pipe(model, balance, chunks=2, schedule=schedule, timeout=60)
+    x, y = torch.randn(rows, 6), torch.randn(rows, 3)
+    start = time.monotonic()
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except PipeConfigError as exc:
+        assert time.monotonic() - start < 20
+        return f"PipeConfigError: {exc}"
+    except PipelineError as exc:
+        return f"PipelineError: {exc}"
+    return "no error"

@@ -108,3 +108,16 @@ def test_the_first_failure_is_named_even_after_rank_0_exits() -> None:
     for rank, message in survivors.items():
         assert "rank 2 (cpu) failed at 2F" in message and "bad micro-batch" in message, (
             rank, message)
+
+
+@pytest.mark.parametrize(("field", "values"), [
+    ("balance", "rank 0: [2, 6]; rank 1: [6, 2]"),
+    ("schedule", 'rank 0: "gpipe"; rank 1: "1f1b"'),
+    ("batch rows", "rank 0: [8]; rank 1: [6]"),
+])
+def test_ranks_that_disagree_raise_pipe_config_error(field: str, values: str) -> None:
+    # Before: different balances trained with a layer never run, different schedules
+    # deadlocked until the timeout, different batch sizes trained on a broadcast loss.
+    for message in spawn(dist_workers.disagreeing_ranks, 2, field, timeout=90):
+        assert message.startswith(f"PipeConfigError: ranks disagree on {field} ({values})"), (
+            message)
