@@ -175,11 +175,15 @@ class Pipe(nn.Module):
             return split_sizes(n, k)
         if method == "params":
             return partition(layer_params(model), k)
-        if sample is None:
-            raise PipeConfigError(f"balance={method!r} profiles the model: pass "
-                                  f"sample=<a batch> too")
-        costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
-        return partition(costs, k)
+
+        def profiled() -> list[int]:
+            if sample is None:
+                raise PipeConfigError(f"balance={method!r} profiles the model: pass "
+                                      f"sample=<a batch> too")
+            costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
+            return partition(costs, k)
+        # Several processes: rank 0 profiles and every rank takes its balance (profiles differ).
+        return bootstrap.from_first_rank(self.group, profiled) if self.world else profiled()
 
     def _check_shared_parameters(self) -> None:
         owner: dict[int, int] = {}

@@ -266,3 +266,17 @@ def disagreeing_ranks(rank: int, field: str) -> str:
     except PipelineError as exc:
         return f"PipelineError: {exc}"
     return "no error"
+
+
+def profiled_balance(rank: int, method: str) -> list[int]:
+    """Each rank's profiler sees different costs (as timings do); all must end with rank 0's
+    balance. Only rank 0 is given a sample: the others do not profile."""
+    from pipeline import pipe as pipe_module
+
+    costs = [[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0], [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
+    name = "layer_times" if method == "time" else "layer_sizes"
+    setattr(pipe_module, name, lambda model, sample: costs[rank])
+    pipe = Pipe(_model(), method, stages=2, sample=torch.randn(4, 6) if rank == 0 else None)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    pipe.step(x, y, nn.MSELoss())  # and they agree (the fingerprint compares balances)
+    return list(pipe.balance)

@@ -121,3 +121,9 @@ def test_ranks_that_disagree_raise_pipe_config_error(field: str, values: str) ->
     for message in spawn(dist_workers.disagreeing_ranks, 2, field, timeout=90):
         assert message.startswith(f"PipeConfigError: ranks disagree on {field} ({values})"), (
             message)
+
+
+@pytest.mark.parametrize("method", ["time", "size"])
+def test_profiled_balance_is_rank_0s_on_every_rank(method: str) -> None:
+    # Rank 0's costs put 7 cheap layers first ([7, 1]); rank 1's would give [1, 7].
+    assert spawn(dist_workers.profiled_balance, 2, method, timeout=60) == [[7, 1], [7, 1]]
