@@ -240,7 +240,8 @@ class Pipe(nn.Module):
         """Last stage's result to every rank (multi-process); as is in one process."""
         return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
 
-    def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int
+    def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
+                 loss_reduction: str | None = None
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
         """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights."""
         checks.check_batch(x, target, chunks)
@@ -262,7 +263,7 @@ class Pipe(nn.Module):
             device = self.devices[self._probe.rank_of(last)]
             parts = scatter(target, chunks)
             rows = [batch_size(p) for p in parts]
-            weights = [r / sum(rows) for r in rows]
+            weights = checks.loss_weights(rows, loss_fn, loss_reduction)
             targets = [t[0] if len(t) == 1 else t
                        for t in (tuple(v.to(device) if isinstance(v, torch.Tensor) else v
                                        for v in part) for part in parts)]
@@ -293,17 +294,21 @@ class Pipe(nn.Module):
             return None  # multi-process: the output lives on the last stage's rank
         return gather([result.outputs[m] for m in range(self.chunks)])
 
-    def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
-        """Forward and backward of one batch under the schedule; returns the batch's mean loss.
+    def step(self, x: Any, target: Any, loss_fn: LossFn, *,
+             loss_reduction: str | None = None) -> torch.Tensor:
+        """Forward and backward of one batch under the schedule; returns the batch's loss.
 
         Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
-        (accumulating onto what is there), for `loss_fn` reducing by mean. With `schedule="2bw"`
+        (accumulating onto what is there), for `loss_fn` reducing by mean or by sum: a loss
+        module's `reduction` says which; for a plain function pass `loss_reduction="sum"`
+        (default "mean"). With `schedule="2bw"`
         the gradients are taken at the previous step's weights (PipeDream-2BW).
         """
-        return self._steps([(x, target)], loss_fn, None)[0]
+        return self._steps([(x, target)], loss_fn, None, loss_reduction)[0]
 
     def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
-                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+                  optimizer: torch.optim.Optimizer, *,
+                  loss_reduction: str | None = None) -> list[torch.Tensor]:
         """Train on several batches, calling `optimizer.step()` after each; returns the losses.
 
         Under a multi-batch schedule (`2bw`) the batches run as one schedule without a flush,
@@ -316,15 +321,16 @@ class Pipe(nn.Module):
             losses = []
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(self.step(x, target, loss_fn))
+                losses.append(self.step(x, target, loss_fn, loss_reduction=loss_reduction))
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return losses
         optimizer.zero_grad(set_to_none=True)
-        return self._steps(pairs, loss_fn, optimizer)
+        return self._steps(pairs, loss_fn, optimizer, loss_reduction)
 
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
-               optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+               optimizer: torch.optim.Optimizer | None,
+               loss_reduction: str | None = None) -> list[torch.Tensor]:
         checks.check_loss_fn(loss_fn)
         self._agreement.check(self, pairs)
         m = self.chunks
@@ -333,7 +339,7 @@ class Pipe(nn.Module):
         targets: list[Any] = []
         weights: list[float] = []
         for x, target in pairs:
-            i, t, w = self._context(x, target, loss_fn, m)
+            i, t, w = self._context(x, target, loss_fn, m, loss_reduction)
             inputs += i
             targets += t or []
             weights += w
