@@ -327,30 +327,23 @@ class DistributedTransport:
                                  f"{src}, got {tuple(out.shape)} {out.dtype}")
         return out.detach().clone()
 
-    def exchange(self, name: str, payload: str) -> list[str] | None:
-        """Every rank's `payload` for `name`, in rank order, through the rendezvous store (the
-        same list on every rank); None without a store. Waits at most the timeout, watching
-        for failures."""
-        if self._store is None:
-            return None
-        keys = [f"pipeline/{name}/{g}" for g in self._global]
-        try:
-            self._store.set(keys[self.rank], payload)
-            out = []
-            deadline = time.monotonic() + self.timeout
-            for rank, key in enumerate(keys):
-                while not self._store.check([key]):
-                    self._check_failed()
-                    if time.monotonic() > deadline:
-                        raise PeerTimeout(self.rank, rank, f"its configuration ({name})",
-                                          self.timeout)
-                    time.sleep(0.002)
-                out.append(self._store.get(key).decode("utf-8"))
-        except (PipelineAborted, PeerFailure, PeerTimeout):
-            raise
-        except Exception as exc:
-            raise PeerFailure(f"rank {self.rank} lost the rendezvous store while the ranks "
-                              f"compared their configuration: {exc}") from exc
+    def exchange(self, payload: str) -> list[str]:
+        """Every rank's `payload`, in rank order (the same list on every rank), point to point
+        with the failure-aware waits: a peer that is already dead is named, not waited for."""
+        data = torch.tensor(list(payload.encode("utf-8")), dtype=torch.uint8)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.send_result(torch.tensor([data.numel()]), peer)
+                self.send_result(data, peer)
+        out = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                out.append(payload)
+                continue
+            (size,) = self.recv_result(peer, (1,)).tolist()
+            raw = self.recv_result(peer, (int(size),), torch.uint8)
+            out.append(bytes(raw.tolist()).decode("utf-8"))
+        self.finish()
         return out
 
     # -- waiting and failing ------------------------------------------------------------------

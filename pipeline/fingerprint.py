@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from typing import Any
 
@@ -16,9 +15,6 @@ from pipeline.transport import PeerTimeout, PipelineAborted
 from schedules import Schedule
 
 __all__ = ["Agreement", "fingerprint"]
-
-_pipes = itertools.count()  # Pipes built in this process, in order: the same on every rank
-
 
 def _schedule(arg: str | Schedule) -> str:
     if isinstance(arg, str):
@@ -78,11 +74,10 @@ def _short(text: str) -> str:
 
 class Agreement:
     """Checks, for one Pipe, that every rank has the same configuration: once per new
-    (balance, schedule, chunks, checkpoint, batches) combination, at its first call, through
-    the rendezvous store (one small exchange, then cached). No-op in one process."""
+    (balance, schedule, chunks, checkpoint, batches) combination, at its first call, with one
+    small exchange between the ranks (then cached). No-op in one process."""
 
     def __init__(self) -> None:
-        self._pipe = next(_pipes)
         self._agreed: set[str] = set()
 
     def check(self, pipe: Any, pairs: list[tuple[Any, Any]]) -> None:
@@ -94,13 +89,13 @@ class Agreement:
                                                "batches per call")])
         if static in self._agreed:
             return
-        name = f"config/{self._pipe}/{len(self._agreed)}"
         try:
-            texts = transport.exchange(name, json.dumps(mine))
-        except (PipelineAborted, PeerFailure, PeerTimeout) as exc:
+            texts = transport.exchange(json.dumps(mine))
+        except PipelineAborted as exc:
+            raise PipelineError(str(exc)) from None
+        except (PeerFailure, PeerTimeout) as exc:
+            transport.abort(transport.rank, str(exc))
             raise PipelineError(f"while the ranks compared their configuration: {exc}") from None
-        if texts is None:
-            return  # no store to compare through
         problem = _disagreement([json.loads(t) for t in texts])
         if problem is not None:
             raise PipeConfigError(
