@@ -85,6 +85,20 @@ def _device(choice: str) -> str:
     return choice
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before anything is measured, what would fail (or be lost) after measuring."""
+    unknown = [s for s in (args.schedules or "").split(",") if s and s not in available()]
+    if unknown:
+        raise ValueError(f"unknown schedule {unknown[0]!r}; known: {', '.join(available())}")
+    for name in ("warmup", "repeats"):
+        value, least = getattr(args, name), int(name == "repeats")
+        if value is not None and value < least:
+            raise ValueError(f"--{name} must be >= {least} (got {value})")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; name a directory (it is created if "
+                         f"missing) for results.jsonl, report.md, timelines/ and plots/")
+
+
 def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[str, Timeline],
                   env: dict[str, Any], *, suite: str, command: str,
                   failures: Sequence[str] = (), notes: Sequence[str] = (),
@@ -120,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             format="%(asctime)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        _check(args)
         suite = narrow(SUITES[args.suite], models=args.models, ranks=args.ranks,
                        microbatches=args.microbatches, schedules=args.schedules,
                        transports=args.transport, warmup=args.warmup, repeats=args.repeats)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -11,14 +13,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["materialize", "rank_devices", "world"]
+from pipeline.launch import INIT_TIMEOUT_ENV
+
+__all__ = ["from_first_rank", "materialize", "rank_devices", "world"]
+
+_shared = itertools.count()  # values shared so far, in order: the same on every rank
 
 
 def world(group: Any = None) -> tuple[int, int] | None:
     """(rank, world size) when running as one of several processes, else None.
 
     Uses an initialised process group, or initialises one from torchrun's environment
-    (`WORLD_SIZE` > 1): gloo, or NCCL when CUDA is available.
+    (`WORLD_SIZE` > 1): gloo, or NCCL when CUDA is available, waiting up to
+    `PIPELINE_INIT_TIMEOUT` seconds (default 300) for the other ranks to join.
     """
     if not dist.is_available():
         return None
@@ -26,7 +33,9 @@ def world(group: Any = None) -> tuple[int, int] | None:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return None
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        # How long to wait for every rank to join: a rank that never comes is noticed then.
+        seconds = float(os.environ.get(INIT_TIMEOUT_ENV, "300"))
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     size = dist.get_world_size(group)
     if size == 1 and group is None:
         return None
@@ -59,3 +68,26 @@ def materialize(layer: nn.Module, device: torch.device) -> nn.Module:
         if callable(reset):
             reset()
     return layer
+
+
+def from_first_rank(group: Any, compute: Callable[[], list[int]]) -> list[int]:
+    """`compute()` run on the group's rank 0 only, its result given to every rank (through the
+    rendezvous store). An error on rank 0 is raised there and reported on the others."""
+    from pipeline.errors import PipeConfigError
+
+    store = dist.distributed_c10d._get_default_store()
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    key = f"pipeline/shared/{next(_shared)}/{first}"
+    if dist.get_rank(group) == 0:
+        try:
+            value = compute()
+        except BaseException as exc:
+            store.set(key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            raise
+        store.set(key, json.dumps({"value": value}))
+        return value
+    got = json.loads(store.get(key))  # waits for rank 0, up to the store's timeout
+    if "error" in got:
+        raise PipeConfigError(f"rank 0 could not compute the balance for every rank: "
+                              f"{got['error']}")
+    return [int(v) for v in got["value"]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.microbatch import Packed
-from pipeline.transport import PipelineAborted, move
+from pipeline.transport import PeerTimeout, PipelineAborted, describe_message, move
 from pipeline.waiting import Waiter, poll
 from schedules import Op, Schedule
 from schedules.lower import Message, message, source_stage
@@ -39,7 +40,11 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 64
 _FLAG = 8  # bytes of the flag that opens every message
 _ALIGN = 16
-_FAILED_KEY = "pipeline/failed"
+# A failing rank r takes a ticket from _FAILURES and writes "ticket\nnote" under
+# _FAILED + its global rank: a key only it writes, so a report names its writer, and the
+# lowest ticket is the first failure. Anything else in the store is ignored.
+_FAILURES = "pipeline/failures"
+_FAILED = "pipeline/failed/"
 _RESULT: Message = ("S", 0, 0)  # messages outside the schedule (results, checkpoints)
 
 Meta = tuple[int, ...]
@@ -159,11 +164,22 @@ class DistributedTransport:
             self._post_next(peer)
 
     # -- sending ------------------------------------------------------------------------------
+    def _p2p(self, op: Any, tensor: torch.Tensor, peer: int) -> Any:
+        """`dist.isend` or `dist.irecv` with `peer`; a broken connection (a peer that died,
+        possibly before this step began) becomes a PeerFailure naming it."""
+        try:
+            return op(tensor, self._global[peer], group=self.group)
+        except RuntimeError as exc:
+            self._check_failed()
+            raise PeerFailure(f"rank {peer} is gone (its process died or its connection broke); "
+                              f"rank {self.rank} could not reach it: {exc}") from exc
+
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        work = dist.isend(tensor, self._global[dst], group=self.group)
+        work = self._p2p(dist.isend, tensor, dst)
         self._pending.append((work, tensor))  # keep the buffer alive until the send completes
 
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
+        self._tick(time.monotonic())  # a failed step computes and sends nothing more
         meta = _describe(values)
         key = (dst_rank, msg)
         agreed = self._sent_meta.get(key)
@@ -222,6 +238,7 @@ class DistributedTransport:
             self._post_next(src_rank)
 
     def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
+        self._tick(time.monotonic())  # even when the data is here: no work for a failed step
         while msg not in self._arrived:
             posted = self._posted.get(src_rank)
             if posted is None:
@@ -238,20 +255,17 @@ class DistributedTransport:
         msg = expected.popleft()
         buf = torch.empty(_size(self._recv_meta.get((src, msg))), dtype=torch.uint8,
                           device=self._comm_device)
-        self._posted[src] = (msg, buf, dist.irecv(buf, self._global[src], group=self.group))
+        self._posted[src] = (msg, buf, self._p2p(dist.irecv, buf, src))
 
     def _recv_now(self, size: int, dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
         buf = torch.empty(size, dtype=dtype, device=self._comm_device)
-        self._finish_recv(dist.irecv(buf, self._global[src], group=self.group), what, src)
+        self._finish_recv(self._p2p(dist.irecv, buf, src), what, src)
         return buf
 
     def _receive(self, src: int) -> tuple[tuple[Any, ...], list[bool]]:
         """Complete the receive posted for `src`, post its next one, and unpack."""
         msg, buf, work = self._posted.pop(src)
-        kind, stage, mb = msg
-        what = (f"the {'activations' if kind == 'F' else 'gradients'} of stage {stage}, "
-                f"micro-batch {mb} from rank {src}") if kind in "FB" else (
-                f"a result from rank {src}")
+        what = describe_message(msg) if msg[0] in "FB" else "a result"
         self._finish_recv(work, what, src)
         flag = _flag(buf)
         if flag < 0:  # poison: a rank failed (see `abort`)
@@ -293,12 +307,12 @@ class DistributedTransport:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower():
-                raise TimeoutError(f"rank {self.rank} waited {self.timeout:g}s for {what}; "
-                                   f"raise Pipe(timeout=...) if a stage is really that slow"
-                                   ) from None
+                self._check_failed()  # a failure elsewhere explains the silence
+                raise PeerTimeout(self.rank, src, what, self.timeout) from None
             self._check_failed()
             raise PeerFailure(f"rank {src} is gone (its process died or its connection broke) "
-                              f"while rank {self.rank} waited for {what}: {exc}") from exc
+                              f"while rank {self.rank} waited for {what} from it: {exc}"
+                              ) from exc
 
     # -- messages outside the schedule --------------------------------------------------------
     def send_result(self, tensor: torch.Tensor, dst: int) -> None:
@@ -317,11 +331,34 @@ class DistributedTransport:
                                  f"{src}, got {tuple(out.shape)} {out.dtype}")
         return out.detach().clone()
 
+    def exchange(self, payload: str) -> list[str]:
+        """Every rank's `payload`, in rank order (the same list on every rank), point to point
+        with the failure-aware waits: a peer that is already dead is named, not waited for."""
+        data = torch.tensor(list(payload.encode("utf-8")), dtype=torch.uint8)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.send_result(torch.tensor([data.numel()]), peer)
+                self.send_result(data, peer)
+        out = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                out.append(payload)
+                continue
+            (size,) = self.recv_result(peer, (1,)).tolist()
+            raw = self.recv_result(peer, (int(size),), torch.uint8)
+            out.append(bytes(raw.tolist()).decode("utf-8"))
+        self.finish()
+        return out
+
     # -- waiting and failing ------------------------------------------------------------------
     def _wait(self, work: Any, what: str, src: int | None) -> None:
         try:
             poll(work, polls=self._polls, waiter=self._waiter, timeout=self.timeout,
                  on_tick=self._tick, what=f"rank {self.rank} waited {{:g}}s for {what}")
+        except TimeoutError:
+            if src is None:
+                raise
+            raise PeerTimeout(self.rank, src, what, self.timeout) from None
         except RuntimeError as exc:
             self._check_failed()
             peer = f"rank {src}" if src is not None else "a peer"
@@ -334,27 +371,37 @@ class DistributedTransport:
             self._check_failed()
 
     def _check_failed(self) -> None:
+        """Raise PipelineAborted with the first failure any rank of this pipeline reported."""
         if self._store is None:
             return
+        reports = []
         try:
-            if not self._store.check([_FAILED_KEY]):
+            if not self._store.check([_FAILURES]):
                 return
-            text = self._store.get(_FAILED_KEY).decode()
-        except Exception as exc:  # the store lives in rank 0's process
-            raise PeerFailure(f"rank {self.rank} lost the rendezvous store (hosted by rank 0; "
-                              f"is it dead?): {exc}") from exc
-        rank, _, note = text.partition(":")
-        raise PipelineAborted(int(rank), note)
+            for rank, global_rank in enumerate(self._global):
+                key = f"{_FAILED}{global_rank}"
+                if self._store.check([key]):
+                    report = _parse_report(self._store.get(key), rank)
+                    if report is not None:
+                        reports.append(report)
+        except Exception as exc:  # outside launchers that host it, rank 0 hosts the store
+            raise PeerFailure(f"rank {self.rank} lost the rendezvous store (rank 0 hosts it "
+                              f"unless a launcher does; did rank 0 exit?): {exc}") from exc
+        if reports:
+            _, rank, note = min(reports)
+            raise PipelineAborted(rank, note)
 
     def abort(self, rank: int, note: str) -> None:
-        """Tell every rank that `rank` failed: a mark in the store (first writer wins) with the
-        note, and a poison flag in the buffer each peer posted for our next message to it,
-        which wakes a receive blocked on this rank; a peer blocked on another rank hears it
-        when that rank fails in turn."""
+        """Tell every rank that this rank (`rank`) failed: a report in the store under a key
+        only this rank writes, ticketed so that readers pick the first failure, and a poison
+        flag in the buffer each peer posted for our next message to it, which wakes a receive
+        blocked on this rank; a peer blocked on another rank hears it when that rank fails in
+        turn."""
         if self._store is not None:
             # Best effort: if the store is gone, peers still see a broken connection or time out.
             with contextlib.suppress(Exception):
-                self._store.compare_set(_FAILED_KEY, "", f"{rank}:{note}")
+                ticket = self._store.add(_FAILURES, 1)
+                self._store.set(f"{_FAILED}{self._global[self.rank]}", f"{ticket}\n{note}")
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -364,6 +411,17 @@ class DistributedTransport:
             _flag(poison, -1 - rank)
             with contextlib.suppress(Exception):
                 dist.isend(poison, self._global[peer], group=self.group)
+
+
+def _parse_report(raw: bytes, rank: int) -> tuple[int, int, str] | None:
+    """(ticket, rank, note) from what `abort` wrote, or None for anything else."""
+    try:
+        ticket, sep, note = raw.decode("utf-8").partition("\n")
+        if not sep or not ticket.isdigit() or len(ticket) > 18:
+            return None
+        return int(ticket), rank, note
+    except UnicodeDecodeError:
+        return None
 
 
 def _meta_length(header: list[int]) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import time
 import weakref
 from typing import Any
 
@@ -12,15 +14,21 @@ from torch import nn
 from pipeline import collectives
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.stage import StageRuntime, StepInputs, StepResult
-from pipeline.transport import LocalTransport, PipelineAborted
+from pipeline.transport import LocalTransport, PeerTimeout, PipelineAborted
 from pipeline.workers import RankWorkers
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Executor", "PipelineError"]
 
+_log = logging.getLogger(__name__)
+
 
 class PipelineError(RuntimeError):
     """A stage failed during a step; the message names its rank, stage, action and micro-batch."""
+
+
+class _Stalled(Exception):
+    """A rank's action ran longer than the timeout while nothing else failed."""
 
 
 class Executor:
@@ -66,10 +74,10 @@ class Executor:
             raise PipelineError(self.broken)
         if schedule.placement != self._placement:
             raise AssertionError("the executor runs lowered schedules of its own placement")
-        self.transport.begin(schedule)
         if self.world is not None:
             self._run_rank(schedule, step, result)
         else:
+            self.transport.begin(schedule)
             self._run_threads(schedule, step, result)
         timeline = Timeline(
             schedule.num_ranks, tuple(e for rt in self.runtimes for e in rt.events), "s",
@@ -94,7 +102,41 @@ class Executor:
     def _failure(self, rank: int, action: Action | None, exc: BaseException) -> str:
         where = "before its first action" if action is None else (
             f"at {action} ({_describe(action)})")
+        advice = "raise Pipe(timeout=...) if a stage is really that slow"
+        if isinstance(exc, _Stalled):
+            return (f"rank {rank} ({self.devices[rank]}) is stuck {where}: that action ran for "
+                    f"more than timeout={self.timeout:g}s; {advice}")
+        if isinstance(exc, PeerTimeout):  # blame the rank that did not deliver, not the waiter
+            at = ""
+            if self.world is None and self.runtimes[exc.src].current is not None:
+                current = self.runtimes[exc.src].current
+                assert current is not None
+                at = f" at {current} ({_describe(current)})"
+            return (f"rank {exc.src} ({self.devices[exc.src]}) is stuck{at} (or too slow): rank "
+                    f"{rank} waited {exc.seconds:g}s {where} for {exc.what} from it; {advice}")
         return f"rank {rank} ({self.devices[rank]}) failed {where}: {type(exc).__name__}: {exc}"
+
+    def _stalled(self, failures: list[tuple[int, Action | None, BaseException]],
+                 seen: dict[int, tuple[Action, float]]) -> bool:
+        """Whether the step has failed, noting as a failure a rank whose action (other than a
+        wait for a peer, which times out by itself) has run longer than the timeout."""
+        if failures:
+            return True
+        assert isinstance(self.transport, LocalTransport)
+        now = time.monotonic()
+        waiting = {self._rank_of(msg[1]) for msg in set(self.transport.waiting)}
+        for rt in self.runtimes:
+            action = rt.current
+            if action is None:  # not started, or done
+                continue
+            first = seen.get(rt.rank)
+            if first is None or first[0] is not action or rt.rank in waiting:
+                seen[rt.rank] = (action, now)
+            elif now - first[1] > self.timeout:
+                failures.append((rt.rank, action, _Stalled()))
+                self.transport.abort(rt.rank, f"rank {rt.rank} is stuck at {action}")
+                return True
+        return False
 
     def _run_threads(self, schedule: Schedule, step: StepInputs, result: StepResult) -> None:
         transport = self.transport
@@ -112,9 +154,12 @@ class Executor:
         if self.workers is None:
             job(self.runtimes[0])
         else:
+            seen: dict[int, tuple[Action, float]] = {}
             stuck = self.workers.run([functools.partial(job, rt) for rt in self.runtimes],
-                                     failed=lambda: bool(failures), grace=min(self.timeout, 5.0))
+                                     failed=lambda: self._stalled(failures, seen),
+                                     grace=min(self.timeout, 5.0))
             if stuck:
+                _log.warning("abandoning the threads of rank(s) %s after a failure", stuck)
                 self.broken = (
                     f"rank(s) {stuck} did not stop within {min(self.timeout, 5.0):g}s of a "
                     f"failure elsewhere (still at " + ", ".join(
@@ -126,6 +171,7 @@ class Executor:
         if failures:
             rank, action, exc = failures[0]
             message = self._failure(rank, action, exc)
+            _log.info("step failed: %s", message)
             if self.broken is not None:
                 message += f"\n{self.broken}"
             raise PipelineError(message) from exc
@@ -134,15 +180,19 @@ class Executor:
         assert self.world is not None
         rank, rt, transport = self.world[0], self.runtimes[0], self.transport
         try:
+            transport.begin(schedule)  # posts receives: a peer that died already fails here
             rt.run(schedule.actions[rank], step, result)
             transport.finish()
         except PipelineAborted as exc:  # another rank failed and said so
+            _log.info("rank %d: step aborted: %s", rank, exc)
             raise PipelineError(str(exc)) from None
         except PeerFailure as exc:  # another rank died
+            _log.warning("rank %d: %s", rank, exc)
             transport.abort(rank, str(exc))
             raise PipelineError(str(exc)) from exc
         except BaseException as exc:
             message = self._failure(rank, rt.current, exc)
+            _log.warning("%s", message)
             transport.abort(rank, message)
             raise PipelineError(message) from exc
 

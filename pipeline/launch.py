@@ -4,12 +4,15 @@
 
 Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 gloo bound to the loopback interface, and one intra-op thread unless OMP_NUM_THREADS is set.
+The launcher itself hosts the rendezvous store, listening on 127.0.0.1 only (as torchrun's
+agent hosts it), so the store outlives any rank and nothing off this machine can reach it.
 If a rank fails, the others are given a few seconds to report their own error, then stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -22,7 +25,12 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["RankFailed", "free_port", "main", "rank_env", "spawn"]
+__all__ = ["INIT_TIMEOUT_ENV", "RankFailed", "free_port", "host_store", "main", "rank_env",
+           "spawn"]
+
+INIT_TIMEOUT_ENV = "PIPELINE_INIT_TIMEOUT"  # seconds ranks wait for each other to join
+
+_log = logging.getLogger(__name__)
 
 
 class RankFailed(RuntimeError):
@@ -40,10 +48,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def host_store() -> tuple[Any, int]:
+    """A rendezvous store served by this process on 127.0.0.1 only, and its port.
+
+    torch's own TCPStore server listens on every interface; handing it a socket already bound
+    to loopback keeps it there. Ranks started with `rank_env` connect to it as clients
+    (`TORCHELASTIC_USE_AGENT_STORE`), so it outlives any of them, as torchrun's agent store does.
+    """
+    from torch._C._distributed_c10d import TCPStore
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = int(sock.getsockname()[1])
+    # detach(): the store's server owns the descriptor from now on (Python must not close it).
+    store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    return store, port
+
+
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     return env
 
@@ -69,16 +97,17 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0,
-          backend: str = "gloo") -> list[Any]:
+          backend: str = "gloo", grace: float = 15.0) -> list[Any]:
     """Run `fn(rank, *args)` on `nproc` fresh ranks (gloo; or NCCL, rank r on cuda:r); return
     each rank's result in order.
 
     `fn` must be importable (a module-level function). Raises `RankFailed` naming every rank
-    that raised, died, or did not finish within `timeout` seconds.
+    that raised, died, or did not finish within `timeout` seconds; once one rank has raised
+    or died, the others get `grace` seconds to finish (or report) and are then stopped.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store, port = host_store()
     procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, args, results, timeout, backend),
                          daemon=True) for r in range(nproc)]
     for p in procs:
@@ -93,6 +122,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0
             dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
             for r in dead:  # exited without reporting: killed, or crashed hard
                 got[r] = ("error", f"process died (exit code {procs[r].exitcode})")
+        failed = [r for r, (status, _) in got.items() if status == "error"]
+        if failed and deadline > time.monotonic() + grace:
+            _log.info("rank %d failed; the others get %gs to finish", failed[0], grace)
+            deadline = time.monotonic() + grace
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():
@@ -104,6 +137,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0
         lines += [f"rank {r}: no result within {timeout:.0f}s" for r in missing]
         ok = {r: v for r, (status, v) in got.items() if status == "ok"}
         raise RankFailed("\n".join(lines), ok)
+    del store  # served the ranks until here
     return [got[r][1] for r in range(nproc)]
 
 
@@ -114,28 +148,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start (>= 1)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds the other ranks get to exit after one fails")
+    parser.add_argument("--init-timeout", type=float, default=300.0,
+                        help=f"seconds a rank waits for the others to join the process group "
+                             f"(sets {INIT_TIMEOUT_ENV}; Pipe reads it)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
-    port = free_port()
+    if not ns.init_timeout > 0:
+        parser.error(f"--init-timeout must be > 0 seconds (got {ns.init_timeout})")
+    store, port = host_store()
+    extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     procs = [subprocess.Popen([sys.executable, ns.script, *ns.args],
-                              env={**os.environ, **rank_env(r, ns.nproc, port)})
+                              env={**os.environ, **rank_env(r, ns.nproc, port), **extra})
              for r in range(ns.nproc)]
+    _log.info("started %d ranks; rendezvous store on 127.0.0.1:%d", ns.nproc, port)
     failed_at: float | None = None
     code = 0
     while any(p.poll() is None for p in procs):
         for r, p in enumerate(procs):
             if p.poll() not in (None, 0) and failed_at is None:
                 failed_at, code = time.monotonic(), p.returncode
-                print(f"pipeline.launch: rank {r} exited with code {p.returncode}",
-                      file=sys.stderr)
+                print(f"pipeline.launch: rank {r} exited with code {p.returncode}; the others "
+                      f"get {ns.grace:g}s", file=sys.stderr)
         if failed_at is not None and time.monotonic() - failed_at > ns.grace:
-            for p in procs:
+            for r, p in enumerate(procs):
                 if p.poll() is None:
+                    _log.warning("stopping rank %d (still running %gs after a failure)", r,
+                                 ns.grace)
                     p.kill()
         time.sleep(0.1)
+    del store  # served the ranks until they all exited
     return code or next((p.returncode for p in procs if p.returncode), 0)
 
 

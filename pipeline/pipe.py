@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, collectives
+from pipeline import bootstrap, checks, collectives, fingerprint
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.context import CallerState
 from pipeline.distributed import DistributedTransport, PeerFailure
+from pipeline.errors import PipeConfigError
 from pipeline.execute import Executor, PipelineError
 from pipeline.microbatch import as_tuple, batch_size, from_tuple, gather, like, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
@@ -27,10 +28,6 @@ from schedules import Action, Op, Schedule, Timeline
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
 _METHODS = ("uniform", "params", "time", "size")
-
-
-class PipeConfigError(ValueError):
-    """Pipe was built with arguments that cannot work together."""
 
 
 def _resolve_devices(devices: Sequence[str | torch.device] | None,
@@ -82,7 +79,8 @@ class Pipe(nn.Module):
             raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.timeout = timeout
+        self.timeout = checks.check_timeout(timeout)
+        checks.check_devices(devices)
         self.track_memory = track_memory
         self._schedule_arg = schedule
         # Several processes (torchrun, or our launcher): this process is one rank.
@@ -127,6 +125,7 @@ class Pipe(nn.Module):
             for i in range(bounds[s], bounds[s + 1]):
                 self.add_module(names[i], bootstrap.materialize(layers[i], device))
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
+        self._agreement = fingerprint.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
@@ -158,7 +157,8 @@ class Pipe(nn.Module):
             if stages is not None and stages != len(balance):
                 raise PipeConfigError(f"stages={stages} disagrees with balance of "
                                       f"{len(balance)} stages {list(balance)}")
-            if any(not isinstance(b, int) or b < 1 for b in balance):
+            checks.check_balance_list(balance)
+            if any(b < 1 for b in balance):
                 raise BalanceError(f"every stage needs at least one layer (balance: "
                                    f"{list(balance)})")
             if sum(balance) != n:
@@ -177,11 +177,15 @@ class Pipe(nn.Module):
             return split_sizes(n, k)
         if method == "params":
             return partition(layer_params(model), k)
-        if sample is None:
-            raise PipeConfigError(f"balance={method!r} profiles the model: pass "
-                                  f"sample=<a batch> too")
-        costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
-        return partition(costs, k)
+
+        def profiled() -> list[int]:
+            if sample is None:
+                raise PipeConfigError(f"balance={method!r} profiles the model: pass "
+                                      f"sample=<a batch> too")
+            costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
+            return partition(costs, k)
+        # Several processes: rank 0 profiles and every rank takes its balance (profiles differ).
+        return bootstrap.from_first_rank(self.group, profiled) if self.world else profiled()
 
     def _check_shared_parameters(self) -> None:
         owner: dict[int, int] = {}
@@ -244,9 +248,11 @@ class Pipe(nn.Module):
         """Last stage's result to every rank (multi-process); as is in one process."""
         return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
 
-    def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int
+    def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
+                 loss_reduction: str | None = None
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
         """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights."""
+        checks.check_batch(x, target, chunks)
         last = len(self.balance) - 1
         rank = self.world[0] if self.world else None
         if 0 in self.local_stages:
@@ -265,7 +271,7 @@ class Pipe(nn.Module):
             device = self.devices[self._probe.rank_of(last)]
             parts = scatter(target, chunks)
             rows = [batch_size(p) for p in parts]
-            weights = [r / sum(rows) for r in rows]
+            weights = checks.loss_weights(rows, loss_fn, loss_reduction)
             targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
                                               for v in part))) for part in parts]
         return inputs, targets, weights
@@ -285,6 +291,7 @@ class Pipe(nn.Module):
 
         Multi-process: returns the output on the last stage's rank and None on the others.
         """
+        self._agreement.check(self, [(x, None)])
         inputs, _, _ = self._context(x, None, None, self.chunks)
         step = StepInputs(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
                           _step_seed(), caller=CallerState.capture())
@@ -294,21 +301,23 @@ class Pipe(nn.Module):
             return None  # multi-process: the output lives on the last stage's rank
         return gather([result.outputs[m] for m in range(self.chunks)])
 
-    def step(self, x: Any, target: Any, loss_fn: LossFn, *, scaler: Any = None) -> torch.Tensor:
-        """Forward and backward of one batch under the schedule; returns the batch's mean loss.
+    def step(self, x: Any, target: Any, loss_fn: LossFn, *,
+             loss_reduction: str | None = None, scaler: Any = None) -> torch.Tensor:
+        """Forward and backward of one batch under the schedule; returns the batch's loss.
 
         Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
-        (accumulating onto what is there), for `loss_fn` reducing by mean. With `schedule="2bw"`
-        the gradients are taken at the previous step's weights (PipeDream-2BW). Runs under the
-        caller's autocast. With a `torch.amp.GradScaler`, each micro-batch's loss is scaled
-        before its backward (the returned loss is not): `scaler.step(optimizer)` and
-        `scaler.update()` follow as in plain training.
+        (accumulating onto what is there), for `loss_fn` reducing by mean or by sum: a loss
+        module's `reduction` says which; for a plain function pass `loss_reduction="sum"`
+        (default "mean"). With `schedule="2bw"` the gradients are taken at the previous step's
+        weights (PipeDream-2BW). Runs under the caller's autocast. With a `torch.amp.GradScaler`,
+        each micro-batch's loss is scaled before its backward (the returned loss is not):
+        `scaler.step(optimizer)` and `scaler.update()` follow as in plain training.
         """
-        return self._steps([(x, target)], loss_fn, None, scaler)[0]
+        return self._steps([(x, target)], loss_fn, None, loss_reduction, scaler)[0]
 
     def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
-                  optimizer: torch.optim.Optimizer, *, scaler: Any = None
-                  ) -> list[torch.Tensor]:
+                  optimizer: torch.optim.Optimizer, *, loss_reduction: str | None = None,
+                  scaler: Any = None) -> list[torch.Tensor]:
         """Train on several batches, calling `optimizer.step()` after each; returns the losses.
 
         Under a multi-batch schedule (`2bw`) the batches run as one schedule without a flush,
@@ -322,7 +331,8 @@ class Pipe(nn.Module):
             losses = []
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(self.step(x, target, loss_fn, scaler=scaler))
+                losses.append(self.step(x, target, loss_fn, loss_reduction=loss_reduction,
+                                        scaler=scaler))
                 if scaler is None:
                     optimizer.step()
                 else:
@@ -336,18 +346,20 @@ class Pipe(nn.Module):
                 f"a GradScaler cannot skip a step: train it in fp32 or bf16 (no scaler), or "
                 f"use pipe.step with a flushing schedule")
         optimizer.zero_grad(set_to_none=True)
-        return self._steps(pairs, loss_fn, optimizer)
+        return self._steps(pairs, loss_fn, optimizer, loss_reduction)
 
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
-               optimizer: torch.optim.Optimizer | None, scaler: Any = None
-               ) -> list[torch.Tensor]:
+               optimizer: torch.optim.Optimizer | None,
+               loss_reduction: str | None = None, scaler: Any = None) -> list[torch.Tensor]:
+        checks.check_loss_fn(loss_fn)
+        self._agreement.check(self, pairs)
         m = self.chunks
         schedule = self._schedule(m, len(pairs))
         inputs: list[tuple[Any, ...]] = []
         targets: list[Any] = []
         weights: list[float] = []
         for x, target in pairs:
-            i, t, w = self._context(x, target, loss_fn, m)
+            i, t, w = self._context(x, target, loss_fn, m, loss_reduction)
             inputs += i
             targets += t or []
             weights += w
@@ -447,6 +459,7 @@ class Pipe(nn.Module):
         if self.world:
             mine = set(self.state_dict())
             state_dict = {k: v for k, v in state_dict.items() if k in mine}
+        checks.check_state_dict(self.state_dict(), state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def training_state(self) -> dict[str, Any]:

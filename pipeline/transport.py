@@ -13,7 +13,8 @@ from pipeline.microbatch import like
 from schedules import Schedule
 from schedules.lower import Message
 
-__all__ = ["LocalTransport", "PipelineAborted", "Transport", "move"]
+__all__ = ["LocalTransport", "PeerTimeout", "PipelineAborted", "Transport", "describe_message",
+           "move"]
 
 
 class PipelineAborted(RuntimeError):
@@ -22,6 +23,23 @@ class PipelineAborted(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class PeerTimeout(TimeoutError):
+    """A wait for a peer's message gave up: names the peer (`src`) and what was awaited."""
+
+    def __init__(self, rank: int | None, src: int, what: str, seconds: float) -> None:
+        waiter = "" if rank is None else f"rank {rank} "
+        super().__init__(f"{waiter}waited {seconds:g}s for {what} from rank {src}; raise "
+                         f"Pipe(timeout=...) if a stage is really that slow")
+        self.src, self.what, self.seconds = src, what, seconds
+
+
+def describe_message(msg: Message) -> str:
+    """'the activations of stage 1, micro-batch 0' (or gradients) for error messages."""
+    kind, stage, microbatch = msg
+    what = "activations" if kind == "F" else "gradients"
+    return f"the {what} of stage {stage}, micro-batch {microbatch}"
 
 
 class Transport(Protocol):
@@ -78,17 +96,21 @@ class LocalTransport:
         self._cond = threading.Condition()
         self._failed: tuple[int, str] | None = None
         self._streams: dict[torch.device, Any] = {}
+        self.waiting: set[Message] = set()  # messages a rank is blocked on right now
 
     def begin(self, schedule: Schedule) -> None:
         """Called once per step before any rank runs: a clean mailbox."""
         del schedule  # one mailbox keyed by message serves every order
         with self._cond:
             self._box.clear()
+            self.waiting.clear()
             self._failed = None
 
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
         del dst_rank
         event = None
+        if self._failed is not None:
+            raise PipelineAborted(*self._failed)
         for v in values:
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -104,19 +126,18 @@ class LocalTransport:
     def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
         deadline = time.monotonic() + self.timeout
         with self._cond:
-            while msg not in self._box:
-                if self._failed is not None:
-                    raise PipelineAborted(*self._failed)
+            # A failure elsewhere stops this rank even when its data is already here: no work
+            # is done for a step that has failed.
+            while self._failed is None and msg not in self._box:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    kind, stage, microbatch = msg
-                    what = "activations" if kind == "F" else "gradients"
-                    raise TimeoutError(
-                        f"waited {self.timeout:g}s for the {what} of stage {stage}, micro-batch "
-                        f"{microbatch} from rank {src_rank}; raise Pipe(timeout=...) if a stage "
-                        f"is really that slow"
-                    )
+                    self.waiting.discard(msg)
+                    raise PeerTimeout(None, src_rank, describe_message(msg), self.timeout)
+                self.waiting.add(msg)
                 self._cond.wait(min(left, 1.0))
+            self.waiting.discard(msg)
+            if self._failed is not None:
+                raise PipelineAborted(*self._failed)
             values, event = self._box.pop(msg)
         flags = [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
         if device.type != "cuda" or event is None:

@@ -15,6 +15,14 @@ import schedules
 from schedules import Costs, Schedule, ScheduleError, Timeline
 from viz.compare import Comparison, compare
 from viz.layout import Layout, format_costs, layout
+from viz.limits import (
+    LimitError,
+    check_costs,
+    check_csv,
+    check_named,
+    check_schedule,
+    check_timeline,
+)
 from viz.render_dot import MAX_NODES, dot_to_image, render_dot
 from viz.render_png import render_png
 from viz.render_svg import render_svg
@@ -53,7 +61,7 @@ def _positive(text: str) -> int:
 
 def _costs(text: str) -> Costs:
     try:
-        return Costs.parse(text)
+        return check_costs(Costs.parse(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -222,9 +230,12 @@ def _load(source: str, args: argparse.Namespace, *, lenient: bool,
         raise _UsageError(f"{', '.join(given)} {verb} to named schedules; {what} ({source})")
     try:
         if is_timeline:
+            check_timeline(text)
             return Timeline.from_json(text)
+        check_csv(text)
         schedule = schedules.loads_csv(text, num_microbatches=args.microbatches, name=path.name)
-    except ScheduleError as exc:
+        check_schedule(schedule)
+    except (ScheduleError, ValueError) as exc:  # LimitError is a ValueError
         raise _UsageError(f"{source}: {exc}") from None
     return schedules.lower(schedule) if args.lower else schedule
 
@@ -245,8 +256,10 @@ def _generate(name: str, args: argparse.Namespace, *, lenient: bool,
             raise _UsageError(str(exc)) from None
         options = {key: value for key, value in options.items() if key in accepted}
     try:
+        check_named(name, ranks, microbatches, options)
         schedule = schedules.get_schedule(name, ranks, microbatches, **options)
-    except ScheduleError as exc:
+        check_schedule(schedule)
+    except (ScheduleError, LimitError) as exc:
         raise _UsageError(str(exc)) from None
     kept = options
     used.update(flags[key] for key in kept)

@@ -28,6 +28,29 @@ def test_bad_arguments_exit_2(argv: list[str], tmp_path: Path,
     assert "python -m benchmarks:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--schedules", "1f1b,pipedream"], "unknown schedule 'pipedream'; known: gpipe"),
+    (["--warmup", "-1"], "--warmup must be >= 0 (got -1)"),
+])
+def test_bad_values_are_refused_before_any_measurement(
+        argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("benchmarks.cli.run_group", fakes.no_run)
+    assert main([*argv, "--models", "tiny", "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_out_naming_a_file_is_refused_before_any_measurement(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("benchmarks.cli.run_group", fakes.no_run)
+    taken = tmp_path / "results.txt"
+    taken.write_text("keep me")
+    assert main(["--models", "tiny", "--out", str(taken)]) == 2
+    assert f"--out {taken} is a file" in capsys.readouterr().err
+    assert taken.read_text() == "keep me"
+
+
 def test_unknown_suite_is_an_argparse_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--suite", "huge", "--out", str(tmp_path)])

@@ -281,3 +281,87 @@ def resume(rank: int, schedule: str) -> bool:
     opt.load_state_dict(saved["optimizer"])
     train(pipe, opt, batches[2:])
     return all(torch.equal(p, e) for p, e in zip(pipe.parameters(), expected, strict=True))
+
+
+def dies_between_steps(rank: int, steps_before: int) -> tuple[str, float]:
+    """Rank 1 of 3 exits after `steps_before` steps (0: before the first); the survivors'
+    next step must raise PipelineError naming it, never a raw backend error."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    pipe = Pipe(model, [1, 2, 1], chunks=2, schedule="1f1b", timeout=60)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(steps_before):
+        pipe.step(x, y, nn.MSELoss())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # let the connections break first: the case is a peer already gone
+    start = time.monotonic()
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except PipelineError as exc:
+        return f"PipelineError: {exc}", time.monotonic() - start
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+class _SlowAfterFirst(nn.Module):
+    """Sleeps in its second forward: long enough for rank 0 to have exited."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            time.sleep(2.0)
+        return x
+
+
+def first_failure_after_rank0_exits(rank: int) -> str:
+    """Rank 2 fails at once; rank 0 exits as soon as it hears; rank 1 hears only after that.
+    Every rank that reports must name rank 2, the first failure."""
+    model = nn.Sequential(nn.Linear(4, 4), _SlowAfterFirst(), _Fail("raise"))
+    pipe = Pipe(model, [1, 1, 1], chunks=4, schedule="gpipe", timeout=60)
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+    except PipelineError as exc:
+        if rank == 0:
+            os._exit(0)  # with the store in its process, as torch's default rendezvous has it
+        return str(exc)
+    return "no error"
+
+
+def disagreeing_ranks(rank: int, field: str) -> str:
+    """Two ranks built or called differently in `field`; returns what each raised."""
+    from pipeline import PipeConfigError
+
+    model = _model()
+    balance = [[2, 6], [6, 2]][rank] if field == "balance" else [4, 4]
+    schedule = ["gpipe", "1f1b"][rank] if field == "schedule" else "1f1b"
+    rows = [8, 6][rank] if field == "batch rows" else 8
+    pipe = Pipe(model, balance, chunks=2, schedule=schedule, timeout=60)
+    x, y = torch.randn(rows, 6), torch.randn(rows, 3)
+    start = time.monotonic()
+    try:
+        pipe.step(x, y, nn.MSELoss())
+    except PipeConfigError as exc:
+        assert time.monotonic() - start < 20
+        return f"PipeConfigError: {exc}"
+    except PipelineError as exc:
+        return f"PipelineError: {exc}"
+    return "no error"
+
+
+def profiled_balance(rank: int, method: str) -> list[int]:
+    """Each rank's profiler sees different costs (as timings do); all must end with rank 0's
+    balance. Only rank 0 is given a sample: the others do not profile."""
+    from pipeline import pipe as pipe_module
+
+    costs = [[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0], [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
+    name = "layer_times" if method == "time" else "layer_sizes"
+    setattr(pipe_module, name, lambda model, sample: costs[rank])
+    pipe = Pipe(_model(), method, stages=2, sample=torch.randn(4, 6) if rank == 0 else None)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    pipe.step(x, y, nn.MSELoss())  # and they agree (the fingerprint compares balances)
+    return list(pipe.balance)

@@ -37,8 +37,8 @@ def test_replay_draws_the_same_numbers_and_restores_the_callers_stream() -> None
 
 
 def test_a_forward_that_draws_nothing_runs_without_the_lock_afterwards() -> None:
-    """Pins an internal detail: stages that never draw from their device's generator are found out on
-    their first forward and later run without seeding it (so they never serialise)."""
+    """Pins an internal detail: stages that never draw from their device's generator are found
+    out on their first forward and later run without seeding it (so they never serialise)."""
     replay = RngReplay(CPU)
     assert replay.run((3, False), 5, lambda: torch.ones(2).sum()).item() == 2.0
     assert replay._draws == {(3, False): False}

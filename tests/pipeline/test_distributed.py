@@ -96,3 +96,44 @@ def test_one_tuples_and_input_gradients_across_processes() -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
 def test_resume_across_processes_is_bit_identical(schedule: str) -> None:
     assert spawn(dist_workers.resume, 2, schedule, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_a_rank_that_died_between_steps_is_named(steps_before: int) -> None:
+    with pytest.raises(RankFailed) as err:
+        spawn(dist_workers.dies_between_steps, 3, steps_before, timeout=90)
+    survivors = err.value.results
+    assert sorted(survivors) == [0, 2]
+    for rank, (message, seconds) in survivors.items():
+        assert message.startswith("PipelineError: "), (rank, message)
+        assert "rank 1 is gone" in message, (rank, message)
+        assert seconds < 20, (rank, seconds)
+
+
+def test_the_first_failure_is_named_even_after_rank_0_exits() -> None:
+    with pytest.raises(RankFailed) as err:
+        spawn(dist_workers.first_failure_after_rank0_exits, 3, timeout=90)
+    survivors = err.value.results
+    assert sorted(survivors) == [1, 2]
+    for rank, message in survivors.items():
+        assert "rank 2 (cpu) failed at 2F" in message and "bad micro-batch" in message, (
+            rank, message)
+
+
+@pytest.mark.parametrize(("field", "values"), [
+    ("balance", "rank 0: [2, 6]; rank 1: [6, 2]"),
+    ("schedule", 'rank 0: "gpipe"; rank 1: "1f1b"'),
+    ("batch rows", "rank 0: [8]; rank 1: [6]"),
+])
+def test_ranks_that_disagree_raise_pipe_config_error(field: str, values: str) -> None:
+    # Before: different balances trained with a layer never run, different schedules
+    # deadlocked until the timeout, different batch sizes trained on a broadcast loss.
+    for message in spawn(dist_workers.disagreeing_ranks, 2, field, timeout=90):
+        assert message.startswith(f"PipeConfigError: ranks disagree on {field} ({values})"), (
+            message)
+
+
+@pytest.mark.parametrize("method", ["time", "size"])
+def test_profiled_balance_is_rank_0s_on_every_rank(method: str) -> None:
+    # Rank 0's costs put 7 cheap layers first ([7, 1]); rank 1's would give [1, 7].
+    assert spawn(dist_workers.profiled_balance, 2, method, timeout=60) == [[7, 1], [7, 1]]

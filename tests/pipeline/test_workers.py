@@ -99,13 +99,40 @@ def test_a_stuck_rank_fails_the_step_within_the_timeout_and_is_named() -> None:
                 timeout=1.0)
     start = time.monotonic()
     try:
-        with pytest.raises(PipelineError, match=r"rank 1 .*waited 1s for the activations of "
-                                                r"stage 1, micro-batch 0 from rank 0(.|\n)*"
+        with pytest.raises(PipelineError, match=r"rank 0 \(cpu\) is stuck at 0F0 \(forward of "
+                                                r"stage 0, micro-batch 0\)(.|\n)*"
                                                 r"rank\(s\) \[0\] did not stop"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
         assert time.monotonic() - start < 10
         with pytest.raises(PipelineError, match="cannot run another step"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+    finally:
+        stuck.release.set()
+
+
+@pytest.mark.parametrize("call", ["step", "inference"])
+def test_a_stuck_last_stage_fails_the_call_within_the_timeout(call: str) -> None:
+    # Nobody fails first here: in inference the first rank finishes and nothing waits on the
+    # last one, which hung pipe(x) forever; in a step the first rank gives up waiting and
+    # must name the rank it waited for, not itself.
+    stuck = _Stuck()
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), stuck), [1, 2], chunks=2,
+                timeout=1.0)
+    x = torch.randn(4, 4)
+    start = time.monotonic()
+    try:
+        with pytest.raises(PipelineError) as err:
+            if call == "step":
+                pipe.step(x, torch.randn(4, 4), nn.MSELoss())
+            else:
+                pipe(x)
+        seconds = time.monotonic() - start
+        message = str(err.value)
+        assert message.startswith("rank 1 (cpu) is stuck at 1F0 (forward of stage 1, "
+                                  "micro-batch 0)"), message
+        assert "Pipe(timeout=...)" in message
+        assert "rank(s) [1] did not stop" in message
+        assert seconds < 5, seconds  # timeout 1s, then 1s of grace for the others
     finally:
         stuck.release.set()
 

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -306,3 +307,52 @@ def test_viz_imports_neither_torch_nor_graphviz() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, cwd=Path(__file__).parents[2])
     assert result.stdout.strip() == "[]"
+
+
+# --- absurd inputs: refused at once, by the documented limits -----------------------------------
+
+_DIGITS = "9" * 5000
+
+
+@pytest.mark.parametrize("argv,content,message", [
+    (["1f1b", "--costs", "F=nan"], None, "Costs.forward must be a finite number >= 0 (got nan)"),
+    (["1f1b", "--costs", "comm=inf"], None, "Costs.comm must be a finite number >= 0 (got inf)"),
+    (["1f1b", "--ranks", "100000", "--microbatches", "100000"], None,
+     "at most 256 ranks (got 100000)"),
+    (["1f1b", "--ranks", "200", "--microbatches", "200"], None,
+     "1f1b on 200 ranks x 200 micro-batches has at least 80000 compute actions; pipeviz draws "
+     "at most 10000"),
+    (["interleaved", "-p", "8", "-m", "8", "-v", "100000"], None, "at most 256 stages per rank"),
+    ([], "0F0,,0B0\n,99999999F0,\n", "stage, micro-batch and version numbers are at most 9999 "
+     "(got 99999999)"),
+    ([], f"0F{_DIGITS}\n", "numbers are at most 9999 (got a 5000-digit number)"),
+    ([], "0F0\n" * 300, "at most 256 ranks (got 300 rows)"),
+    ([], '{"format": "pipeline-timeline/1", "num_ranks": 1e9, "events": []}',
+     "at most 256 ranks (got num_ranks 1e+09)"),
+    ([], '{"format": "pipeline-timeline/1", "num_ranks": 1000000000, "events": []}',
+     "at most 256 ranks (got num_ranks 1000000000)"),
+    ([], '{"format": "pipeline-timeline/1", "num_ranks": ' + _DIGITS + ', "events": []}',
+     "got a 5000-digit number"),
+    ([], '{"format": "pipeline-timeline/1", "num_ranks": 1, "events": [[0, "99999999F0", 0, 1]]}',
+     "numbers are at most 9999 (got 99999999)"),
+    ([], '{"format": "pipeline-timeline/1", "num_ranks": 1, "events": [[0, "0F0", 0, 1e400]]}',
+     "times must be finite"),
+])
+def test_absurd_inputs_get_one_line_and_exit_2_within_a_second(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str],
+        content: str | None, message: str) -> None:
+    if content is not None:
+        path = tmp_path / ("in.json" if content.startswith("{") else "in.csv")
+        path.write_text(content)
+        argv = [str(path)]
+    start = time.monotonic()
+    code, out, err = run(capsys, *argv, "--width", "80")
+    assert time.monotonic() - start < 1.0
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("pipeviz: error: ")
+    assert message in err, err
+
+
+def test_the_largest_named_schedule_allowed_is_drawn(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "gpipe", "-p", "50", "-m", "100", "--width", "80")
+    assert code == 0 and "rank 49" in out

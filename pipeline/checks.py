@@ -1,0 +1,124 @@
+"""Argument and input checks for Pipe: each raises one clear error (rule, value seen, fix)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.microbatch import as_tuple
+
+__all__ = ["check_balance_list", "check_batch", "check_devices", "check_loss_fn",
+           "check_state_dict", "check_timeout", "loss_weights"]
+
+# How a loss reduces over a micro-batch -> whether micro-batch losses are weighted by rows.
+_REDUCTIONS = {"mean": True, "batchmean": True, "sum": False}
+
+
+def check_timeout(timeout: object) -> float:
+    """`timeout` as seconds: a real number > 0 (a string or NaN would disable every wait)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise PipeTypeError(f"timeout must be a number of seconds > 0 (got {timeout!r}, a "
+                            f"{type(timeout).__name__}); e.g. Pipe(..., timeout=300)")
+    if not timeout > 0 or math.isnan(timeout):
+        raise PipeConfigError(f"timeout must be a number of seconds > 0 (got {timeout!r}); "
+                              f"it bounds every wait for a peer, e.g. Pipe(..., timeout=300)")
+    return float(timeout)
+
+
+def check_devices(devices: Sequence[object] | None) -> None:
+    """Each entry names a device torch knows ("cpu", "cuda:0", a torch.device)."""
+    if devices is None:
+        return
+    if isinstance(devices, str | torch.device):
+        raise PipeTypeError(f"devices must be a list with one device per rank (got "
+                            f"{devices!r}); e.g. devices=['cpu', 'cpu']")
+    for i, d in enumerate(devices):
+        if isinstance(d, torch.device):
+            continue
+        try:
+            torch.device(d)  # type: ignore[call-overload]
+        except (RuntimeError, TypeError):
+            raise PipeConfigError(f"devices[{i}] is {d!r}, which is not a torch device: use "
+                                  f"'cpu', 'cuda:0', 'cuda:1', ... or a torch.device") from None
+
+
+def check_balance_list(balance: Sequence[object]) -> None:
+    """A balance list holds ints (layer counts); a string or bool would be misread."""
+    for i, b in enumerate(balance):
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise PipeTypeError(f"balance[{i}] is {b!r} (a {type(b).__name__}); a balance "
+                                f"is a list of int layer counts, e.g. balance=[2, 3]")
+
+
+def check_loss_fn(loss_fn: object) -> None:
+    """A training step needs a loss function."""
+    if not callable(loss_fn):
+        raise PipeTypeError(f"loss_fn must be callable as loss_fn(output, target) -> 0-dim "
+                            f"tensor (got {loss_fn!r}); e.g. pipe.step(x, y, nn.MSELoss()), or "
+                            f"pipe(x) for inference without a loss")
+
+
+def _rows(value: Any) -> int | None:
+    for v in as_tuple(value):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return None
+
+
+def check_batch(x: Any, target: Any, chunks: int) -> None:
+    """The batch has at least `chunks` rows, and the target as many rows as the input
+    (a target with fewer rows would broadcast silently into a wrong loss)."""
+    rows, target_rows = _rows(x), _rows(target)
+    for name, n in (("input", rows), ("target", target_rows)):
+        if n == 0:
+            raise PipeConfigError(f"the {name} has 0 rows: a batch needs at least chunks="
+                                  f"{chunks} rows (one per micro-batch)")
+    if rows is not None and target_rows is not None and rows != target_rows:
+        raise PipeConfigError(f"the target has {target_rows} rows but the input has {rows}: "
+                              f"pass one target row per input row (dim 0 is the batch)")
+
+
+def check_state_dict(own: Mapping[str, torch.Tensor], given: Mapping[str, Any],
+                     strict: bool) -> None:
+    """As torch's strict loading, but a `ValueError` naming every missing, unexpected and
+    wrong-shape key at once. Shapes are checked whatever `strict` is, as torch does."""
+    problems = []
+    if strict:
+        missing = sorted(set(own) - set(given))
+        unexpected = sorted(set(given) - set(own))
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+    shapes = [f"{k!r}: checkpoint {tuple(given[k].shape)}, model {tuple(v.shape)}"
+              for k, v in own.items() if k in given and isinstance(given[k], torch.Tensor)
+              and tuple(given[k].shape) != tuple(v.shape)]
+    if shapes:
+        problems.append("shape mismatches " + "; ".join(shapes))
+    if problems:
+        raise PipeConfigError(
+            "load_state_dict: the state_dict does not fit this Pipe's layers: "
+            + "; ".join(problems) + ". Save it from the same model (pipe.state_dict() or "
+            "model.state_dict()), or pass strict=False to skip missing and unexpected keys")
+
+
+def loss_weights(rows: Sequence[int], loss_fn: object, loss_reduction: str | None
+                 ) -> list[float]:
+    """Per micro-batch, the factor on its loss so that their sum is the batch's loss: its
+    share of the rows for a mean, 1 for a sum. The reduction is the loss module's
+    `reduction` attribute, or `loss_reduction` for a plain function (default "mean")."""
+    declared = getattr(loss_fn, "reduction", None)
+    if loss_reduction is not None and declared is not None and loss_reduction != declared:
+        raise PipeConfigError(f"loss_reduction={loss_reduction!r} but the loss module reduces "
+                              f"by {declared!r}: leave loss_reduction out for a loss module")
+    reduction = loss_reduction or declared or "mean"
+    if reduction not in _REDUCTIONS:
+        raise PipeConfigError(f"loss reduction must be one of {sorted(_REDUCTIONS)} (got "
+                              f"{reduction!r}): Pipe needs a 0-dim loss per micro-batch to "
+                              f"combine; reduce by 'mean' or 'sum'")
+    total = sum(rows)
+    return [r / total if _REDUCTIONS[reduction] else 1.0 for r in rows]

@@ -1,0 +1,13 @@
+"""The errors Pipe raises for arguments, inputs and ranks that cannot work together."""
+
+from __future__ import annotations
+
+__all__ = ["PipeConfigError", "PipeTypeError"]
+
+
+class PipeConfigError(ValueError):
+    """Pipe was built or called with arguments that cannot work together."""
+
+
+class PipeTypeError(PipeConfigError, TypeError):
+    """An argument of the wrong type (a `TypeError` as well as a `PipeConfigError`)."""
