@@ -49,3 +49,60 @@ def test_profiling_runs_in_place_activations() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
     assert len(layer_times(model, torch.randn(8, 3), repeats=1)) == 3
     assert Pipe(model, "size", stages=2, sample=torch.randn(8, 3)).balance in ([1, 2], [2, 1])
+
+
+def _two_stage(*layers: nn.Module, **kwargs: object) -> Pipe:
+    return Pipe(nn.Sequential(*layers), [1, len(layers) - 1], devices=["cpu", "cpu"],
+                chunks=2, **kwargs)  # type: ignore[arg-type]
+
+
+def test_an_input_that_requires_grad_gets_its_gradient() -> None:
+    """Was: `x.grad` stayed None (stage 0 detached its inputs)."""
+    torch.manual_seed(0)
+    pipe = _two_stage(nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(4, 3, requires_grad=True)
+    pipe.step(x, torch.zeros(4, 1), nn.MSELoss())
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_a_one_tuple_stays_a_one_tuple_across_a_stage_boundary() -> None:
+    """Was: the next stage got the bare tensor, so `t[0]` silently took the first row."""
+
+    class Wrap(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (x,)
+
+    class First(nn.Module):
+        def forward(self, t: tuple[torch.Tensor]) -> torch.Tensor:
+            return t[0]
+
+    x = torch.randn(4, 3)
+    assert _two_stage(Wrap(), First())(x).shape == (4, 3)
+
+
+def test_an_inplace_activation_can_open_a_stage() -> None:
+    """Was: RuntimeError (a leaf Variable that requires grad is being used in an in-place
+    operation) from the second stage's ReLU(inplace=True)."""
+    pipe = _two_stage(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 1))
+    assert torch.isfinite(pipe.step(torch.randn(4, 3), torch.zeros(4, 1), nn.MSELoss()))
+
+
+def test_a_module_used_twice_in_a_stage_gets_one_gradient_under_2bw() -> None:
+    """Was: twice the gradient: functional_call left the second use on the live parameter."""
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3)
+    pipe = _two_stage(nn.Linear(3, 3), shared, shared, schedule="2bw")
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    pipe.step(x, y, nn.MSELoss())
+    got = shared.weight.grad.clone()
+    shared.weight.grad = None
+    model = pipe.__dict__["_full_model"]
+    nn.MSELoss()(model(x), y).backward()
+    torch.testing.assert_close(got, shared.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_pipe_output_under_autocast_has_the_autocast_dtype() -> None:
+    """Was: float32: autocast is thread-local and the rank threads never saw it."""
+    pipe = _two_stage(nn.Linear(3, 3), nn.Linear(3, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pipe(torch.randn(4, 3)).dtype == torch.bfloat16
