@@ -32,7 +32,9 @@ def test_rank_env_is_torchruns_with_gloo_on_loopback(monkeypatch: pytest.MonkeyP
     env = rank_env(2, 4, 29500)
     assert env == {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-                   "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+                   "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                   # ranks join the store the launcher hosts on loopback, never host one
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert rank_env(0, 1, 1)["OMP_NUM_THREADS"] == "3"  # the user's choice is kept
 
