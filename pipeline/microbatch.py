@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MicroBatchError", "Packed", "as_tuple", "batch_size", "from_tuple", "gather", "like",
-           "scatter"]
+__all__ = ["MicroBatchError", "Packed", "as_tuple", "backward_inputs", "batch_size", "from_tuple",
+           "gather", "like", "scatter"]
 
 
 class MicroBatchError(ValueError):
@@ -90,3 +90,30 @@ def gather(outputs: Sequence[tuple[Any, ...]]) -> Any:
         for i in range(len(outputs[0]))
     ))
     return from_tuple(merged)
+
+
+def backward_inputs(batches: list[Any], grads: dict[int, tuple[torch.Tensor | None, ...]],
+                    chunks: int) -> None:
+    """Hand each input tensor of `batches` that requires grad its gradient, from the first
+    stage's per-micro-batch input gradients (keyed batch * chunks + micro-batch), as the plain
+    model's backward would: into `.grad` of a leaf, on through the graph that made a non-leaf."""
+    tensors: list[torch.Tensor] = []
+    gradients: list[torch.Tensor] = []
+    for b, x in enumerate(batches):
+        for i, v in enumerate(as_tuple(x)):
+            if not (isinstance(v, torch.Tensor) and v.requires_grad):
+                continue
+            parts = [grads.get(b * chunks + k, ()) for k in range(chunks)]
+            per_mb = [p[i] if i < len(p) and p[i] is not None else None for p in parts]
+            if all(g is None for g in per_mb):
+                continue
+            if v.dim() == 0:  # not split: every micro-batch saw all of it
+                grad = sum(g.to(v.device) for g in per_mb if g is not None)
+            else:
+                pieces = torch.tensor_split(v, chunks)  # the rows `scatter` gave each
+                grad = torch.cat([g.to(v.device) if g is not None else torch.zeros_like(piece)
+                                  for g, piece in zip(per_mb, pieces, strict=True)])
+            tensors.append(v)
+            gradients.append(grad)  # type: ignore[arg-type]
+    if tensors:
+        torch.autograd.backward(tensors, gradients)

@@ -7,7 +7,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import schedules
@@ -17,9 +16,10 @@ from pipeline.context import CallerState
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
 from pipeline.execute import Executor, PipelineError
-from pipeline.microbatch import as_tuple, batch_size, from_tuple, gather, like, scatter
+from pipeline.microbatch import backward_inputs, batch_size, from_tuple, gather, like, scatter
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
+from pipeline.scaling import agree_on_overflow
 from pipeline.stage import LossFn, StepInputs, StepResult
 from pipeline.transport import PipelineAborted
 from pipeline.versions import WeightVersions
@@ -107,7 +107,7 @@ class Pipe(nn.Module):
         for size in self.balance:
             bounds.append(bounds[-1] + size)
         self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
-        self._check_shared_parameters()
+        checks.check_untied_across_stages(self.partitions)
         if isinstance(schedule, Schedule):
             schedules.validate(schedule)
             if schedule.num_stages != num_stages:
@@ -186,18 +186,6 @@ class Pipe(nn.Module):
             return partition(costs, k)
         # Several processes: rank 0 profiles and every rank takes its balance (profiles differ).
         return bootstrap.from_first_rank(self.group, profiled) if self.world else profiled()
-
-    def _check_shared_parameters(self) -> None:
-        owner: dict[int, int] = {}
-        for s, part in enumerate(self.partitions):
-            for name, p in part.named_parameters():
-                if owner.setdefault(id(p), s) != s:
-                    raise PipeConfigError(
-                        f"parameter {name!r} of stage {s} is also used by stage {owner[id(p)]} "
-                        f"(tied weights): each stage keeps and updates its own parameters, so a "
-                        f"tied weight would get two different updates. Put both uses in one "
-                        f"stage (adjust balance) or untie them"
-                    )
 
     def _schedule(self, chunks: int, num_batches: int) -> Schedule:
         """The lowered, validated schedule for `chunks` micro-batches x `num_batches` batches,
@@ -382,9 +370,15 @@ class Pipe(nn.Module):
         if versioned:
             self._versions.close()
         if result.input_grads:
-            _backprop([x for x, _ in pairs], result.input_grads, m)
+            backward_inputs([x for x, _ in pairs], result.input_grads, m)
         if step.scaler is not None and self.world:
-            self._agree_on_overflow(step.scaler)
+            assert self.world is not None
+            try:
+                agree_on_overflow(step.scaler, list(self.parameters()),
+                                  self.devices[self.world[0]], self.group)
+            except RuntimeError as exc:
+                raise PipelineError(f"rank {self.world[0]}: could not agree on gradient "
+                                    f"overflow with the other ranks: {exc}") from exc
         losses = None
         if result.losses:
             losses = torch.stack([torch.stack([result.losses[k]
@@ -393,25 +387,6 @@ class Pipe(nn.Module):
         shared = self._share(losses, (len(pairs),))
         assert shared is not None
         return list(shared.unbind())
-
-    def _agree_on_overflow(self, scaler: Any) -> None:
-        """Multi-process with a GradScaler: if any rank's gradients overflowed, every rank's
-        scaler must skip the step. A rank whose own gradients are finite marks one of them
-        inf, so its `scaler.step` skips and its `scaler.update` backs off like the others."""
-        assert self.world is not None
-        device = self.devices[self.world[0]]
-        scaler.scale(torch.zeros((), device=device))  # ranks without the loss start the scale
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        local = torch.zeros(1, device=device)
-        if grads and not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
-            local.fill_(1.0)
-        try:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-        except RuntimeError as exc:
-            raise PipelineError(f"rank {self.world[0]}: could not agree on gradient overflow "
-                                f"with the other ranks: {exc}") from exc
-        if local.item() and grads and all(bool(g.isfinite().all()) for g in grads):
-            grads[0].view(-1)[0] = float("inf")
 
     def close(self) -> None:
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the
@@ -490,32 +465,6 @@ class Pipe(nn.Module):
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
-
-
-def _backprop(batches: list[Any], grads: dict[int, tuple[torch.Tensor | None, ...]],
-              chunks: int) -> None:
-    """Hand each input tensor that requires grad its gradient, as the plain model's backward
-    would: into `.grad` of a leaf, on through the graph that made a non-leaf."""
-    tensors: list[torch.Tensor] = []
-    gradients: list[torch.Tensor] = []
-    for b, x in enumerate(batches):
-        for i, v in enumerate(as_tuple(x)):
-            if not (isinstance(v, torch.Tensor) and v.requires_grad):
-                continue
-            parts = [grads.get(b * chunks + k, ()) for k in range(chunks)]
-            per_mb = [p[i] if i < len(p) and p[i] is not None else None for p in parts]
-            if all(g is None for g in per_mb):
-                continue
-            if v.dim() == 0:  # not split: every micro-batch saw all of it
-                grad = sum(g.to(v.device) for g in per_mb if g is not None)
-            else:
-                pieces = torch.tensor_split(v, chunks)  # the rows `scatter` gave each
-                grad = torch.cat([g.to(v.device) if g is not None else torch.zeros_like(piece)
-                                  for g, piece in zip(per_mb, pieces, strict=True)])
-            tensors.append(v)
-            gradients.append(grad)  # type: ignore[arg-type]
-    if tensors:
-        torch.autograd.backward(tensors, gradients)
 
 
 def _step_seed() -> int:

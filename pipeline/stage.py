@@ -180,7 +180,7 @@ class StageRuntime:
 
     def _forward(self, action: Action, step: StepInputs, result: StepResult) -> None:
         s, m = action.stage, action.microbatch
-        if s == 0:  # the caller's tensors that require grad get theirs: see Pipe._backprop
+        if s == 0:  # inputs that require grad get theirs (microbatch.backward_inputs)
             given = step.inputs[m]
             inputs = move(given, self.device, grad_flags=[
                 step.loss_fn is not None and isinstance(v, torch.Tensor) and v.requires_grad
