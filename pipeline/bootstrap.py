@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.errors import PipeConfigError
 from pipeline.launch import INIT_TIMEOUT_ENV
 
 __all__ = ["from_first_rank", "materialize", "rank_devices", "world"]
@@ -73,8 +74,6 @@ def materialize(layer: nn.Module, device: torch.device) -> nn.Module:
 def from_first_rank(group: Any, compute: Callable[[], list[int]]) -> list[int]:
     """`compute()` run on the group's rank 0 only, its result given to every rank (through the
     rendezvous store). An error on rank 0 is raised there and reported on the others."""
-    from pipeline.errors import PipeConfigError
-
     store = dist.distributed_c10d._get_default_store()
     first = dist.get_global_rank(group, 0) if group is not None else 0
     key = f"pipeline/shared/{next(_shared)}/{first}"

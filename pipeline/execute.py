@@ -107,11 +107,8 @@ class Executor:
             return (f"rank {rank} ({self.devices[rank]}) is stuck {where}: that action ran for "
                     f"more than timeout={self.timeout:g}s; {advice}")
         if isinstance(exc, PeerTimeout):  # blame the rank that did not deliver, not the waiter
-            at = ""
-            if self.world is None and self.runtimes[exc.src].current is not None:
-                current = self.runtimes[exc.src].current
-                assert current is not None
-                at = f" at {current} ({_describe(current)})"
+            current = self.runtimes[exc.src].current if self.world is None else None
+            at = "" if current is None else f" at {current} ({_describe(current)})"
             return (f"rank {exc.src} ({self.devices[exc.src]}) is stuck{at} (or too slow): rank "
                     f"{rank} waited {exc.seconds:g}s {where} for {exc.what} from it; {advice}")
         return f"rank {rank} ({self.devices[rank]}) failed {where}: {type(exc).__name__}: {exc}"
@@ -124,7 +121,7 @@ class Executor:
             return True
         assert isinstance(self.transport, LocalTransport)
         now = time.monotonic()
-        waiting = {self._rank_of(msg[1]) for msg in set(self.transport.waiting)}
+        waiting = {self._rank_of(msg[1]) for msg in self.transport.waiting_now()}
         for rt in self.runtimes:
             action = rt.current
             if action is None:  # not started, or done

@@ -16,6 +16,7 @@ from schedules import Schedule
 
 __all__ = ["Agreement", "fingerprint"]
 
+
 def _schedule(arg: str | Schedule) -> str:
     if isinstance(arg, str):
         return arg

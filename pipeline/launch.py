@@ -63,7 +63,7 @@ def host_store() -> tuple[Any, int]:
     port = int(sock.getsockname()[1])
     # detach(): the store's server owns the descriptor from now on (Python must not close it).
     store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
-                          wait_for_workers=False, master_listen_fd=sock.detach())
+                     wait_for_workers=False, master_listen_fd=sock.detach())
     return store, port
 
 

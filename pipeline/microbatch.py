@@ -104,7 +104,7 @@ def backward_inputs(batches: list[Any], grads: dict[int, tuple[torch.Tensor | No
             if not (isinstance(v, torch.Tensor) and v.requires_grad):
                 continue
             parts = [grads.get(b * chunks + k, ()) for k in range(chunks)]
-            per_mb = [p[i] if i < len(p) and p[i] is not None else None for p in parts]
+            per_mb = [p[i] if i < len(p) else None for p in parts]
             if all(g is None for g in per_mb):
                 continue
             if v.dim() == 0:  # not split: every micro-batch saw all of it

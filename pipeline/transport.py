@@ -98,6 +98,11 @@ class LocalTransport:
         self._streams: dict[torch.device, Any] = {}
         self.waiting: set[Message] = set()  # messages a rank is blocked on right now
 
+    def waiting_now(self) -> set[Message]:
+        """A snapshot of `waiting`, taken under the lock the waiting ranks change it under."""
+        with self._cond:
+            return set(self.waiting)
+
     def begin(self, schedule: Schedule) -> None:
         """Called once per step before any rank runs: a clean mailbox."""
         del schedule  # one mailbox keyed by message serves every order
