@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import PipeConfigError, PipeTypeError
-from pipeline.microbatch import as_tuple
+from pipeline.microbatch import leading_rows
 
 __all__ = ["check_balance_list", "check_batch", "check_devices", "check_loss_fn",
            "check_state_dict", "check_timeout", "check_untied_across_stages", "loss_weights"]
@@ -63,17 +63,10 @@ def check_loss_fn(loss_fn: object) -> None:
                             f"pipe(x) for inference without a loss")
 
 
-def _rows(value: Any) -> int | None:
-    for v in as_tuple(value):
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return int(v.shape[0])
-    return None
-
-
 def check_batch(x: Any, target: Any, chunks: int) -> None:
     """The batch has at least `chunks` rows, and the target as many rows as the input
     (a target with fewer rows would broadcast silently into a wrong loss)."""
-    rows, target_rows = _rows(x), _rows(target)
+    rows, target_rows = leading_rows(x), leading_rows(target)
     for name, n in (("input", rows), ("target", target_rows)):
         if n == 0:
             raise PipeConfigError(f"the {name} has 0 rows: a batch needs at least chunks="

@@ -11,6 +11,7 @@ import torch
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
 from pipeline.execute import PipelineError
+from pipeline.microbatch import leading_rows
 from pipeline.transport import PeerTimeout, PipelineAborted
 from schedules import Schedule
 
@@ -31,17 +32,13 @@ def _shapes(value: Any) -> list[list[int]] | None:
     return [list(v.shape) for v in items if isinstance(v, torch.Tensor)]
 
 
-def _rows(shapes: list[list[int]] | None) -> int | None:
-    return next((s[0] for s in shapes or [] if s), None)
-
-
 def fingerprint(pipe: Any, pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     """What every rank must share: balance, schedule, chunks, checkpoint mode, batches per
     schedule, the model's parameter shapes per layer, and the batch (as far as this rank holds
     it: input shapes, and rows of the input or target)."""
     model = pipe.__dict__["_full_model"]
     x_shapes = [_shapes(x) for x, _ in pairs]
-    rows = [_rows(_shapes(x)) or _rows(_shapes(t)) for x, t in pairs]
+    rows = [leading_rows(x) or leading_rows(t) for x, t in pairs]
     return {
         "balance": list(pipe.balance),
         "schedule": _schedule(pipe._schedule_arg),

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 __all__ = ["MicroBatchError", "Packed", "as_tuple", "backward_inputs", "batch_size", "from_tuple",
-           "gather", "like", "scatter"]
+           "gather", "leading_rows", "like", "scatter"]
 
 
 class MicroBatchError(ValueError):
@@ -41,6 +41,14 @@ def from_tuple(values: tuple[Any, ...]) -> Any:
 def like(values: Sequence[Any], entries: Iterable[Any]) -> tuple[Any, ...]:
     """`entries` with the structure of `values` (kept `Packed` if `values` was)."""
     return Packed(entries) if isinstance(values, Packed) else tuple(entries)
+
+
+def leading_rows(value: Any) -> int | None:
+    """Dim 0 of the first tensor in `value` that has one (None if none has), unchecked."""
+    for v in as_tuple(value):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return None
 
 
 def batch_size(values: Sequence[Any]) -> int:
