@@ -163,7 +163,7 @@ class Executor:
                         str(self.runtimes[r].current) for r in stuck)
                     + "); their threads are abandoned and this Pipe cannot run another step: "
                     "build a new one")
-                self.workers.close()
+                self.workers.close(wait=False)
                 self.workers = None
         if failures:
             rank, action, exc = failures[0]

@@ -35,6 +35,9 @@ class Waiter:
                 work.wait()
             except BaseException as exc:  # handed to the waiting thread
                 error.append(exc)
+            # Hold no finished work while blocked in the next get(): it would be freed on this
+            # thread at its next wake-up, possibly during interpreter finalisation.
+            del work, error
             event.set()
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -12,6 +14,9 @@ import torch
 __all__ = ["RankWorkers"]
 
 _Job = tuple[Callable[[], None], threading.Event] | None
+# Every open set of workers, so interpreter exit can stop and join them (see `_close_all`).
+_OPEN: weakref.WeakSet[RankWorkers] = weakref.WeakSet()
+_JOIN_SECONDS = 10.0  # a rank busy longer than this at exit is left to the interpreter
 
 
 def _serve(jobs: queue.SimpleQueue[_Job], device: torch.device) -> None:
@@ -22,9 +27,14 @@ def _serve(jobs: queue.SimpleQueue[_Job], device: torch.device) -> None:
         if job is None:
             return
         fn, done = job
+        del job
         try:
             fn()  # reports its own errors; see Executor
         finally:
+            # Drop the step's closure (and the tensors it holds) here, before the caller
+            # hears the step is done: otherwise this thread frees them at its next wake-up,
+            # which at interpreter exit races with finalisation (SIGABRT in torch's C++).
+            del fn
             done.set()
 
 
@@ -32,8 +42,8 @@ class RankWorkers:
     """Daemon threads, one per rank, each bound to its device.
 
     `run` hands every rank its job for one step and waits for all of them. `close` (also called
-    when the owning Pipe is collected, or at interpreter exit) stops the threads; the workers
-    hold no reference to the Pipe, so they never keep it alive.
+    when the owning Pipe is collected, and at interpreter exit) stops the threads and joins
+    them; the workers hold no reference to the Pipe, so they never keep it alive.
     """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
@@ -44,6 +54,7 @@ class RankWorkers:
         for t in self.threads:
             t.start()
         self.closed = False
+        _OPEN.add(self)
 
     def run(self, jobs: Sequence[Callable[[], None]], *, failed: Callable[[], bool],
             grace: float) -> list[int]:
@@ -63,9 +74,24 @@ class RankWorkers:
                     return [r for r, d in enumerate(dones) if not d.is_set()]
         return []
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for q in self._queues:
-            q.put(None)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the threads; with `wait`, join them (a rank still inside a step gets up to
+        `_JOIN_SECONDS`). `wait=False` is for threads abandoned after a failure."""
+        if not self.closed:
+            self.closed = True
+            _OPEN.discard(self)
+            for q in self._queues:
+                q.put(None)
+        if wait:
+            deadline = time.monotonic() + _JOIN_SECONDS
+            for t in self.threads:
+                if t is not threading.current_thread():
+                    t.join(max(0.0, deadline - time.monotonic()))
+
+
+@atexit.register
+def _close_all() -> None:
+    # Daemon threads still running when the interpreter finalises can free tensors (and run
+    # torch's C++ destructors) while it tears down: stop and join them first.
+    for workers in list(_OPEN):
+        workers.close()
