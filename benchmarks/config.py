@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -70,10 +71,28 @@ def stages_per_rank(schedule: str) -> int:
     return info(schedule).stages_per_rank
 
 
-def _parse_list(text: str | None, kind: type) -> tuple | None:  # type: ignore[type-arg]
+def _parse_list(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
-    return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _parse_counts(text: str | None, flag: str, example: str) -> tuple[int, ...] | None:
+    """A comma-separated list of whole numbers >= 1; an error names `flag` and the bad item."""
+    if text is None:
+        return None
+    counts = []
+    for item in (item.strip() for item in text.split(",")):
+        if not item:
+            continue
+        # At most 9 digits: int() would refuse 4300 with an error that names no flag.
+        if re.fullmatch(r"[0-9]{1,9}", item) is None or int(item) < 1:
+            shown = text if len(text) <= 40 else f"{text[:20]}..."
+            bad = "" if item == text.strip() else f": {item[:20]!r} is not one"
+            raise ValueError(f"{flag} takes comma-separated whole numbers >= 1, e.g. "
+                             f"{example} (got {shown!r}{bad})")
+        counts.append(int(item))
+    return tuple(counts)
 
 
 def narrow(suite: Suite, *, models: str | None = None, ranks: str | None = None,
@@ -84,20 +103,18 @@ def narrow(suite: Suite, *, models: str | None = None, ranks: str | None = None,
 
     Micro-batch counts given here apply to every model.
     """
-    chosen_models = _parse_list(models, str) or suite.models
+    chosen_models = _parse_list(models) or suite.models
     for name in chosen_models:
         get_model(name)  # raises on an unknown name
-    mb = _parse_list(microbatches, int)
+    mb = _parse_counts(microbatches, "--microbatches", "4,8,16")
     per_model = {name: mb or suite.microbatches.get(name, (1, 2, 4, 8)) for name in chosen_models}
-    chosen_transports = _parse_list(transports, str) or suite.transports
+    chosen_transports = _parse_list(transports) or suite.transports
     bad = [t for t in chosen_transports if t not in TRANSPORTS]
     if bad:
         raise ValueError(f"unknown transport {bad[0]!r}; use {' or '.join(TRANSPORTS)}")
-    chosen_ranks = _parse_list(ranks, int) or suite.ranks
-    if any(p < 1 for p in chosen_ranks) or any(m < 1 for ms in per_model.values() for m in ms):
-        raise ValueError("ranks and micro-batch counts must be >= 1")
+    chosen_ranks = _parse_counts(ranks, "--ranks", "1,2") or suite.ranks
     changed = replace(suite, models=chosen_models, ranks=chosen_ranks, microbatches=per_model,
-                      schedules=_parse_list(schedules, str) or suite.schedules,
+                      schedules=_parse_list(schedules) or suite.schedules,
                       transports=chosen_transports)
     if warmup is not None:
         changed = replace(changed, warmup=warmup)

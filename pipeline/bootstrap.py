@@ -14,9 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.errors import PipeConfigError
-from pipeline.launch import INIT_TIMEOUT_ENV
 
-__all__ = ["from_first_rank", "materialize", "rank_devices", "world"]
+__all__ = ["INIT_TIMEOUT_ENV", "from_first_rank", "materialize", "rank_devices", "world"]
+
+# Here, not in pipeline.launch (which sets it): importing `pipeline` must not import the
+# launcher, or `python -m pipeline.launch` finds it already imported and runpy warns.
+INIT_TIMEOUT_ENV = "PIPELINE_INIT_TIMEOUT"  # seconds ranks wait for each other to join
 
 _shared = itertools.count()  # values shared so far, in order: the same on every rank
 

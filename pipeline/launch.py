@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from pipeline.bootstrap import INIT_TIMEOUT_ENV
+
 __all__ = ["INIT_TIMEOUT_ENV", "RankFailed", "free_port", "host_store", "main", "rank_env",
            "spawn"]
-
-INIT_TIMEOUT_ENV = "PIPELINE_INIT_TIMEOUT"  # seconds ranks wait for each other to join
 
 _log = logging.getLogger(__name__)
 

@@ -314,7 +314,8 @@ class Pipe(nn.Module):
         batch). Other schedules run one batch at a time, and take a `scaler` (GradScaler) as
         `step` does, stepping through it. Gradients are left cleared (None).
         """
-        pairs = list(batches)
+        pairs = checks.check_batches(batches)
+        checks.check_optimizer(optimizer)
         if not self.multi_batch:
             losses = []
             for x, target in pairs:

@@ -14,6 +14,7 @@ __all__ = ["DIALECTS", "dump_csv", "dumps_csv", "load_csv", "loads_csv", "torch_
 
 _PLACEMENTS = ("loop", "v")
 DIALECTS = ("torch", "ours")
+_PLURAL = {"stage": "stages", "micro-batch": "micro-batches", "batch": "batches"}
 
 # Cells torch writes that carry nothing our runtime needs (see `loads_csv`), and DualPipeV's
 # overlapped pair: "(0F3;3B1)OVERLAP_F_B" runs 0F3, then 3B1.
@@ -124,19 +125,29 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
     and `v` puts every action on its row's rank.
     """
     rows: list[tuple[Action, ...]] = []
-    for r, cells in enumerate(csv.reader(io.StringIO(text))):
-        actions: list[Action] = []
-        for c, cell in enumerate(cells):
-            try:
-                actions += _cell_actions(cell)
-            except ScheduleError as exc:
-                raise ScheduleError(f"row {r} (rank {r}), column {c}: {exc}") from None
-        rows.append(tuple(actions))
+    cells_read: list[tuple[str, tuple[Action, ...]]] = []  # (where, actions) per non-idle cell
+    try:
+        for r, cells in enumerate(csv.reader(io.StringIO(text))):
+            actions: list[Action] = []
+            for c, cell in enumerate(cells):
+                where = f"row {r} (rank {r}), column {c}"
+                try:
+                    parsed = _cell_actions(cell)
+                except ScheduleError as exc:
+                    raise ScheduleError(f"{where}: {exc}") from None
+                actions += parsed
+                if parsed:
+                    cells_read.append((where, parsed))
+            rows.append(tuple(actions))
+    except csv.Error as exc:
+        raise ScheduleError(f"cannot read the CSV: {exc}; a schedule CSV has one row per rank "
+                            f"and short cells like 0F1") from None
     while rows and not rows[-1]:
         rows.pop()  # a trailing blank line is not a rank
     if not rows:
         raise ScheduleError("the CSV holds no actions")
     all_actions = [a for row in rows for a in row]
+    _check_indices(cells_read, len(all_actions))
     num_ranks = len(rows)
     num_stages = max(a.stage for a in all_actions) + 1
     if num_stages % num_ranks:
@@ -157,8 +168,34 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
 
 def load_csv(path: str | os.PathLike[str], **kwargs: object) -> Schedule:
     """Read a schedule CSV written by `dump_csv` or by torch's `_dump_csv` (see `loads_csv`)."""
-    with open(path, newline="") as f:
-        return loads_csv(f.read(), **kwargs)  # type: ignore[arg-type]
+    with open(path, newline="", encoding="utf-8") as f:
+        try:
+            text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ScheduleError(
+                f"{os.fspath(path)} is not a text CSV: byte {exc.start} is not UTF-8 "
+                f"({exc.reason}); a schedule CSV is UTF-8 text with one row per rank and cells "
+                f"like 0F1 (written by dump_csv or torch's _dump_csv)"
+            ) from None
+    return loads_csv(text, **kwargs)  # type: ignore[arg-type]
+
+
+def _check_indices(cells: list[tuple[str, tuple[Action, ...]]], num_actions: int) -> None:
+    """Every stage has a forward of every micro-batch, so a CSV of n actions holds fewer than
+    n stages and n micro-batches; a larger index is a typo, and would size the schedule's
+    tables (a stage of 10**9: a placement table of 10**9 entries)."""
+    for where, actions in cells:
+        for a in actions:
+            batch = "batch" if a.op is Op.U else "micro-batch"  # U's index is its batch
+            for what, index in (("stage", a.stage), (batch, a.microbatch)):
+                if index >= num_actions:
+                    raise ScheduleError(
+                        f"{where}: {what} {index} in '{a}' is out of range: the CSV holds "
+                        f"{num_actions} action{'s' if num_actions != 1 else ''}, and every "
+                        f"stage needs a forward of every micro-batch, so its {_PLURAL[what]} are "
+                        f"numbered 0 to {num_actions - 1} at most; number them from 0 "
+                        f"without gaps"
+                    )
 
 
 def _placed(schedule: Schedule, rows: Iterable[tuple[int, tuple[Action, ...]]]) -> bool:

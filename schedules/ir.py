@@ -44,6 +44,9 @@ COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.U})
 
 # Longest names first so that "SEND_F" is not read as "S" + ... and "B" never shadows "RECV_B".
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)(?:v(\d+))?$")
+# Longer numbers are refused before int() sees them: Python refuses over 4300 digits with an
+# error that names no action, and no schedule needs an index past 10**18.
+_MAX_DIGITS = 18
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -85,6 +88,13 @@ class Action:
                 f"with op one of {', '.join(op.value for op in Op)}, e.g. '2F0' or '1SEND_B3'"
             )
         stage, op, microbatch, version = match.groups()
+        longest = max((stage, microbatch, version or ""), key=len)
+        if len(longest) > _MAX_DIGITS:
+            shown = text if len(text) <= 40 else f"{text.strip()[:20]}..."
+            raise ScheduleError(
+                f"numbers in an action have at most {_MAX_DIGITS} digits (got {len(longest)} in "
+                f"{shown!r}): stage, micro-batch and version count from 0, e.g. '2F0'"
+            )
         return cls(int(stage), Op(op), int(microbatch), None if version is None else int(version))
 
     @property

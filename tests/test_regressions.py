@@ -5,6 +5,10 @@ Each test failed on the code before its fix; the error it raised then is in its 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
@@ -106,3 +110,17 @@ def test_pipe_output_under_autocast_has_the_autocast_dtype() -> None:
     pipe = _two_stage(nn.Linear(3, 3), nn.Linear(3, 1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert pipe(torch.randn(4, 3)).dtype == torch.bfloat16
+
+
+def test_torch_is_a_declared_dependency_installed_after_the_pinned_build() -> None:
+    """Was: torch only in an optional `torch` extra, so `pip install pipeline-engine` gave a
+    package whose `pipeline` and `benchmarks` failed at import (ModuleNotFoundError: torch)."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
+    assert names["torch"] == "torch>=2.5"
+    assert {"numpy", "tqdm"} <= set(names)
+    # The Makefile installs its pinned CPU build first, so this range never pulls CUDA torch.
+    install = (root / "Makefile").read_text()
+    assert install.index("pip install -q $(TORCH_PIN)") < install.index("pip install -q -e")

@@ -208,6 +208,10 @@ def _load(source: str, args: argparse.Namespace, *, lenient: bool,
         schedule = _generate(source, args, lenient=lenient, used=used)
         return schedules.lower(schedule) if args.lower else schedule
     path = Path(source)
+    if path.is_dir():
+        raise _UsageError(f"{source} is a directory; give a schedule name "
+                          f"({', '.join(schedules.available())}), a .csv schedule file or a "
+                          f".json timeline file (written by a run or by --format json)")
     if not path.is_file():
         if path.suffix.lower() in (".csv", ".json") or os.sep in source:
             raise _UsageError(f"no such file: {source}")

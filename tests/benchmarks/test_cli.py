@@ -40,6 +40,25 @@ def test_bad_values_are_refused_before_any_measurement(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--ranks", "abc"], "--ranks takes comma-separated whole numbers >= 1, e.g. 1,2 (got 'abc')"),
+    (["--ranks", "1,2.5"], "--ranks takes comma-separated whole numbers >= 1, e.g. 1,2 (got "
+                           "'1,2.5': '2.5' is not one)"),
+    (["--ranks", "0"], "--ranks takes comma-separated whole numbers >= 1, e.g. 1,2 (got '0')"),
+    (["--microbatches", "4,x"], "--microbatches takes comma-separated whole numbers >= 1, e.g. "
+                                "4,8,16 (got '4,x': 'x' is not one)"),
+    (["--microbatches", "9" * 5000], "--microbatches takes comma-separated whole numbers"),
+])
+def test_count_lists_name_their_flag(argv: list[str], message: str, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--ranks abc` once said only "invalid literal for int() with base 10: 'abc'"."""
+    monkeypatch.setattr("benchmarks.cli.run_group", fakes.no_run)
+    assert main([*argv, "--models", "tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
+
+
 def test_out_naming_a_file_is_refused_before_any_measurement(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

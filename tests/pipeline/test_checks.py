@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from pipeline import Pipe, PipeConfigError
+from pipeline.errors import PipeTypeError
 
 
 def _model(seed: int = 0) -> nn.Sequential:
@@ -56,6 +58,51 @@ def test_a_target_whose_rows_differ_from_the_inputs_is_refused(rows: int) -> Non
     pipe = Pipe(_model(), [2, 1], chunks=1)
     with pytest.raises(ValueError, match=rf"target has {rows} rows but the input has 6"):
         pipe.step(X, Y[:rows], nn.MSELoss())
+
+
+@pytest.mark.parametrize("which", ["x", "target"])
+@pytest.mark.parametrize(("value", "shown"), [
+    ([[0.0] * 4] * 6, "a list"),
+    (np.zeros((6, 4), dtype=np.float32), "a numpy.ndarray"),
+    ((np.zeros((6, 4)), 1), r"a tuple \(numpy.ndarray, int\) holding no tensor"),
+    (torch.tensor(1.0), "a 0-dim tensor"),
+])
+def test_a_batch_that_is_not_a_tensor_names_its_type(which: str, value: object,
+                                                     shown: str) -> None:
+    """A list or numpy array once got "the input holds no tensor with a batch dimension to
+    split", which named neither the argument nor what was passed."""
+    pipe = Pipe(_model(), [2, 1], chunks=2)
+    x, y = (value, Y) if which == "x" else (X, value)
+    with pytest.raises(PipeTypeError, match=rf"{which} is {shown}.*torch.as_tensor"):
+        pipe.step(x, y, nn.MSELoss())
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_step_many_without_an_optimizer_names_it(schedule: str) -> None:
+    """Under 2bw it once raised AttributeError: 'NoneType' object has no attribute 'zero_grad'."""
+    pipe = Pipe(_model(), [2, 1], chunks=2, schedule=schedule)
+    with pytest.raises(PipeTypeError, match=r"optimizer must be a torch.optim.Optimizer.*"
+                                            r"\(got None\).*torch.optim.SGD"):
+        pipe.step_many([(X, Y)], nn.MSELoss(), None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+@pytest.mark.parametrize(("batches", "pattern"), [
+    ([X, X], r"batches\[0\] is a 2-dim tensor, not an \(x, target\) pair"),
+    ((X, Y), r"batches\[0\] is a 2-dim tensor, not an \(x, target\) pair"),
+    ([(X, Y), (X, Y, Y)], r"batches\[1\] is a tuple of 3 items, not an \(x, target\) pair"),
+    ([(X, Y), X[0]], r"batches\[1\] is a 1-dim tensor"),
+    (5, r"batches must be an iterable of \(x, target\) pairs \(got 5, an int\)"),
+])
+def test_step_many_batches_must_be_pairs(schedule: str, batches: object, pattern: str) -> None:
+    """A list of tensors once unpacked each tensor's two rows as (x, target), or raised a bare
+    unpacking error."""
+    pipe = Pipe(_model(), [2, 1], chunks=2, schedule=schedule)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    with pytest.raises(PipeTypeError, match=pattern + r".*\[\(x0, y0\), \(x1, y1\)\]"):
+        pipe.step_many(batches, nn.MSELoss(), optimizer)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in pipe.parameters())
 
 
 def test_load_state_dict_names_missing_extra_and_wrong_shape_keys() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,3 +90,19 @@ def test_main_refuses_zero_ranks(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--nproc", "0", sys.executable])
     assert exc.value.code == 2 and "--nproc must be >= 1 (got 0)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_python_dash_m_launch_runs_the_script_without_a_runpy_warning(tmp_path: Path) -> None:
+    """Importing `pipeline` once imported `pipeline.launch` (for INIT_TIMEOUT_ENV), so runpy
+    warned "'pipeline.launch' found in sys.modules after import of package 'pipeline'" before
+    the script ran; under -W error the warning was an exception and the launch failed."""
+    script = _script(tmp_path, "print('ran', rank)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-W", "error", "-m", "pipeline.launch", "--nproc",
+                             "1", str(script)], capture_output=True, text=True, env=env,
+                            cwd=root, timeout=100, check=False)
+    assert "RuntimeWarning" not in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ran 0"

@@ -174,3 +174,32 @@ def test_torch_dialect_refuses_what_torch_cannot_run() -> None:
         schedules.dumps_csv(versioned)
     with pytest.raises(ScheduleError, match="dialect must be one of"):
         schedules.dumps_csv(versioned, dialect="megatron")
+
+
+@pytest.mark.timeout(10)
+def test_an_out_of_range_stage_or_micro_batch_is_refused_quickly() -> None:
+    """A stage of 10**9 once built a placement table of 10**9 entries (a hang): an index needs
+    an action per stage (or micro-batch) below it, so it stays below the number of actions."""
+    with pytest.raises(ScheduleError, match=r"row 1 \(rank 1\), column 1: stage 1000000000 in "
+                                            r"'1000000000F0' is out of range.*0 to 2"):
+        schedules.loads_csv("0F0\n1F0,1000000000F0\n")
+    with pytest.raises(ScheduleError, match=r"column 0: micro-batch 99 in '0F99' is out of "
+                                            r"range.*0 to 1"):
+        schedules.loads_csv("0F99,0B0\n")
+
+
+def test_a_binary_file_is_not_a_text_csv(tmp_path: Path) -> None:
+    """It once raised a bare UnicodeDecodeError."""
+    path = tmp_path / "schedule.csv"
+    path.write_bytes(b"0F0,\xff\xfe\x00\x81\n")
+    with pytest.raises(ScheduleError, match=r"schedule\.csv is not a text CSV: byte 4 .*UTF-8"):
+        schedules.load_csv(path)
+
+
+def test_a_number_of_thousands_of_digits_names_its_cell() -> None:
+    """It once raised Python's 'Exceeds the limit (4300 digits) for integer string conversion'."""
+    with pytest.raises(ScheduleError, match=r"row 0 \(rank 0\), column 1: .*at most 18 digits "
+                                            r"\(got 5000 in '0F99999"):
+        schedules.loads_csv("0F0,0F" + "9" * 5000 + "\n")
+    with pytest.raises(ScheduleError, match=r"cannot read the CSV: field larger than field limit"):
+        schedules.loads_csv("0F0," + "0" * 200_000 + "\n")

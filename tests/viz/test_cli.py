@@ -279,6 +279,19 @@ def test_bad_input_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, con
     assert code == 2 and len(err.splitlines()) == 1 and message in err
 
 
+def test_a_directory_is_named_as_one(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory was once reported as 'no such file' (or, without a slash, an unknown
+    schedule)."""
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for source in (str(tmp_path), "runs"):
+        code, _, err = run(capsys, source)
+        assert code == 2 and len(err.splitlines()) == 1
+        assert f"{source} is a directory; give a schedule name (gpipe, 1f1b" in err
+        assert "a .csv schedule file or a .json timeline file" in err
+
+
 def test_unwritable_output(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "1f1b", "-o", str(tmp_path / "no" / "such" / "dir.svg"))
     assert code == 2 and "cannot write" in err and len(err.splitlines()) == 1
