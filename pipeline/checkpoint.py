@@ -11,13 +11,15 @@ their forward under that device's lock (found out on their first forward), the o
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
+from torch import nn
 
-__all__ = ["CHECKPOINT_MODES", "RngReplay", "is_recomputing", "stage_seed"]
+__all__ = ["CHECKPOINT_MODES", "BufferGuard", "RngReplay", "is_recomputing", "mode_key",
+           "stage_seed"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 T = TypeVar("T")
@@ -51,6 +53,50 @@ def stage_seed(step_seed: int, stage: int, microbatch: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
+def mode_key(stage: int, module: nn.Module) -> tuple[int, tuple[bool, ...]]:
+    """What decides whether a stage's forward draws randoms or changes buffers: the stage and
+    every one of its modules' training flags (`pipe.eval()` switches the layers, not the
+    stage's container, and a user may switch a single layer)."""
+    return stage, tuple(m.training for m in module.modules())
+
+
+class BufferGuard:
+    """Keeps a replayed forward from changing buffers (BatchNorm's running statistics).
+
+    A stage's first forward of each mode records which buffers it changed; a replay saves those few, runs, and puts them back, so the
+    running statistics are updated once per micro-batch, by its forward, as without
+    recomputation.
+    """
+
+    def __init__(self) -> None:
+        self._changes: dict[Hashable, list[str]] = {}
+
+    def forward(self, key: Hashable, module: nn.Module, fn: Callable[[], T]) -> T:
+        if key in self._changes:
+            return fn()
+        # By value, once per mode: native kernels (batch_norm) update running statistics in
+        # place without moving the tensors' version counters.
+        buffers = dict(module.named_buffers())
+        before = {name: b.detach().clone() for name, b in buffers.items()}
+        out = fn()
+        self._changes[key] = [n for n, b in buffers.items() if not torch.equal(b, before[n])]
+        return out
+
+    def replay(self, key: Hashable, module: nn.Module, fn: Callable[[], T]) -> T:
+        names = self._changes.get(key)
+        if names is None:  # no forward of this mode seen (cannot happen in a step): learn now
+            names = [n for n, _ in module.named_buffers()]
+        buffers = dict(module.named_buffers())
+        saved = {n: buffers[n].detach().clone() for n in names}
+        try:
+            return fn()
+        finally:
+            # Through `.data`: the replay's graph saved these buffers (batch_norm's backward
+            # takes them), and a visible in-place change would fail its version check.
+            for n, value in saved.items():
+                buffers[n].data.copy_(value)
+
+
 class RngReplay:
     """Runs a stage's forward under its (step, stage, micro-batch) seed on one device.
 
@@ -63,10 +109,10 @@ class RngReplay:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # (stage, training mode) -> whether that forward draws from the device's generator.
-        self._draws: dict[tuple[int, bool], bool] = {}
+        # mode_key(...) -> whether that forward draws from the device's generator.
+        self._draws: dict[Hashable, bool] = {}
 
-    def run(self, key: tuple[int, bool], seed: int, fn: Callable[[], T]) -> T:
+    def run(self, key: Hashable, seed: int, fn: Callable[[], T]) -> T:
         if self._draws.get(key) is False:
             return fn()
         generator, lock = _generator(self.device)

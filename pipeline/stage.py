@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.checkpoint import RngReplay, recomputing, stage_seed
+from pipeline.checkpoint import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.context import CallerState
 from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple, from_tuple, like
@@ -81,6 +81,7 @@ class StageRuntime:
         self._copy_inputs = {s: getattr(_first_layer(m), "inplace", False) is True
                              for s, m in stages.items()}
         self.rng = RngReplay(device)
+        self.buffers = BufferGuard()
         self.events: list[Event] = []
         self.peak_stashed = 0
         self.stashed_bytes = 0
@@ -146,7 +147,8 @@ class StageRuntime:
             self._outbox[msg] = values
 
     # -- forward ------------------------------------------------------------------------------
-    def _call(self, action: Action, inputs: tuple[Any, ...], step: StepInputs) -> tuple[Any, ...]:
+    def _call(self, action: Action, inputs: tuple[Any, ...], step: StepInputs, *,
+              replay: bool = False) -> tuple[Any, ...]:
         module = self.stages[action.stage]
         if self._copy_inputs[action.stage]:
             inputs = like(inputs, (v.clone() if isinstance(v, torch.Tensor)
@@ -164,9 +166,11 @@ class StageRuntime:
             def fn() -> Any:
                 return call_with(module, weights, arg)
         seed = stage_seed(step.seed, action.stage, action.microbatch)
+        key = mode_key(action.stage, module)
+        guard = self.buffers.replay if replay else self.buffers.forward
         try:
             with step.caller.forward():
-                return as_tuple(self.rng.run((action.stage, module.training), seed, fn))
+                return as_tuple(guard(key, module, lambda: self.rng.run(key, seed, fn)))
         except RuntimeError as exc:
             if "in-place operation" not in str(exc) or "leaf Variable" not in str(exc):
                 raise
@@ -238,7 +242,7 @@ class StageRuntime:
     # -- backward -----------------------------------------------------------------------------
     def _recompute(self, action: Action, stash: _Stash, step: StepInputs) -> None:
         with torch.enable_grad(), recomputing():
-            stash.outputs = self._call(action, stash.inputs, step)
+            stash.outputs = self._call(action, stash.inputs, step, replay=True)
         if action.stage == self.num_stages - 1:
             stash.loss = self._loss(stash.outputs, action.microbatch, step)
 

@@ -40,10 +40,10 @@ def test_a_forward_that_draws_nothing_runs_without_the_lock_afterwards() -> None
     """Pins an internal detail: stages that never draw from their device's generator are found
     out on their first forward and later run without seeding it (so they never serialise)."""
     replay = RngReplay(CPU)
-    assert replay.run((3, False), 5, lambda: torch.ones(2).sum()).item() == 2.0
-    assert replay._draws == {(3, False): False}
-    replay.run((4, True), 5, lambda: torch.rand(1))
-    assert replay._draws[(4, True)] is True
+    assert replay.run((3, (False,)), 5, lambda: torch.ones(2).sum()).item() == 2.0
+    assert replay._draws == {(3, (False,)): False}
+    replay.run((4, (True,)), 5, lambda: torch.rand(1))
+    assert replay._draws[(4, (True,))] is True
 
 
 def test_recomputing_is_scoped_nested_and_per_thread() -> None:

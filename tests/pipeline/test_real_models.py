@@ -1,0 +1,73 @@
+"""Defects real models found: eval mode and dropout replay, BatchNorm under recomputation,
+meta-device layers without initialisers, targets that disagree with the output."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import Pipe, PipeConfigError
+from tests.models import small_cnn
+
+CHECKPOINTS = ["never", "except_last", "always"]
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _dropout_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.GELU(), nn.Linear(16, 16),
+                         nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_replays_draw_the_forwards_masks_after_eval_and_train(checkpoint: str) -> None:
+    """`pipe.eval(); pipe(x); pipe.train()` once made the next step's replays draw other masks
+    than their forwards (the "does this forward draw" cache was keyed on a flag eval never
+    switched): the gradients differed from the no-recompute run and from the same seed's."""
+    x, y = torch.randn(12, 6), torch.randn(12, 3)
+    runs = {}
+    for name, mode, detour in (("plain", "never", False), ("fresh", checkpoint, False),
+                               ("after eval", checkpoint, True)):
+        model = _dropout_mlp()
+        pipe = Pipe(model, balance=[3, 3], devices=["cpu", "cpu"], chunks=4, checkpoint=mode)
+        if detour:
+            pipe.eval()
+            pipe(x)
+            pipe.train()
+        torch.manual_seed(7)
+        pipe.step(x, y, nn.MSELoss())
+        runs[name] = _grads(model)
+        pipe.close()
+    for name in ("fresh", "after eval"):
+        for key, g in runs["plain"].items():
+            torch.testing.assert_close(runs[name][key], g, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name}: {key}")
+
+
+def _sequential_microbatch_bn(model: nn.Sequential, x: torch.Tensor, chunks: int) -> None:
+    """What a plain loop over the micro-batches leaves in the running statistics."""
+    for part in x.chunk(chunks):
+        model(part)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_recomputation_leaves_batchnorm_statistics_as_the_forward_did(checkpoint: str) -> None:
+    """A replayed forward once updated the running statistics a second time:
+    `num_batches_tracked` was 7 or 8 after 4 micro-batches, not 4."""
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    reference = small_cnn()
+    model = copy.deepcopy(reference)
+    _sequential_microbatch_bn(reference, x, 4)
+    pipe = Pipe(model, balance=[5, 7], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    for (key, got), want in zip(model.state_dict().items(), reference.state_dict().values(),
+                                strict=True):
+        if "running" in key or "num_batches" in key:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
+    pipe.close()
