@@ -63,9 +63,9 @@ def mode_key(stage: int, module: nn.Module) -> tuple[int, tuple[bool, ...]]:
 class BufferGuard:
     """Keeps a replayed forward from changing buffers (BatchNorm's running statistics).
 
-    A stage's first forward of each mode records which buffers it changed; a replay saves those few, runs, and puts them back, so the
-    running statistics are updated once per micro-batch, by its forward, as without
-    recomputation.
+    A stage's first forward of each mode records which buffers it changed; a replay saves
+    those few, runs, and puts them back, so the running statistics are updated once per
+    micro-batch, by its forward, as without recomputation.
     """
 
     def __init__(self) -> None:

@@ -7,14 +7,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.microbatch import leading_rows
 
 __all__ = ["check_balance_list", "check_batch", "check_batches", "check_devices",
            "check_loss_fn", "check_optimizer", "check_state_dict", "check_timeout",
-           "check_untied_across_stages", "loss_weights"]
+           "loss_weights"]
 
 # How a loss reduces over a micro-batch -> whether micro-batch losses are weighted by rows.
 _REDUCTIONS = {"mean": True, "batchmean": True, "sum": False}
@@ -185,17 +184,3 @@ def loss_weights(rows: Sequence[int], loss_fn: object, loss_reduction: str | Non
                               f"combine; reduce by 'mean' or 'sum'")
     total = sum(rows)
     return [r / total if _REDUCTIONS[reduction] else 1.0 for r in rows]
-
-
-def check_untied_across_stages(partitions: Sequence[nn.Module]) -> None:
-    """Refuse a parameter used by two stages (tied weights across a boundary)."""
-    owner: dict[int, int] = {}
-    for s, part in enumerate(partitions):
-        for name, p in part.named_parameters():
-            if owner.setdefault(id(p), s) != s:
-                raise PipeConfigError(
-                    f"parameter {name!r} of stage {s} is also used by stage {owner[id(p)]} "
-                    f"(tied weights): each stage keeps and updates its own parameters, so a "
-                    f"tied weight would get two different updates. Put both uses in one "
-                    f"stage (adjust balance) or untie them"
-                )

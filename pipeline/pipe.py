@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, checks, collectives, fingerprint
+from pipeline import bootstrap, checks, collectives, fingerprint, ties
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.context import CallerState
 from pipeline.distributed import DistributedTransport, PeerFailure
@@ -107,7 +107,7 @@ class Pipe(nn.Module):
         for size in self.balance:
             bounds.append(bounds[-1] + size)
         self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
-        checks.check_untied_across_stages(self.partitions)
+        self._ties = ties.find_ties(model, self.balance)
         if isinstance(schedule, Schedule):
             schedules.validate(schedule)
             if schedule.num_stages != num_stages:
@@ -118,6 +118,7 @@ class Pipe(nn.Module):
         self._probe = self._schedule(1, 1) if not isinstance(schedule, Schedule) else schedule
         self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
                              else tuple(range(num_stages)))
+        ties.untie(self._ties, self.local_stages)
         # Register the (local) layers under their original names: same Parameters, same keys.
         names = list(model._modules)  # named_children() would skip a layer used twice
         for s in self.local_stages:
@@ -131,6 +132,11 @@ class Pipe(nn.Module):
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout)
+        self._tie_link = ties.link(self._ties, self.local_stages, self._probe.rank_of,
+                                   self.world[0] if self.world else None,
+                                   self._executor.transport)
+        ties.register_hooks(self._tie_link)
+        self._register_state_dict_hook(_tied_keys)  # type: ignore[no-untyped-call]
 
     # -- configuration --------------------------------------------------------------------------
     @staticmethod
@@ -226,6 +232,7 @@ class Pipe(nn.Module):
         devices = [rt.device for rt in self._executor.runtimes]
         for d in {d for d in devices if d.type == "cuda"}:
             torch.cuda.reset_peak_memory_stats(d)
+        self._tie_link.refresh()  # copies of tied weights take their owner's value
         self._timeline, self._stats = self._executor.run(schedule, step, result, self.checkpoint)
         for stats, d in zip(self._stats, devices, strict=True):
             if d.type == "cuda":  # ranks sharing a device report that device's peak
@@ -370,6 +377,7 @@ class Pipe(nn.Module):
             raise
         if versioned:
             self._versions.close()
+        self._tie_link.reduce_grads()  # before the overflow check: copies' gradients count
         if result.input_grads:
             backward_inputs([x for x, _ in pairs], result.input_grads, m)
         if step.scaler is not None and self.world:
@@ -393,6 +401,15 @@ class Pipe(nn.Module):
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the
         interpreter exits). A closed Pipe cannot run steps."""
         self._executor.close()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """As `nn.Module`'s, with each weight tied across stages once (its owner's)."""
+        link = self.__dict__.get("_tie_link")
+        copies = link.copy_params() if link is not None else set()
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if id(p) not in copies:
+                yield name, p
 
     # -- inspection -------------------------------------------------------------------------------
     def last_timeline(self) -> Timeline:
@@ -421,6 +438,8 @@ class Pipe(nn.Module):
             rank = self._probe.rank_of(stage_of[i])
             for key in model._modules[name].state_dict():
                 owner[f"{name}.{key}"] = rank
+        for tie in self._ties:  # a tied weight's copies are reported by its owner's rank
+            owner.update({k: self._probe.rank_of(tie.stage) for c in tie.copies for k in c.keys})
         try:
             transport = self._executor.transport
             assert isinstance(transport, DistributedTransport)
@@ -436,6 +455,11 @@ class Pipe(nn.Module):
             mine = set(self.state_dict())
             state_dict = {k: v for k, v in state_dict.items() if k in mine}
         checks.check_state_dict(self.state_dict(), state_dict, strict)
+        # Copies of tied weights: this rank's module keys, whatever the tie reports (ties.py).
+        add, drop = self._tie_link.state_dict_keys()
+        own = super().state_dict()
+        state_dict = {k: v for k, v in state_dict.items() if k in own or k not in add}
+        state_dict.update({k: own[k] for k in drop if k not in state_dict})
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def training_state(self) -> dict[str, Any]:
@@ -466,6 +490,16 @@ class Pipe(nn.Module):
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
+
+
+def _tied_keys(pipe: Pipe, state: dict[str, Any], prefix: str, _: Any) -> None:
+    """State-dict hook: a tied weight's keys carry its owner's value on the owner's rank, and
+    are left out where only a copy lives (its owner's rank reports them)."""
+    add, drop = pipe._tie_link.state_dict_keys()
+    for key in drop:
+        state.pop(prefix + key, None)
+    for key, owner in add.items():
+        state.setdefault(prefix + key, owner.detach())
 
 
 def _step_seed() -> int:

@@ -52,12 +52,13 @@ def test_config_errors_say_what_to_do() -> None:
         Pipe(_mlp(), [3, 3], chunks=4).step(torch.randn(3, 8), torch.randn(3, 8), nn.MSELoss())
 
 
-def test_tied_weights_are_refused_with_a_reason() -> None:
+def test_a_module_used_by_two_stages_is_refused_naming_the_models_keys() -> None:
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared)
-    with pytest.raises(PipeConfigError, match="tied weights"):
-        Pipe(model, [2, 1])
-    Pipe(model, [3])  # both uses in one stage: fine
+    model = nn.Sequential(nn.Tanh(), shared, nn.Tanh(), shared)
+    with pytest.raises(PipeConfigError, match=r"'3.weight' \(stage 1\) and '1.weight' "
+                                              r"\(stage 0\) are the same Linear object"):
+        Pipe(model, [2, 2])
+    Pipe(model, [4])  # both uses in one stage: fine
 
 
 def test_balance_methods(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import Pipe, PipeConfigError
+from pipeline import Pipe
 from tests.models import small_cnn
 
 CHECKPOINTS = ["never", "except_last", "always"]

@@ -1,0 +1,113 @@
+"""Weights tied across stages: a language model's embedding and head, in threads and processes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import schedules
+from pipeline import Pipe
+from tests.models import lm_loss, tiny_lm
+
+VOCAB, CONTEXT = 13, 8
+
+
+def _batch(seed: int, rows: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, CONTEXT + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _plain_steps(model: nn.Sequential, steps: int, chunks: int) -> list[float]:
+    """The reference: the plain model, dropout drawn as the Pipe draws it is not comparable,
+    so tests with dropout run it at p=0 (tiny_lm(dropout=0.0))."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for t in range(steps):
+        x, y = _batch(t)
+        optimizer.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _pipe_steps(pipe: Pipe, model: nn.Sequential, steps: int) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for t in range(steps):
+        x, y = _batch(t)
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y, lm_loss).item())
+        optimizer.step()
+    return losses
+
+
+def _compare(pipe: Pipe, reference: nn.Sequential) -> None:
+    got = pipe.state_dict()
+    for key, want in reference.state_dict().items():
+        # fp32 in another summation order (micro-batches, the tie's two gradients), through
+        # three AdamW steps whose first update is about lr * sign(g): 1e-5 relative.
+        torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_the_tie_is_found_and_refused_nowhere() -> None:
+    model = tiny_lm(dropout=0.0)
+    assert model[-1].weight is model[0].wte.weight
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    names = [n for n, _ in pipe.named_parameters()]
+    assert "0.wte.weight" in names and "6.weight" not in names  # counted once
+    assert set(pipe.state_dict()) == set(tiny_lm(dropout=0.0).state_dict())  # both keys
+    pipe.close()
+
+
+CASES = [(name, mode) for name in ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
+         for mode in ("never", "except_last", "always")]
+
+
+@pytest.mark.parametrize(("schedule", "checkpoint"), CASES)
+def test_tied_model_equals_the_plain_model_over_three_steps(schedule: str,
+                                                            checkpoint: str) -> None:
+    reference = tiny_lm(dropout=0.0)
+    model = copy.deepcopy(reference)
+    two_per_rank = schedules.info(schedule).stages_per_rank == 2 or schedule == "interleaved"
+    balance = [2, 2, 1, 2] if two_per_rank else [3, 4]
+    pipe = Pipe(model, balance=balance, devices=["cpu", "cpu"], chunks=3, schedule=schedule,
+                checkpoint=checkpoint)
+    want = _plain_steps(reference, 3, 3)
+    got = _pipe_steps(pipe, model, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    _compare(pipe, reference)
+    pipe.close()
+
+
+def test_tied_gradient_is_the_sum_of_both_uses_and_left_on_the_owner() -> None:
+    reference = tiny_lm(dropout=0.0)
+    model = copy.deepcopy(reference)
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=4)
+    x, y = _batch(0)
+    lm_loss(reference(x), y).backward()
+    pipe.step(x, y, lm_loss)
+    torch.testing.assert_close(model[0].wte.weight.grad, reference[0].wte.weight.grad,
+                               rtol=1e-5, atol=1e-7)
+    assert model[-1].weight is not model[0].wte.weight and model[-1].weight.grad is None
+    pipe.close()
+
+
+def test_a_state_dict_shows_the_owners_value_after_the_optimizer_step() -> None:
+    model = tiny_lm(dropout=0.0)
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    x, y = _batch(1)
+    pipe.step(x, y, lm_loss)
+    optimizer.step()
+    for state in (pipe.state_dict(), model.state_dict()):
+        assert torch.equal(state["6.weight"], state["0.wte.weight"])
+    plain = tiny_lm(dropout=0.0)
+    plain.load_state_dict(pipe.state_dict())
+    assert plain[-1].weight is plain[0].wte.weight
+    pipe.close()
