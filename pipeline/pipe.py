@@ -12,6 +12,7 @@ from torch import nn
 import schedules
 from pipeline import bootstrap, checks, collectives, fingerprint, ties
 from pipeline.checkpoint import CHECKPOINT_MODES
+from pipeline.clipping import clip_grad_norm
 from pipeline.context import CallerState
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
@@ -396,6 +397,36 @@ class Pipe(nn.Module):
         shared = self._share(losses, (len(pairs),))
         assert shared is not None
         return list(shared.unbind())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients of the whole model by their total norm and return that norm, as
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the plain model: over
+        every stage (all ranks: every rank calls it), each tied weight once; `inf` too. With a
+        GradScaler, call `scaler.unscale_(optimizer)` first."""
+        exchange = None
+        if self.world:
+            transport = self._executor.transport
+            assert isinstance(transport, DistributedTransport)
+            exchange = transport.exchange
+        try:
+            return clip_grad_norm(self.parameters(), max_norm, norm_type,
+                                  error_if_nonfinite=error_if_nonfinite, exchange=exchange)
+        except (PipelineAborted, PeerFailure) as exc:
+            raise PipelineError(str(exc)) from None
+
+    def save(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save a sharded checkpoint (torch.distributed.checkpoint): every rank writes its own
+        layers and optimizer state; `load` reads it under any balance, rank count or device."""
+        from pipeline import sharded  # torch.distributed.checkpoint is slow to import
+
+        sharded.save(self, path, optimizer)
+
+    def load(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load what `save` wrote (from any balance, rank count, or a plain model)."""
+        from pipeline import sharded
+
+        sharded.load(self, path, optimizer)
 
     def close(self) -> None:
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the

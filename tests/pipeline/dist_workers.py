@@ -365,3 +365,43 @@ def profiled_balance(rank: int, method: str) -> list[int]:
     x, y = torch.randn(4, 6), torch.randn(4, 3)
     pipe.step(x, y, nn.MSELoss())  # and they agree (the fingerprint compares balances)
     return list(pipe.balance)
+
+
+def tied_language_model(rank: int, combos: list[tuple[str, str, list[int]]]) -> int:
+    """A language model whose head shares the embedding's weight across the first and last
+    stage: three AdamW steps with global clipping equal the plain model's, on every rank."""
+    from tests.models import lm_loss, tiny_lm
+    from tests.pipeline.test_ties import _batch
+
+    checked = 0
+    for schedule, checkpoint, balance in combos:
+        reference = tiny_lm(dropout=0.0)
+        model = tiny_lm(dropout=0.0)
+        pipe = Pipe(model, balance, chunks=3, schedule=schedule, checkpoint=checkpoint)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        plain_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for t in range(3):
+            x, y = _batch(t)
+            optimizer.zero_grad()
+            plain_opt.zero_grad()
+            loss = pipe.step(x, y, lm_loss)
+            norm = pipe.clip_grad_norm_(0.5)
+            expected = lm_loss(reference(x), y)
+            expected.backward()
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            torch.testing.assert_close(loss, expected.detach(), **TOL)
+            torch.testing.assert_close(norm, want, **TOL)
+            optimizer.step()
+            plain_opt.step()
+        full = pipe.full_state_dict()
+        if rank == 0:
+            assert full is not None
+            for key, value in reference.state_dict().items():
+                torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-5,
+                                           msg=f"{schedule}/{checkpoint}: {key}")
+        # A copy held here takes its owner's value when it next runs.
+        for key, value in pipe.state_dict().items():
+            torch.testing.assert_close(value, reference.state_dict()[key], rtol=1e-5,
+                                       atol=1e-5, msg=f"{schedule}/{checkpoint}: {key}")
+        checked += 1
+    return checked

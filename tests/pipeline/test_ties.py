@@ -111,3 +111,19 @@ def test_a_state_dict_shows_the_owners_value_after_the_optimizer_step() -> None:
     plain.load_state_dict(pipe.state_dict())
     assert plain[-1].weight is plain[0].wte.weight
     pipe.close()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_tied_model_across_processes(nproc: int) -> None:
+    from pipeline.launch import spawn
+    from tests.pipeline import dist_workers
+
+    split = {2: [3, 4], 3: [2, 3, 2]}[nproc]
+    combos = [("1f1b", "except_last", split), ("gpipe", "always", split),
+              ("zb-h1", "never", split)]
+    if nproc == 2:
+        combos += [("zb-v", "always", [2, 2, 1, 2]), ("interleaved", "never", [2, 2, 1, 2])]
+    assert spawn(dist_workers.tied_language_model, nproc, combos,
+                 timeout=180) == [len(combos)] * nproc

@@ -1,0 +1,43 @@
+"""Global gradient clipping: one norm over every stage of every rank, each tied weight once."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["clip_grad_norm"]
+
+Exchange = Callable[[str], list[str]]  # every rank's payload, in rank order
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                   *, error_if_nonfinite: bool = False,
+                   exchange: Exchange | None = None) -> torch.Tensor:
+    """As `torch.nn.utils.clip_grad_norm_` over the whole model: the total norm of every
+    gradient (on every rank, when `exchange` joins the ranks) and the same scaling of each.
+
+    The norm is computed as torch computes it (each gradient's norm, then the norm of those),
+    so it equals the plain model's up to the order of the terms. Returns it as a CPU tensor.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).float().cpu() for g in grads]
+    if exchange is not None:
+        # Exact round trip: float.hex; every rank then stacks the same list in rank order.
+        payload = ",".join(float(n).hex() for n in norms)
+        norms = [torch.tensor(float.fromhex(v)) for part in exchange(payload)
+                 for v in part.split(",") if v]
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                           f"{total.item()}, so they cannot be clipped; pass "
+                           f"error_if_nonfinite=False to clip anyway (a GradScaler's "
+                           f"step then skips the update)")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.device, g.dtype))
+    return total
