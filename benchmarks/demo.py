@@ -1,69 +1,108 @@
-"""The demo: train a residual MLP with Pipe(schedule="1f1b") on two CPU devices, beside one."""
+"""The demo: a character-level GPT learns Shakespeare with Pipe(schedule="1f1b") on two CPUs.
+
+The model's output head is its token embedding (one Parameter, tied as in GPT-2), and the
+split puts the embedding on stage 0 and the head on stage 1, so the tie crosses the pipeline.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.gpt import gpt, lm_loss
 from pipeline.pipe import Pipe
 from schedules import Timeline
 
-__all__ = ["Residual", "demo_model", "main"]
+__all__ = ["CharTokenizer", "load_text", "main"]
 
 
-class Residual(nn.Module):
-    """x + MLP(LayerNorm(x)): a pre-norm transformer MLP block."""
-
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.act = nn.GELU()
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.down(self.act(self.up(self.norm(x))))
-        return out
+def load_text() -> str:
+    """The shipped public-domain text (benchmarks/data/shakespeare.txt)."""
+    return (resources.files("benchmarks") / "data" / "shakespeare.txt").read_text("utf-8")
 
 
-def demo_model(width: int = 256, depth: int = 8, classes: int = 10) -> nn.Sequential:
-    """Input projection, `depth` residual blocks, a classifier: all flat in one nn.Sequential."""
-    return nn.Sequential(nn.Linear(32, width), *[Residual(width, 4 * width) for _ in range(depth)],
-                         nn.LayerNorm(width), nn.Linear(width, classes))
+class CharTokenizer:
+    """One id per distinct character of a text, in sorted order."""
+
+    def __init__(self, text: str) -> None:
+        self.chars = sorted(set(text))
+        self._ids = {c: i for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor([self._ids[c] for c in text], dtype=torch.int64)
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return "".join(self.chars[i] for i in ids.tolist())
 
 
-def _data(batch: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # A learnable synthetic task: the class is the argmax of a fixed random projection.
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 32, generator=g)
-    proj = torch.randn(32, classes, generator=torch.Generator().manual_seed(0))
-    return x, (x @ proj).argmax(-1)
+def _windows(data: torch.Tensor, rows: int, context: int,
+             g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` random contiguous windows: inputs (rows, context), targets shifted by one."""
+    starts = torch.randint(len(data) - context, (rows, 1), generator=g)
+    window = data[starts + torch.arange(context + 1)]
+    return window[:, :-1], window[:, 1:]
 
 
-def _bar(step: int, total: int, loss: float, width: int = 30) -> str:
+def _lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up over the first tenth (at most 20 steps), then cosine decay to 0.1."""
+    warmup = max(1, min(20, steps // 10))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def _progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 30) -> str:
     done = int(width * step / total)
-    return f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}"
+    return (f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}  "
+            f"{tokens_per_s:,.0f} tokens/s")
+
+
+@torch.no_grad()
+def _evaluate(pipe: Pipe, x: torch.Tensor, y: torch.Tensor) -> float:
+    pipe.eval()
+    loss = lm_loss(pipe(x), y).item()
+    pipe.train()
+    return loss
+
+
+@torch.no_grad()
+def _generate(pipe: Pipe, prompt: torch.Tensor, *, rows: int, length: int, context: int,
+              temperature: float, seed: int) -> torch.Tensor:
+    """Sample `length` tokens after `prompt` for `rows` rows, each token through the pipe."""
+    pipe.eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = prompt.expand(rows, -1)
+    for _ in range(length):
+        logits = pipe(ids[:, -context:])[:, -1] / temperature
+        ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
+    pipe.train()
+    return ids
 
 
 def _side_by_side(pipe: Pipe, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
                   rounds: int = 5) -> tuple[float, float]:
     """Median step seconds of the Pipe and the plain model, alternating so noise hits both."""
-    loss_fn = nn.CrossEntropyLoss()
 
     def plain() -> None:
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        torch.autograd.backward(lm_loss(model(x), y))
 
     def piped() -> None:
         pipe.zero_grad(set_to_none=True)
-        pipe.step(x, y, loss_fn)
+        pipe.step(x, y, lm_loss)
 
     times: dict[str, list[float]] = {"pipe": [], "plain": []}
     for i in range(rounds + 1):
@@ -76,35 +115,81 @@ def _side_by_side(pipe: Pipe, model: nn.Sequential, x: torch.Tensor, y: torch.Te
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--chunks", type=int, default=16)
-    parser.add_argument("--width", type=int, default=256)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16, help="windows per step")
+    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--context", type=int, default=64, help="characters per window")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4, help="transformer blocks (>= 2)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--lr", type=float, default=6e-3, help="peak learning rate")
+    parser.add_argument("--sample", type=int, default=200, help="characters to generate")
+    parser.add_argument("--untied", action="store_true",
+                        help="give the head its own weight instead of the embedding's")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
+    if args.depth < 2:
+        parser.error(f"--depth must be >= 2 (got {args.depth}): each stage holds blocks")
+    torch.manual_seed(args.seed)
     # One intra-op thread per rank: the two ranks are the parallelism (2 cores, 2 devices).
     torch.set_num_threads(1)
-    model = demo_model(args.width)
-    pipe = Pipe(model, balance="params", stages=2, devices=["cpu", "cpu"], chunks=args.chunks,
-                schedule="1f1b", checkpoint="never")
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters in "
-          f"{len(model)} layers; Pipe {pipe.extra_repr()}")
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=2e-3)
-    loss_fn = nn.CrossEntropyLoss()
-    first = last = 0.0
+
+    text = load_text()
+    tokenizer = CharTokenizer(text)
+    data = tokenizer.encode(text)
+    split = len(data) * 9 // 10  # the last tenth is held out
+    train, held_out = data[:split], data[split:]
+    model = gpt(tokenizer.vocab, context=args.context, width=args.width, depth=args.depth,
+                heads=args.heads, dropout=args.dropout, tied=not args.untied)
+    # Stage 0: the embedding and half the blocks; stage 1: the rest, the final norm, the head.
+    half = args.depth // 2
+    pipe = Pipe(model, balance=[1 + half, args.depth - half + 2], devices=["cpu", "cpu"],
+                chunks=args.chunks, schedule="1f1b", checkpoint="never")
+    tie = ("its own weight (--untied)" if args.untied else
+           "the embedding's weight: one Parameter on stages 0 and 1")
+    print(f"text: {len(text):,} characters, {tokenizer.vocab} distinct; GPT: "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters, width {args.width}, "
+          f"{args.depth} blocks, context {args.context}; head = {tie}")
+    print(f"Pipe {pipe.extra_repr()}")
+
+    g = torch.Generator().manual_seed(args.seed)
+    x_held, y_held = _windows(held_out, 4 * args.batch, args.context, g)
+    held_before = _evaluate(pipe, x_held, y_held)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, args.steps))
+    losses: list[float] = []
+    start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        x, y = _data(args.batch, 10, seed=step)
+        x, y = _windows(train, args.batch, args.context, g)
         optimizer.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y, loss_fn).item()
+        losses.append(pipe.step(x, y, lm_loss).item())
+        # One process holds every stage, so torch's clip sees the global gradient norm.
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        first = first or loss
-        last = loss
-        sys.stdout.write(_bar(step, args.steps, loss))
+        schedule.step()
+        tokens_per_s = step * x.numel() / (time.perf_counter() - start)
+        sys.stdout.write(_progress(step, args.steps, statistics.fmean(losses[-10:]),
+                                   tokens_per_s))
         sys.stdout.flush()
-    print(f"\nloss {first:.4f} -> {last:.4f}")
-    x, y = _data(args.batch, 10, seed=10_000)
+    seconds = time.perf_counter() - start
+    k = max(1, min(20, args.steps // 5))
+    print(f"\n{args.steps} steps in {seconds:.1f} s; training loss, mean of the first {k} "
+          f"steps {statistics.fmean(losses[:k]):.4f} -> mean of the last {k} "
+          f"{statistics.fmean(losses[-k:]):.4f}; held-out loss {held_before:.4f} -> "
+          f"{_evaluate(pipe, x_held, y_held):.4f}")
+
+    if args.sample:
+        prompt = tokenizer.encode("CORIOLANUS:\n")[None]
+        ids = _generate(pipe, prompt, rows=args.chunks, length=args.sample,
+                        context=args.context, temperature=0.8, seed=args.seed)
+        print(f"--- sampled through the pipe (temperature 0.8) ---\n"
+              f"{tokenizer.decode(ids[0])}\n---")
+
+    x, y = _windows(train, args.batch, args.context, g)
     pipe_s, plain_s = _side_by_side(pipe, model, x, y)
     print(f"step time: Pipe 2 x cpu, 1f1b, m={args.chunks}: {pipe_s * 1e3:.1f} ms; "
           f"plain model, 1 thread: {plain_s * 1e3:.1f} ms; speedup {plain_s / pipe_s:.2f}x")

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.demo import Residual
 from pipeline.partition import split_sizes
 from pipeline.profile import balance_by_params, balance_by_time
 
@@ -96,6 +95,21 @@ class _Embedding(nn.Module):
         return out
 
 
+class _Residual(nn.Module):
+    """x + MLP(LayerNorm(x)): a pre-norm transformer MLP block."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.act = nn.GELU()
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(self.act(self.up(self.norm(x))))
+        return out
+
+
 class _Attention(nn.Module):
     """Pre-norm causal self-attention with a residual connection."""
 
@@ -136,7 +150,7 @@ def _transformer() -> nn.Sequential:
     torch.manual_seed(0)
     blocks: list[nn.Module] = []
     for _ in range(_LAYERS):
-        blocks += [_Attention(), Residual(_WIDTH, 4 * _WIDTH)]  # the pre-norm MLP block
+        blocks += [_Attention(), _Residual(_WIDTH, 4 * _WIDTH)]  # the pre-norm MLP block
     return nn.Sequential(_Embedding(), *blocks, _Head())
 
 

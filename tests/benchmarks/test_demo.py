@@ -1,0 +1,67 @@
+"""benchmarks.demo: the tokenizer, the batches, and a short run end to end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.demo import CharTokenizer, _windows, load_text, main
+from pipeline.errors import PipeConfigError
+
+# A small model and few steps: the whole run takes a few seconds.
+_SMALL = ["--steps", "4", "--batch", "4", "--chunks", "2", "--context", "16", "--width", "32",
+          "--depth", "2", "--heads", "2", "--sample", "8"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    # main() sets one intra-op thread (one per rank); give the rest of the session its own back.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_shipped_text_and_its_tokenizer_round_trip() -> None:
+    text = load_text()
+    assert len(text) > 100_000 and text.startswith("First Citizen:")
+    tokenizer = CharTokenizer(text)
+    assert tokenizer.vocab == len(set(text))
+    ids = tokenizer.encode(text[:500])
+    assert ids.dtype == torch.int64 and tokenizer.decode(ids) == text[:500]
+
+
+def test_windows_are_contiguous_and_shifted_by_one() -> None:
+    data = torch.arange(1000)
+    x, y = _windows(data, 8, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (8, 16)
+    torch.testing.assert_close(y[:, :-1], x[:, 1:])
+    torch.testing.assert_close(x[:, 1:] - x[:, :-1], torch.ones(8, 15, dtype=torch.int64))
+    again, _ = _windows(data, 8, 16, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(x, again)  # seeded
+
+
+def test_demo_trains_untied_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_SMALL, "--untied", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "head = its own weight (--untied)" in out
+    assert "training loss, mean of the first 1 steps" in out and "held-out loss" in out
+    assert "sampled through the pipe" in out and "CORIOLANUS:" in out
+    assert "step time: Pipe 2 x cpu, 1f1b, m=2" in out and "measured bubble" in out
+    timeline = json.loads((tmp_path / "demo-timeline.json").read_text())
+    assert timeline["format"] == "pipeline-timeline/1"
+    assert (tmp_path / "demo-trace.json").is_file()
+
+
+@pytest.mark.xfail(strict=True, raises=PipeConfigError,
+                   reason="Pipe refuses a Parameter shared across stages until it supports ties")
+def test_demo_trains_with_the_head_tied_across_stages(tmp_path: Path) -> None:
+    assert main([*_SMALL, "--sample", "0", "--out", str(tmp_path)]) == 0
+
+
+def test_depth_below_two_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["--depth", "1"])
