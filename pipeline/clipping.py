@@ -31,7 +31,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
                  for v in part.split(",") if v]
     if not norms:
         return torch.tensor(0.0)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"{total.item()}, so they cannot be clipped; pass "

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from benchmarks.demo import CharTokenizer, _windows, load_text, main
-from pipeline.errors import PipeConfigError
 
 # A small model and few steps: the whole run takes a few seconds.
 _SMALL = ["--steps", "4", "--batch", "4", "--chunks", "2", "--context", "16", "--width", "32",
@@ -56,10 +55,10 @@ def test_demo_trains_untied_end_to_end(tmp_path: Path, capsys: pytest.CaptureFix
     assert (tmp_path / "demo-trace.json").is_file()
 
 
-@pytest.mark.xfail(strict=True, raises=PipeConfigError,
-                   reason="Pipe refuses a Parameter shared across stages until it supports ties")
-def test_demo_trains_with_the_head_tied_across_stages(tmp_path: Path) -> None:
+def test_demo_trains_with_the_head_tied_across_stages(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_SMALL, "--sample", "0", "--out", str(tmp_path)]) == 0
+    assert "tied across stages 0 and 1" in capsys.readouterr().out
 
 
 def test_depth_below_two_is_refused() -> None:
