@@ -233,7 +233,6 @@ class Pipe(nn.Module):
         devices = [rt.device for rt in self._executor.runtimes]
         for d in {d for d in devices if d.type == "cuda"}:
             torch.cuda.reset_peak_memory_stats(d)
-        self._tie_link.refresh()  # copies of tied weights take their owner's value
         self._timeline, self._stats = self._executor.run(schedule, step, result, self.checkpoint)
         for stats, d in zip(self._stats, devices, strict=True):
             if d.type == "cuda":  # ranks sharing a device report that device's peak
@@ -291,6 +290,7 @@ class Pipe(nn.Module):
         inputs, _, _ = self._context(x, None, None, self.chunks)
         step = StepInputs(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
                           _step_seed(), caller=CallerState.capture())
+        self._tie_link.refresh()  # copies of tied weights take their owner's value
         with torch.no_grad():
             result = self._run(self._forward_only(self.chunks), step)
         if not result.outputs:
@@ -324,7 +324,9 @@ class Pipe(nn.Module):
         """
         pairs = checks.check_batches(batches)
         checks.check_optimizer(optimizer)
-        if not self.multi_batch:
+        # A tied weight's copy would update after its owner inside a flush-free schedule: with
+        # ties, 2BW runs batch by batch (the same update rule, one flush per batch).
+        if not self.multi_batch or self._ties:
             losses = []
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
@@ -368,7 +370,8 @@ class Pipe(nn.Module):
                           versions=self._versions if versioned else None,
                           track_memory=self.track_memory, caller=CallerState.capture(),
                           scaler=scaler if scaler is not None and scaler.is_enabled() else None)
-        if versioned:
+        self._tie_link.refresh()  # copies of tied weights take their owner's value, before
+        if versioned:              # PipeDream-2BW versions them
             self._versions.open(len(pairs), optimizer)
         try:
             result = self._run(schedule, step)

@@ -128,13 +128,13 @@ def test_embedding_ids_and_bool_mask_cross_stages(schedule: str) -> None:
 
 # -- PipeDream-2BW
 def _two_bw_reference(model: nn.Sequential, data: list[tuple[torch.Tensor, torch.Tensor]],
-                      lr: float) -> list[float]:
+                      lr: float, loss_fn: Any = None) -> list[float]:
     """W(t+1) = W(t) - lr * grad f(W(t-1)), step 0 at the initial weights, on one device."""
     previous = copy.deepcopy(model)
     losses = []
     for x, y in data:
         stale = copy.deepcopy(previous)  # W(t-1)
-        loss = nn.MSELoss()(stale(x), y)
+        loss = (loss_fn or nn.MSELoss())(stale(x), y)
         loss.backward()
         losses.append(loss.item())
         previous = copy.deepcopy(model)  # W(t), before the update

@@ -127,3 +127,26 @@ def test_tied_model_across_processes(nproc: int) -> None:
         combos += [("zb-v", "always", [2, 2, 1, 2]), ("interleaved", "never", [2, 2, 1, 2])]
     assert spawn(dist_workers.tied_language_model, nproc, combos,
                  timeout=180) == [len(combos)] * nproc
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_2bw_with_a_tied_weight_follows_the_stale_update_rule(many: bool) -> None:
+    from tests.pipeline.test_pipe import _two_bw_reference
+
+    reference = tiny_lm(dropout=0.0)
+    model = copy.deepcopy(reference)
+    data, lr = [_batch(t) for t in range(3)], 0.5
+    expected = _two_bw_reference(reference, data, lr, lm_loss)
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2, schedule="2bw")
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
+    if many:
+        losses = [v.item() for v in pipe.step_many(data, lm_loss, optimizer)]
+    else:
+        losses = []
+        for x, y in data:
+            optimizer.zero_grad()
+            losses.append(pipe.step(x, y, lm_loss).item())
+            optimizer.step()
+    assert losses == pytest.approx(expected, rel=1e-5)
+    _compare(pipe, reference)
+    pipe.close()
