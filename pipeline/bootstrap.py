@@ -15,7 +15,8 @@ from torch import nn
 
 from pipeline.errors import PipeConfigError
 
-__all__ = ["INIT_TIMEOUT_ENV", "from_first_rank", "materialize", "rank_devices", "world"]
+__all__ = ["INIT_TIMEOUT_ENV", "PARAM_INITS", "ParamInit", "from_first_rank", "materialize",
+           "rank_devices", "world"]
 
 # Here, not in pipeline.launch (which sets it): importing `pipeline` must not import the
 # launcher, or `python -m pipeline.launch` finds it already imported and runpy warns.
@@ -60,17 +61,45 @@ def rank_devices(devices: Sequence[str | torch.device] | None, num_ranks: int,
     return [mine if r == rank else torch.device("cpu") for r in range(num_ranks)]
 
 
-def materialize(layer: nn.Module, device: torch.device) -> nn.Module:
-    """Put `layer` on `device`; a layer built on the meta device gets real storage there and
-    its own initialisers (`reset_parameters`), so no rank ever builds the whole model."""
+ParamInit = Callable[[nn.Module], None]
+PARAM_INITS = ("reset", "skip")
+
+
+def materialize(layer: nn.Module, device: torch.device, *, name: str,
+                param_init: str | ParamInit = "reset",
+                exempt: frozenset[tuple[int, str]] = frozenset()
+                ) -> nn.Module:
+    """Put `layer` (the model's layer `name`) on `device`. A layer built on the meta device
+    gets real storage there, initialised module by module: by `param_init(module)` when it is
+    a function (as FSDP's `param_init_fn`), else by the module's own `reset_parameters()`; a
+    module with tensors of its own and neither is refused, naming it, unless `param_init` is
+    "skip" (a `load_state_dict` follows). `exempt` holds (id(module), attribute) pairs filled
+    otherwise (copies of tied weights)."""
     on_meta = any(t.is_meta for t in [*layer.parameters(), *layer.buffers()])
     if not on_meta:
         return layer.to(device)
     layer.to_empty(device=device)
-    for module in layer.modules():
+    if param_init == "skip":
+        return layer
+    for path, module in layer.named_modules():
+        own = [k for k, t in [*module._parameters.items(), *module._buffers.items()]
+               if t is not None and (id(module), k) not in exempt]
+        if not own:
+            continue
+        if callable(param_init):
+            with torch.no_grad():
+                param_init(module)
+            continue
         reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        if not callable(reset):
+            key = ".".join(p for p in (name, path) if p)
+            raise PipeConfigError(
+                f"layer {key!r} ({type(module).__name__}) was built on the meta device and has "
+                f"no reset_parameters(), so Pipe cannot initialise its tensors (they would be "
+                f"uninitialised memory). Pass Pipe(..., param_init=fn) with fn(module) "
+                f"initialising each module as your model does, param_init='skip' if a "
+                f"load_state_dict (or pipe.load) follows, or build the model on a real device")
+        reset()
     return layer
 
 

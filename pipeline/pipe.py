@@ -63,6 +63,7 @@ class Pipe(nn.Module):
         timeout: float = 300.0,
         track_memory: bool = False,
         group: Any = None,
+        param_init: str | bootstrap.ParamInit = "reset",
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Sequential):
@@ -76,6 +77,9 @@ class Pipe(nn.Module):
         if checkpoint not in CHECKPOINT_MODES:
             raise PipeConfigError(f"checkpoint must be one of {CHECKPOINT_MODES} "
                                   f"(got {checkpoint!r})")
+        if not callable(param_init) and param_init not in bootstrap.PARAM_INITS:
+            raise PipeConfigError(f"param_init must be one of {bootstrap.PARAM_INITS} or a "
+                                  f"function of a module (got {param_init!r})")
         if not isinstance(chunks, int) or chunks < 1:
             raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
         self.chunks = chunks
@@ -120,12 +124,15 @@ class Pipe(nn.Module):
         self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
                              else tuple(range(num_stages)))
         ties.untie(self._ties, self.local_stages)
+        copies = frozenset((id(m), a) for t in self._ties for c in t.copies
+                           if c.param is not None for m, a in c.places)
         # Register the (local) layers under their original names: same Parameters, same keys.
         names = list(model._modules)  # named_children() would skip a layer used twice
         for s in self.local_stages:
             device = self.devices[self._probe.rank_of(s)]
             for i in range(bounds[s], bounds[s + 1]):
-                self.add_module(names[i], bootstrap.materialize(layers[i], device))
+                self.add_module(names[i], bootstrap.materialize(
+                    layers[i], device, name=names[i], param_init=param_init, exempt=copies))
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._agreement = fingerprint.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
@@ -133,7 +140,8 @@ class Pipe(nn.Module):
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout)
-        self._tie_link = ties.link(self._ties, self.local_stages, self._probe.rank_of,
+        self._tie_link = ties.link(self._ties, dict(super().named_parameters(
+                                       remove_duplicate=False)), self._probe.rank_of,
                                    self.world[0] if self.world else None,
                                    self._executor.transport)
         ties.register_hooks(self._tie_link)
@@ -491,9 +499,10 @@ class Pipe(nn.Module):
         checks.check_state_dict(self.state_dict(), state_dict, strict)
         # Copies of tied weights: this rank's module keys, whatever the tie reports (ties.py).
         add, drop = self._tie_link.state_dict_keys()
-        own = super().state_dict()
-        state_dict = {k: v for k, v in state_dict.items() if k in own or k not in add}
-        state_dict.update({k: own[k] for k in drop if k not in state_dict})
+        state_dict = {k: v for k, v in state_dict.items() if k not in add}
+        for k, p in super().named_parameters(remove_duplicate=False):
+            if k in drop:  # the copy's current value; its owner's comes with the next run
+                state_dict.setdefault(k, p.detach())
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def training_state(self) -> dict[str, Any]:

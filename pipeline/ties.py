@@ -164,16 +164,16 @@ class TieLink:
                     _accumulate(owner, self.recv(self.rank_of(copy.stage), owner))
 
     def state_dict_keys(self) -> tuple[dict[str, nn.Parameter], set[str]]:
-        """Multi-process keys: (copy keys this rank reports with its owner's value, copy keys
-        this rank leaves out because their owner is elsewhere)."""
+        """Multi-process keys: (keys of copies held elsewhere, which this rank reports with
+        its owner's value; keys of copies held here, left out because their owner is not)."""
         add: dict[str, nn.Parameter] = {}
         drop: set[str] = set()
         for tie in self.ties:
             owner = self.owners.get(id(tie))
             for copy in tie.copies:
-                if owner is not None:
+                if owner is not None and copy.param is None:
                     add.update({k: owner for k in copy.keys})
-                elif copy.param is not None:
+                elif owner is None and copy.param is not None:
                     drop.update(copy.keys)
         return add, drop
 
@@ -188,15 +188,21 @@ def _accumulate(owner: nn.Parameter, grad: Any) -> None:
         owner.grad.add_(grad)
 
 
-def link(ties: Sequence[Tie], local_stages: Sequence[int], rank_of: Callable[[int], int],
+def link(ties: Sequence[Tie], live: dict[str, nn.Parameter], rank_of: Callable[[int], int],
          me: int | None, transport: Any) -> TieLink:
-    """The `TieLink` of a Pipe: `transport` (a DistributedTransport, or None in one process)
-    carries tensors between ranks; its failures become `PipelineError`s."""
+    """The `TieLink` of a Pipe whose held parameters are `live` (by the model's keys, after
+    materialisation, which may have replaced meta Parameters): `transport` (a
+    DistributedTransport, or None in one process) carries tensors between ranks; its failures
+    become `PipelineError`s."""
     from pipeline.distributed import PeerFailure
     from pipeline.execute import PipelineError
     from pipeline.transport import PipelineAborted
 
-    owners = {id(t): t.param for t in ties if t.stage in local_stages}
+    owners = {id(t): live[t.key] for t in ties if t.key in live}
+    for tie in ties:
+        for copy in tie.copies:
+            if copy.param is not None:
+                copy.param = live[copy.keys[0]]
     if me is None:
         return TieLink(ties, owners, rank_of, None)
 

@@ -374,10 +374,17 @@ def tied_language_model(rank: int, combos: list[tuple[str, str, list[int]]]) -> 
     from tests.pipeline.test_ties import _batch
 
     checked = 0
-    for schedule, checkpoint, balance in combos:
+    for i, (schedule, checkpoint, balance) in enumerate(combos):
         reference = tiny_lm(dropout=0.0)
-        model = tiny_lm(dropout=0.0)
-        pipe = Pipe(model, balance, chunks=3, schedule=schedule, checkpoint=checkpoint)
+        if i == 0:  # no rank holds the whole model; the copy is filled from its owner
+            with torch.device("meta"):
+                model = tiny_lm(dropout=0.0)
+            pipe = Pipe(model, balance, chunks=3, schedule=schedule, checkpoint=checkpoint,
+                        param_init="skip")
+            pipe.load_state_dict(reference.state_dict())
+        else:
+            model = tiny_lm(dropout=0.0)
+            pipe = Pipe(model, balance, chunks=3, schedule=schedule, checkpoint=checkpoint)
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         plain_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for t in range(3):

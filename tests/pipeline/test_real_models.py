@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import Pipe
+from pipeline import Pipe, PipeConfigError
 from tests.models import small_cnn
 
 CHECKPOINTS = ["never", "except_last", "always"]
@@ -70,4 +70,73 @@ def test_recomputation_leaves_batchnorm_statistics_as_the_forward_did(checkpoint
                                 strict=True):
         if "running" in key or "num_batches" in key:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
+    pipe.close()
+
+
+class _Scale(nn.Module):
+    """A custom layer without reset_parameters (as transformers' Conv1D)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = _Scale(width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(self.inner(x))
+        return out
+
+
+def _meta_model() -> nn.Sequential:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4, 4), nn.GELU(), _Wrapper(4), nn.Linear(4, 2))
+
+
+def test_a_meta_layer_without_an_initialiser_is_refused_naming_it() -> None:
+    """Such a layer was once materialised as uninitialised memory, silently."""
+    with pytest.raises(PipeConfigError, match=r"layer '2.inner' \(_Scale\) was built on the "
+                                              r"meta device and has no reset_parameters"):
+        Pipe(_meta_model(), balance=[2, 2], devices=["cpu", "cpu"])
+
+
+def test_param_init_initialises_meta_layers_as_the_model_does() -> None:
+    def init(module: nn.Module) -> None:  # GPT-2's: normal(0, 0.02) weights, zero biases
+        for name, p in module.named_parameters(recurse=False):
+            if name == "bias" or isinstance(module, nn.LayerNorm):
+                nn.init.zeros_(p) if name == "bias" else nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    model = _meta_model()
+    pipe = Pipe(model, balance=[2, 2], devices=["cpu", "cpu"], param_init=init)
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    assert torch.isfinite(pipe(x)).all()
+    for name, p in pipe.named_parameters():
+        assert not p.is_meta
+        if name.endswith("bias") or name.startswith("2.norm"):
+            assert torch.all(p == (1.0 if name == "2.norm.weight" else 0.0)), name
+        else:
+            assert 0 < p.std().item() < 0.05, name  # 0.02, not the layers' defaults
+    pipe.close()
+
+
+def test_param_init_skip_leaves_the_tensors_to_a_load() -> None:
+    torch.manual_seed(1)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.GELU(), _Wrapper(4), nn.Linear(4, 2))
+    nn.init.normal_(reference[2].inner.weight)
+    pipe = Pipe(_meta_model(), balance=[2, 2], devices=["cpu", "cpu"], param_init="skip")
+    pipe.load_state_dict(reference.state_dict())
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(PipeConfigError, match="param_init must be one of"):
+        Pipe(_meta_model(), balance=[2, 2], param_init="zeros")
     pipe.close()

@@ -150,3 +150,14 @@ def test_2bw_with_a_tied_weight_follows_the_stale_update_rule(many: bool) -> Non
     assert losses == pytest.approx(expected, rel=1e-5)
     _compare(pipe, reference)
     pipe.close()
+
+
+def test_a_tied_model_built_on_meta_initialises_the_owner_and_fills_the_copy() -> None:
+    with torch.device("meta"):
+        model = tiny_lm(dropout=0.0)
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2)  # Head: no initialiser
+    x, y = _batch(0)
+    assert torch.isfinite(pipe.step(x, y, lm_loss))
+    owner, copy_ = model[0].wte.weight, model[-1].weight
+    assert not owner.is_meta and torch.equal(copy_, owner) and copy_ is not owner
+    pipe.close()
