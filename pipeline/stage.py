@@ -12,8 +12,9 @@ from torch import nn
 
 from pipeline.checkpoint import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.context import CallerState
+from pipeline.errors import PipeConfigError
 from pipeline.memory import SavedBytes
-from pipeline.microbatch import as_tuple, from_tuple, like
+from pipeline.microbatch import as_tuple, from_tuple, leading_rows, like
 from pipeline.split_backward import WeightGrad, backward_input, backward_weight
 from pipeline.transport import Transport, move
 from pipeline.versions import WeightVersions, call_with
@@ -230,8 +231,17 @@ class StageRuntime:
 
     def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
         assert step.loss_fn is not None and step.targets is not None
+        target = step.targets[m]
+        rows, target_rows = leading_rows(from_tuple(outputs)), leading_rows(target)
+        if rows is not None and target_rows is not None and rows != target_rows:
+            # A loss would broadcast one against the other and train silently wrong (a rank
+            # given another batch than its peers, or a layer that drops rows).
+            raise PipeConfigError(
+                f"micro-batch {m}: the last stage's output has {rows} rows but its target has "
+                f"{target_rows}; every rank must pass the same batch (one target row per "
+                f"input row), and no layer may change the batch dimension")
         with step.caller.forward():  # plain training computes the loss under autocast too
-            loss = step.loss_fn(from_tuple(outputs), step.targets[m])
+            loss = step.loss_fn(from_tuple(outputs), target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(
                 f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "

@@ -412,3 +412,16 @@ def tied_language_model(rank: int, combos: list[tuple[str, str, list[int]]]) -> 
                                        atol=1e-5, msg=f"{schedule}/{checkpoint}: {key}")
         checked += 1
     return checked
+
+
+def target_rows_differ_later(rank: int) -> str:
+    """After steps with 8 rows, the last stage's rank passes a 6-row target: it must refuse
+    (the configuration agreement ran at the first step only), and rank 0 hears of it."""
+    pipe = Pipe(_model(), [4, 4], chunks=2, timeout=60)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    pipe.step(x, y, nn.MSELoss())
+    try:
+        pipe.step(None if rank == 1 else x, y[:6] if rank == 1 else y, nn.MSELoss())
+    except PipelineError as exc:
+        return str(exc)
+    return "no error"

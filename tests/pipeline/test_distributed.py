@@ -137,3 +137,10 @@ def test_ranks_that_disagree_raise_pipe_config_error(field: str, values: str) ->
 def test_profiled_balance_is_rank_0s_on_every_rank(method: str) -> None:
     # Rank 0's costs put 7 cheap layers first ([7, 1]); rank 1's would give [1, 7].
     assert spawn(dist_workers.profiled_balance, 2, method, timeout=60) == [[7, 1], [7, 1]]
+
+
+def test_a_last_stage_target_with_other_rows_fails_every_rank() -> None:
+    # Before: the last rank trained silently on a loss broadcast from 4 output rows to 3.
+    messages = spawn(dist_workers.target_rows_differ_later, 2, timeout=90)
+    assert all("rank 1" in m and "output has 4 rows but its target has 3" in m
+               for m in messages), messages

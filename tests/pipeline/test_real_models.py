@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import Pipe, PipeConfigError
+from pipeline import Pipe, PipeConfigError, PipelineError
 from tests.models import small_cnn
 
 CHECKPOINTS = ["never", "except_last", "always"]
@@ -139,4 +139,19 @@ def test_param_init_skip_leaves_the_tensors_to_a_load() -> None:
     torch.testing.assert_close(pipe(x), reference(x), rtol=1e-6, atol=1e-6)
     with pytest.raises(PipeConfigError, match="param_init must be one of"):
         Pipe(_meta_model(), balance=[2, 2], param_init="zeros")
+    pipe.close()
+
+
+class _DropLastRow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:-1]
+
+
+def test_a_target_with_other_rows_than_the_output_is_refused_on_the_last_stage() -> None:
+    """Such a loss once broadcast silently (a rank given another batch than its peers)."""
+    model = nn.Sequential(nn.Linear(3, 3), _DropLastRow(), nn.Linear(3, 2))
+    pipe = Pipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(PipelineError, match=r"micro-batch 0: the last stage's output has 3 "
+                                            r"rows but its target has 4"):
+        pipe.step(torch.randn(8, 3), torch.randn(8, 2), nn.MSELoss())
     pipe.close()
