@@ -11,6 +11,7 @@ from torch import nn
 
 import schedules
 from pipeline import bootstrap, checks, collectives, fingerprint, ties
+from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.clipping import clip_grad_norm
 from pipeline.context import CallerState
@@ -64,6 +65,7 @@ class Pipe(nn.Module):
         track_memory: bool = False,
         group: Any = None,
         param_init: str | bootstrap.ParamInit = "reset",
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Sequential):
@@ -136,6 +138,8 @@ class Pipe(nn.Module):
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._agreement = fingerprint.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
+        self._batch_norm = (DeferredBatchNorm([self.partitions[s] for s in self.local_stages],
+                                              chunks) if deferred_batch_norm else None)
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
@@ -241,7 +245,11 @@ class Pipe(nn.Module):
         devices = [rt.device for rt in self._executor.runtimes]
         for d in {d for d in devices if d.type == "cuda"}:
             torch.cuda.reset_peak_memory_stats(d)
+        if self._batch_norm is not None:
+            self._batch_norm.begin()
         self._timeline, self._stats = self._executor.run(schedule, step, result, self.checkpoint)
+        if self._batch_norm is not None:
+            self._batch_norm.commit()
         for stats, d in zip(self._stats, devices, strict=True):
             if d.type == "cuda":  # ranks sharing a device report that device's peak
                 stats["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(d)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.batchnorm import microbatch_scope
 from pipeline.checkpoint import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.context import CallerState
 from pipeline.errors import PipeConfigError
@@ -170,7 +171,7 @@ class StageRuntime:
         key = mode_key(action.stage, module)
         guard = self.buffers.replay if replay else self.buffers.forward
         try:
-            with step.caller.forward():
+            with step.caller.forward(), microbatch_scope(action.microbatch):
                 return as_tuple(guard(key, module, lambda: self.rng.run(key, seed, fn)))
         except RuntimeError as exc:
             if "in-place operation" not in str(exc) or "leaf Variable" not in str(exc):
