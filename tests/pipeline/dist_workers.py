@@ -425,3 +425,28 @@ def target_rows_differ_later(rank: int) -> str:
     except PipelineError as exc:
         return str(exc)
     return "no error"
+
+
+def batch_norm_statistics(rank: int, deferred: bool) -> int:
+    """BatchNorm across processes under recomputation: each rank's running statistics as one
+    device leaves them (per micro-batch, or deferred: once per batch)."""
+    from tests.models import small_cnn
+    from tests.pipeline.test_real_models import _deferred_reference
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    reference = small_cnn()
+    pipe = Pipe(small_cnn(), [5, 7], chunks=4, checkpoint="always", deferred_batch_norm=deferred)
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    if deferred:
+        _deferred_reference(reference, [x], 4)
+    else:
+        for part in x.chunk(4):
+            reference(part)
+    want = reference.state_dict()
+    checked = 0
+    for key, got in pipe.state_dict().items():
+        if "running" in key or "num_batches" in key:
+            torch.testing.assert_close(got, want[key], rtol=1e-5, atol=1e-6, msg=key)
+            checked += 1
+    return checked

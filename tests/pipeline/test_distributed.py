@@ -144,3 +144,9 @@ def test_a_last_stage_target_with_other_rows_fails_every_rank() -> None:
     messages = spawn(dist_workers.target_rows_differ_later, 2, timeout=90)
     assert all("rank 1" in m and "output has 4 rows but its target has 3" in m
                for m in messages), messages
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_batch_norm_statistics_across_processes(deferred: bool) -> None:
+    # Rank 0 holds two BatchNorm layers, rank 1 one: three buffers each.
+    assert spawn(dist_workers.batch_norm_statistics, 2, deferred, timeout=90) == [6, 3]
