@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +162,30 @@ def test_a_tied_model_built_on_meta_initialises_the_owner_and_fills_the_copy() -
     owner, copy_ = model[0].wte.weight, model[-1].weight
     assert not owner.is_meta and torch.equal(copy_, owner) and copy_ is not owner
     pipe.close()
+
+
+def test_a_tied_model_saves_sharded_and_loads_into_the_plain_model(tmp_path: Any) -> None:
+    from pipeline import sharded
+
+    model = tiny_lm(dropout=0.0)
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    x, y = _batch(0)
+    pipe.step(x, y, lm_loss)
+    optimizer.step()
+    pipe.save(tmp_path / "ckpt", optimizer)
+    plain = tiny_lm(dropout=0.0, seed=5)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    sharded.load(plain, tmp_path / "ckpt", plain_opt)
+    assert plain[-1].weight is plain[0].wte.weight
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    again = Pipe(tiny_lm(dropout=0.0, seed=6), balance=[2, 5], devices=["cpu", "cpu"])
+    again_opt = torch.optim.Adam(again.parameters(), lr=1e-2)
+    again.load(tmp_path / "ckpt", again_opt)
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    assert again_opt.state_dict()["state"][0]["exp_avg"].equal(
+        optimizer.state_dict()["state"][0]["exp_avg"])
+    pipe.close()
+    again.close()
