@@ -10,17 +10,14 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, checks, collectives, fingerprint, ties
+from pipeline import bootstrap, checks, collectives, config, fingerprint, ties
 from pipeline.batchnorm import DeferredBatchNorm
-from pipeline.checkpoint import CHECKPOINT_MODES
 from pipeline.clipping import clip_grad_norm
 from pipeline.context import CallerState
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
 from pipeline.execute import Executor, PipelineError
 from pipeline.microbatch import backward_inputs, batch_size, from_tuple, gather, like, scatter
-from pipeline.partition import BalanceError, partition, split_sizes
-from pipeline.profile import layer_params, layer_sizes, layer_times
 from pipeline.scaling import agree_on_overflow
 from pipeline.stage import LossFn, StepInputs, StepResult
 from pipeline.transport import PipelineAborted
@@ -28,19 +25,6 @@ from pipeline.versions import WeightVersions
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
-
-_METHODS = ("uniform", "params", "time", "size")
-
-
-def _resolve_devices(devices: Sequence[str | torch.device] | None,
-                     count: int) -> list[torch.device]:
-    resolved = [torch.device(d) for d in (devices or ["cpu"] * count)]
-    for d in resolved:
-        if d.type == "cuda" and not torch.cuda.is_available():
-            raise PipeConfigError(f"device {d} was asked for but CUDA is not available; "
-                                  f"use devices=['cpu', ...]")
-    return resolved
-
 
 class Pipe(nn.Module):
     """Pipeline-parallel wrapper of an `nn.Sequential`.
@@ -64,67 +48,29 @@ class Pipe(nn.Module):
         timeout: float = 300.0,
         track_memory: bool = False,
         group: Any = None,
+        mesh: Any = None,
         param_init: str | bootstrap.ParamInit = "reset",
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(model, nn.Sequential):
-            raise PipeConfigError(
-                f"Pipe takes an nn.Sequential (got {type(model).__name__}); flatten your model "
-                f"into nn.Sequential(layer, layer, ...) with each layer taking the previous "
-                f"one's output"
-            )
-        if len(model) == 0:
-            raise PipeConfigError("the nn.Sequential is empty: give it at least one layer")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise PipeConfigError(f"checkpoint must be one of {CHECKPOINT_MODES} "
-                                  f"(got {checkpoint!r})")
-        if not callable(param_init) and param_init not in bootstrap.PARAM_INITS:
-            raise PipeConfigError(f"param_init must be one of {bootstrap.PARAM_INITS} or a "
-                                  f"function of a module (got {param_init!r})")
-        if not isinstance(chunks, int) or chunks < 1:
-            raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
+        self.timeout = config.check_arguments(model, chunks, checkpoint, param_init, timeout,
+                                              devices)
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.timeout = checks.check_timeout(timeout)
-        checks.check_devices(devices)
         self.track_memory = track_memory
         self._schedule_arg = schedule
-        # Several processes (torchrun, or our launcher): this process is one rank.
-        self.group = group
-        self.world = bootstrap.world(group)
-        count = len(devices) if devices is not None else (
-            self.world[1] if self.world else None)
-        per_rank = self._stages_per_rank(schedule, stages, balance, count)
-        self.balance = self._resolve_balance(model, balance, stages, count, per_rank, sample)
-        num_stages = len(self.balance)
-        if num_stages % per_rank:
-            raise PipeConfigError(f"{num_stages} stages cannot be spread {per_rank} per rank")
-        self.num_ranks = num_stages // per_rank
-        if count is not None and count != self.num_ranks:
-            what = "processes" if devices is None else f"devices ({list(devices)})"
-            raise PipeConfigError(
-                f"{num_stages} stages at {per_rank} per rank need {self.num_ranks} ranks, got "
-                f"{count} {what}: pass one device per rank (one process per rank)"
-            )
-        self.devices = (bootstrap.rank_devices(devices, self.num_ranks, self.world[0])
-                        if self.world else _resolve_devices(devices, self.num_ranks))
-        layers = list(model)
-        bounds = [0]
-        for size in self.balance:
-            bounds.append(bounds[-1] + size)
+        layout = config.resolve(model, balance, stages, devices, schedule, sample, group, mesh)
+        self.balance, self.num_ranks = layout.balance, layout.num_ranks
+        self.devices, self.world, self.group = layout.devices, layout.world, layout.group
+        self.mesh = layout.mesh
+        bounds, layers = layout.bounds, list(model)
         self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
         self._ties = ties.find_ties(model, self.balance)
-        if isinstance(schedule, Schedule):
-            schedules.validate(schedule)
-            if schedule.num_stages != num_stages:
-                raise PipeConfigError(f"the schedule has {schedule.num_stages} stages but the "
-                                      f"balance {self.balance} has {num_stages}")
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, per (chunks, batches)
         # The placement comes from the schedule.
         self._probe = self._schedule(1, 1) if not isinstance(schedule, Schedule) else schedule
         self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
-                             else tuple(range(num_stages)))
+                             else tuple(range(len(self.balance))))
         ties.untie(self._ties, self.local_stages)
         copies = frozenset((id(m), a) for t in self._ties for c in t.copies
                            if c.param is not None for m, a in c.places)
@@ -152,84 +98,14 @@ class Pipe(nn.Module):
         self._register_state_dict_hook(_tied_keys)  # type: ignore[no-untyped-call]
 
     # -- configuration --------------------------------------------------------------------------
-    @staticmethod
-    def _stages_per_rank(schedule: str | Schedule, stages: int | None,
-                         balance: Sequence[int] | str | None, num_ranks: int | None) -> int:
-        if isinstance(schedule, Schedule):
-            return schedule.stages_per_rank
-        if not isinstance(schedule, str) or schedule not in schedules.available():
-            raise PipeConfigError(f"unknown schedule {schedule!r}; known: "
-                                  f"{', '.join(schedules.available())}, or a Schedule object")
-        gen = schedules.info(schedule)
-        if gen.stages_option is None:
-            return gen.stages_per_rank
-        count = len(balance) if isinstance(balance, list | tuple) else stages
-        if count is not None and num_ranks is not None:
-            return max(1, count // num_ranks)
-        return gen.stages_per_rank
-
-    def _resolve_balance(self, model: nn.Sequential, balance: Sequence[int] | str | None,
-                         stages: int | None, num_ranks: int | None, per_rank: int,
-                         sample: Any) -> list[int]:
-        n = len(model)
-        if isinstance(balance, list | tuple):
-            if stages is not None and stages != len(balance):
-                raise PipeConfigError(f"stages={stages} disagrees with balance of "
-                                      f"{len(balance)} stages {list(balance)}")
-            checks.check_balance_list(balance)
-            if any(b < 1 for b in balance):
-                raise BalanceError(f"every stage needs at least one layer (balance: "
-                                   f"{list(balance)})")
-            if sum(balance) != n:
-                raise BalanceError(f"model and sum of balance have different length (model: "
-                                   f"{n} layers, sum of balance {list(balance)}: {sum(balance)})")
-            return list(balance)
-        method = balance or "uniform"
-        if method not in _METHODS:
-            raise PipeConfigError(f"balance must be a list of layer counts or one of {_METHODS} "
-                                  f"(got {balance!r})")
-        k = stages or (num_ranks or 2) * per_rank
-        if k > n:
-            raise BalanceError(f"cannot split {n} layers into {k} stages: every stage needs a "
-                               f"layer; use stages <= {n}")
-        if method == "uniform":
-            return split_sizes(n, k)
-        if method == "params":
-            return partition(layer_params(model), k)
-
-        def profiled() -> list[int]:
-            if sample is None:
-                raise PipeConfigError(f"balance={method!r} profiles the model: pass "
-                                      f"sample=<a batch> too")
-            costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
-            return partition(costs, k)
-        # Several processes: rank 0 profiles and every rank takes its balance (profiles differ).
-        return bootstrap.from_first_rank(self.group, profiled) if self.world else profiled()
-
     def _schedule(self, chunks: int, num_batches: int) -> Schedule:
         """The lowered, validated schedule for `chunks` micro-batches x `num_batches` batches,
         built once and reused by every step of that shape."""
         key = (chunks, num_batches)
         if key not in self._schedules:
-            self._schedules[key] = self._make_schedule(chunks, num_batches)
+            self._schedules[key] = config.make_schedule(self._schedule_arg, self.balance,
+                                                 self.num_ranks, chunks, num_batches)
         return self._schedules[key]
-
-    def _make_schedule(self, chunks: int, num_batches: int) -> Schedule:
-        arg = self._schedule_arg
-        if isinstance(arg, Schedule):
-            if arg.num_stages != len(self.balance):
-                raise PipeConfigError(f"the schedule has {arg.num_stages} stages but the "
-                                      f"balance {self.balance} has {len(self.balance)}")
-            if (arg.num_microbatches, arg.num_batches) != (chunks, num_batches):
-                raise PipeConfigError(
-                    f"the schedule is for {arg.num_microbatches} micro-batches x "
-                    f"{arg.num_batches} batches; this call needs chunks={chunks} x {num_batches}")
-            return schedules.validate(schedules.lower(arg))
-        gen = schedules.info(arg)
-        options = gen.options_for(stages_per_rank=len(self.balance) // self.num_ranks,
-                                  num_batches=num_batches)
-        built = schedules.get_schedule(arg, self.num_ranks, chunks, **options)
-        return schedules.validate(schedules.lower(built))
 
     @property
     def multi_batch(self) -> bool:

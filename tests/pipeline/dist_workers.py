@@ -356,7 +356,7 @@ def disagreeing_ranks(rank: int, field: str) -> str:
 def profiled_balance(rank: int, method: str) -> list[int]:
     """Each rank's profiler sees different costs (as timings do); all must end with rank 0's
     balance. Only rank 0 is given a sample: the others do not profile."""
-    from pipeline import pipe as pipe_module
+    from pipeline import config as pipe_module
 
     costs = [[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0], [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
     name = "layer_times" if method == "time" else "layer_sizes"

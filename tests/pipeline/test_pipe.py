@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.pipe as pipe_module
+import pipeline.config as pipe_module
 import schedules
 from pipeline import Pipe, PipeConfigError, PipelineError, is_recomputing
 from pipeline.microbatch import MicroBatchError

@@ -1,0 +1,169 @@
+"""Pipeline x data parallelism: replicas of one pipeline along a DeviceMesh's "dp" dimension.
+
+Each replica runs the whole pipeline on its own shard of the global batch. Loss weights use the
+global batch's rows (the replicas exchange their row counts), and each stage's gradients are
+averaged over "dp" in buckets, asynchronously, as soon as that stage's last gradient action of
+the step (B, W, or 2BW's U) has run: the reduction of the last stage overlaps the backwards still
+running on earlier stages, and the step waits for all of them only at its end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.errors import PipeConfigError, PipeTypeError
+from schedules import Op, Schedule
+
+__all__ = ["GradSync", "Mesh", "last_gradient_actions", "resolve_mesh"]
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Where this process sits: its pipeline group ("pp"), its replica group ("dp", None for a
+    1-D mesh), its coordinates, and every global rank of the mesh."""
+
+    pp: Any
+    dp: Any
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+    ranks: tuple[int, ...]
+
+    def where(self) -> str:
+        return f"dp {self.dp_rank}, pp {self.pp_rank}"
+
+
+def resolve_mesh(mesh: Any, group: Any) -> Mesh | None:
+    """A `DeviceMesh` with dimensions named "dp" and "pp" (or only "pp"), checked."""
+    if mesh is None:
+        return None
+    if group is not None:
+        raise PipeConfigError("pass either mesh= or group=, not both: a mesh's 'pp' dimension "
+                              "is the pipeline's group")
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or not hasattr(mesh, "get_group"):
+        raise PipeTypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh with named dimensions "
+            f"(got {type(mesh).__name__}); e.g. init_device_mesh('cpu', (2, 2), "
+            f"mesh_dim_names=('dp', 'pp'))")
+    if sorted(names) not in (["dp", "pp"], ["pp"]):
+        raise PipeConfigError(
+            f"the mesh's dimensions must be named ('dp', 'pp') or ('pp',) (got {names}); "
+            f"'pp' carries the pipeline, 'dp' its replicas")
+    pp = mesh.get_group("pp")
+    dp = mesh.get_group("dp") if "dp" in names else None
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return Mesh(pp, dp, dist.get_rank(dp) if dp is not None else 0,
+                dist.get_world_size(dp) if dp is not None else 1, dist.get_rank(pp),
+                dist.get_world_size(pp), ranks)
+
+
+def last_gradient_actions(schedule: Schedule, rank: int) -> dict[int, int]:
+    """Index in `rank`'s actions -> the stage whose gradients are final once it has run."""
+    last: dict[int, int] = {}
+    for i, action in enumerate(schedule.actions[rank]):
+        if action.op in (Op.B, Op.W, Op.U):
+            last[action.stage] = i
+    return {i: stage for stage, i in last.items()}
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    work: Any
+    launched: float
+    done: list[float]
+
+
+class GradSync:
+    """Averages the gradients of this rank's stages over the "dp" group, one stage at a time.
+
+    `stage_done(s)` launches the all-reduces of stage s's gradients (flattened into buckets of
+    at most `BUCKET_BYTES`); `finish()` waits for them, writes the averages back into `.grad`,
+    and records how much of the reduction the pipeline hid (`stats`).
+    """
+
+    def __init__(self, stages: dict[int, nn.Module], group: Any,
+                 wait: Callable[[Any, str], None]) -> None:
+        self.stages = stages
+        self.group = group
+        self._wait = wait
+        self._buckets: list[_Bucket] = []
+        self.stats: dict[str, float] = {}
+
+    def stage_done(self, stage: int) -> None:
+        params = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        for chunk in _chunks(params):
+            for p in chunk:
+                if p.grad is None:  # every replica must send the same layout
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in chunk if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat.div_(dist.get_world_size(self.group))
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            done: list[float] = []
+            work.get_future().then(lambda _f, done=done: done.append(time.perf_counter()))
+            self._buckets.append(_Bucket(chunk, flat, work, time.perf_counter(), done))
+
+    def finish(self) -> None:
+        """Wait for every reduction of the step and write the averages into `.grad`."""
+        start = time.perf_counter()
+        try:
+            for bucket in self._buckets:
+                self._wait(bucket.work, "the gradient all-reduce over dp")
+                offset = 0
+                for p in bucket.params:
+                    assert p.grad is not None
+                    n = p.grad.numel()
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+            end = time.perf_counter()
+            spans = [(b.launched, b.done[0] if b.done else end) for b in self._buckets]
+            busy = _union(spans)
+            exposed = _union([(max(a, start), b) for a, b in spans if b > start])
+            self.stats = {"allreduce_s": busy, "exposed_s": exposed,
+                          "hidden_share": 1.0 - exposed / busy if busy > 0 else 1.0,
+                          "buckets": float(len(self._buckets))}
+        finally:
+            self._buckets.clear()
+
+    def abandon(self) -> None:
+        self._buckets.clear()
+
+
+def _chunks(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters in order, grouped into buckets of one dtype and device, at most
+    `BUCKET_BYTES` each (one parameter larger than that is a bucket of its own)."""
+    out: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if (not out or size + nbytes > BUCKET_BYTES or out[-1][0].dtype != p.dtype
+                or out[-1][0].device != p.device):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of time intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
