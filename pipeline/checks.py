@@ -168,11 +168,12 @@ def check_state_dict(own: Mapping[str, torch.Tensor], given: Mapping[str, Any],
             "model.state_dict()), or pass strict=False to skip missing and unexpected keys")
 
 
-def loss_weights(rows: Sequence[int], loss_fn: object, loss_reduction: str | None
-                 ) -> list[float]:
+def loss_weights(rows: Sequence[int], loss_fn: object, loss_reduction: str | None, *,
+                 total: int | None = None, scale: float = 1.0) -> list[float]:
     """Per micro-batch, the factor on its loss so that their sum is the batch's loss: its
-    share of the rows for a mean, 1 for a sum. The reduction is the loss module's
-    `reduction` attribute, or `loss_reduction` for a plain function (default "mean")."""
+    share of the rows (of `total`, default their sum) for a mean, 1 for a sum; times `scale`.
+    The reduction is the loss module's `reduction` attribute, or `loss_reduction` for a plain
+    function (default "mean")."""
     declared = getattr(loss_fn, "reduction", None)
     if loss_reduction is not None and declared is not None and loss_reduction != declared:
         raise PipeConfigError(f"loss_reduction={loss_reduction!r} but the loss module reduces "
@@ -182,5 +183,5 @@ def loss_weights(rows: Sequence[int], loss_fn: object, loss_reduction: str | Non
         raise PipeConfigError(f"loss reduction must be one of {sorted(_REDUCTIONS)} (got "
                               f"{reduction!r}): Pipe needs a 0-dim loss per micro-batch to "
                               f"combine; reduce by 'mean' or 'sum'")
-    total = sum(rows)
-    return [r / total if _REDUCTIONS[reduction] else 1.0 for r in rows]
+    total = sum(rows) if total is None else total
+    return [(r / total if _REDUCTIONS[reduction] else 1.0) * scale for r in rows]

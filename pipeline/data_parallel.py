@@ -9,6 +9,7 @@ running on earlier stages, and the step waits for all of them only at its end.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.errors import PipeConfigError, PipeTypeError
-from schedules import Op, Schedule
+from schedules import Action, Op
 
-__all__ = ["GradSync", "Mesh", "last_gradient_actions", "resolve_mesh"]
+__all__ = ["GradSync", "Mesh", "Replicas", "last_gradient_actions", "resolve_mesh"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -68,10 +69,10 @@ def resolve_mesh(mesh: Any, group: Any) -> Mesh | None:
                 dist.get_world_size(pp), ranks)
 
 
-def last_gradient_actions(schedule: Schedule, rank: int) -> dict[int, int]:
-    """Index in `rank`'s actions -> the stage whose gradients are final once it has run."""
+def last_gradient_actions(actions: Sequence[Action]) -> dict[int, int]:
+    """Index in a rank's actions -> the stage whose gradients are final once it has run."""
     last: dict[int, int] = {}
-    for i, action in enumerate(schedule.actions[rank]):
+    for i, action in enumerate(actions):
         if action.op in (Op.B, Op.W, Op.U):
             last[action.stage] = i
     return {i: stage for stage, i in last.items()}
@@ -167,3 +168,61 @@ def _union(spans: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+class Replicas:
+    """This rank's view of the other replicas of its stages (its "dp" group): agreement on the
+    configuration, the global batch's rows, the global loss, and the gradient averaging.
+    Everything but the gradients travels point to point with the transport's failure-aware
+    waits, so a replica that failed is named rather than waited for."""
+
+    def __init__(self, mesh: Mesh, stages: dict[int, nn.Module], device: torch.device,
+                 timeout: float) -> None:
+        from pipeline.distributed import DistributedTransport
+
+        self.mesh = mesh
+        self.transport = DistributedTransport(mesh.dp_rank, device, timeout=timeout,
+                                              group=mesh.dp, watch=mesh.ranks)
+        self.sync = GradSync(stages, mesh.dp, self.transport.wait_work)
+        self._agreed: set[str] = set()
+
+    def agree(self, pipe: Any, num_batches: int) -> None:
+        """The replicas were built and called alike (once per new combination)."""
+        mine = json.dumps({"mesh": [self.mesh.dp_size, self.mesh.pp_size],
+                           "balance": pipe.balance, "schedule": str(pipe._probe.name),
+                           "chunks": pipe.chunks, "checkpoint": pipe.checkpoint,
+                           "batches per call": num_batches}, sort_keys=True)
+        if mine in self._agreed:
+            return
+        seen = self.transport.exchange(mine)
+        if len(set(seen)) > 1:
+            values = "; ".join(f"dp rank {r}: {v}" for r, v in enumerate(seen))
+            raise PipeConfigError(
+                f"the replicas (dp ranks at pp {self.mesh.pp_rank}) disagree on their "
+                f"configuration: {values}. Every rank must build Pipe with the same mesh "
+                f"shape, balance, schedule, chunks and checkpoint, and call it alike")
+        self._agreed.add(mine)
+
+    def global_rows(self, rows: int) -> int:
+        """The global batch's rows: every replica's shard together."""
+        return sum(int(v) for v in self.transport.exchange(str(rows)))
+
+    def mean(self, losses: torch.Tensor) -> torch.Tensor:
+        """The replicas' losses (each weighted by the global rows, times dp) averaged."""
+        payload = ",".join(float(v).hex() for v in losses.tolist())
+        parts = [[float.fromhex(v) for v in p.split(",")] for p in self.transport.exchange(payload)]
+        total = torch.tensor(parts, dtype=torch.float64).sum(0) / self.mesh.dp_size
+        return total.to(losses.dtype).to(losses.device)
+
+    def weighting(self, rows: int) -> dict[str, Any]:
+        """Loss weights over the global batch, times dp: averaging the gradients over the
+        replicas then gives the global batch's (a mean over all its rows, or a sum)."""
+        return {"total": self.global_rows(rows), "scale": float(self.mesh.dp_size)}
+
+    def finish(self) -> None:
+        self.sync.finish()
+
+    def abandon(self, exc: BaseException) -> None:
+        """A step failed here: forget its reductions and wake the replicas waiting on us."""
+        self.sync.abandon()
+        self.transport.abort(self.mesh.dp_rank, str(exc), report=False)  # reported already

@@ -125,7 +125,8 @@ class DistributedTransport:
     """Point-to-point transport over a torch.distributed process group (gloo or NCCL)."""
 
     def __init__(self, rank: int, device: torch.device, *, timeout: float,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 watch: tuple[int, ...] | None = None) -> None:
         self.rank = rank  # within `group`
         self.device = device
         self.timeout = timeout
@@ -134,6 +135,9 @@ class DistributedTransport:
         # isend/irecv address global ranks, whatever group they go through.
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world_size)]
+        # Global ranks whose failure reports end this rank's waits: its group's, or a whole
+        # mesh's (a failed replica must stop the others too).
+        self._watch = list(watch) if watch is not None else self._global
         self._comm_device = device if device.type == "cuda" else torch.device("cpu")
         self._store = _default_store()
         self._sent_meta: dict[tuple[int, Message], Meta] = {}
@@ -351,6 +355,11 @@ class DistributedTransport:
         return out
 
     # -- waiting and failing ------------------------------------------------------------------
+    def wait_work(self, work: Any, what: str) -> None:
+        """Wait for any torch.distributed work (a collective too) with the failure-aware
+        waits: a failure reported anywhere this transport watches ends it."""
+        self._wait(work, what, None)
+
     def _wait(self, work: Any, what: str, src: int | None) -> None:
         try:
             poll(work, polls=self._polls, waiter=self._waiter, timeout=self.timeout,
@@ -378,7 +387,7 @@ class DistributedTransport:
         try:
             if not self._store.check([_FAILURES]):
                 return
-            for rank, global_rank in enumerate(self._global):
+            for rank, global_rank in enumerate(self._watch):
                 key = f"{_FAILED}{global_rank}"
                 if self._store.check([key]):
                     report = _parse_report(self._store.get(key), rank)
@@ -391,13 +400,13 @@ class DistributedTransport:
             _, rank, note = min(reports)
             raise PipelineAborted(rank, note)
 
-    def abort(self, rank: int, note: str) -> None:
+    def abort(self, rank: int, note: str, *, report: bool = True) -> None:
         """Tell every rank that this rank (`rank`) failed: a report in the store under a key
         only this rank writes, ticketed so that readers pick the first failure, and a poison
         flag in the buffer each peer posted for our next message to it, which wakes a receive
         blocked on this rank; a peer blocked on another rank hears it when that rank fails in
         turn."""
-        if self._store is not None:
+        if report and self._store is not None:
             # Best effort: if the store is gone, peers still see a broken connection or time out.
             with contextlib.suppress(Exception):
                 ticket = self._store.add(_FAILURES, 1)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pipeline import collectives
+from pipeline.data_parallel import Mesh
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.stage import StageRuntime, StepInputs, StepResult
 from pipeline.transport import LocalTransport, PeerTimeout, PipelineAborted
@@ -40,7 +41,7 @@ class Executor:
 
     def __init__(self, partitions: list[nn.Module], devices: list[torch.device],
                  placement: Schedule, world: tuple[int, int] | None, group: Any,
-                 timeout: float) -> None:
+                 timeout: float, mesh: Mesh | None = None) -> None:
         self.devices = devices
         self.world = world
         self.timeout = timeout
@@ -50,7 +51,8 @@ class Executor:
         self.transport: LocalTransport | DistributedTransport
         if world is not None:
             self.transport = DistributedTransport(world[0], devices[world[0]], timeout=timeout,
-                                                  group=group)
+                                                  group=group,
+                                                  watch=mesh.ranks if mesh is not None else None)
             ranks = [world[0]]
         else:
             self.transport = LocalTransport(timeout)

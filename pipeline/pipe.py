@@ -14,6 +14,7 @@ from pipeline import bootstrap, checks, collectives, config, fingerprint, ties
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.clipping import clip_grad_norm
 from pipeline.context import CallerState
+from pipeline.data_parallel import Replicas
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
 from pipeline.execute import Executor, PipelineError
@@ -89,7 +90,11 @@ class Pipe(nn.Module):
         self._timeline: Timeline | None = None
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
-                                  self.group, self.timeout)
+                                  self.group, self.timeout, self.mesh)
+        self._replicas = (Replicas(self.mesh, {s: self.partitions[s] for s in self.local_stages},
+                                   self.devices[self.world[0]], self.timeout)
+                          if self.mesh is not None and self.mesh.dp_size > 1 and self.world
+                          else None)
         self._tie_link = ties.link(self._ties, dict(super().named_parameters(
                                        remove_duplicate=False)), self._probe.rank_of,
                                    self.world[0] if self.world else None,
@@ -158,7 +163,8 @@ class Pipe(nn.Module):
             device = self.devices[self._probe.rank_of(last)]
             parts = scatter(target, chunks)
             rows = [batch_size(p) for p in parts]
-            weights = checks.loss_weights(rows, loss_fn, loss_reduction)
+            weights = checks.loss_weights(rows, loss_fn, loss_reduction, **(
+                self._replicas.weighting(sum(rows)) if self._replicas else {}))
             targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
                                               for v in part))) for part in parts]
         return inputs, targets, weights
@@ -216,9 +222,10 @@ class Pipe(nn.Module):
         """
         pairs = checks.check_batches(batches)
         checks.check_optimizer(optimizer)
-        # A tied weight's copy would update after its owner inside a flush-free schedule: with
-        # ties, 2BW runs batch by batch (the same update rule, one flush per batch).
-        if not self.multi_batch or self._ties:
+        # A tied weight's copy would update after its owner, and replicas would step before
+        # averaging, inside a flush-free schedule: with ties or dp, 2BW runs batch by batch
+        # (the same update rule, one flush per batch).
+        if not self.multi_batch or self._ties or self._replicas:
             losses = []
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
@@ -244,6 +251,8 @@ class Pipe(nn.Module):
                loss_reduction: str | None = None, scaler: Any = None) -> list[torch.Tensor]:
         checks.check_loss_fn(loss_fn)
         self._agreement.check(self, pairs)
+        if self._replicas is not None:
+            self._replicas.agree(self, len(pairs))
         m = self.chunks
         schedule = self._schedule(m, len(pairs))
         inputs: list[tuple[Any, ...]] = []
@@ -261,15 +270,20 @@ class Pipe(nn.Module):
         step = StepInputs(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
                           versions=self._versions if versioned else None,
                           track_memory=self.track_memory, caller=CallerState.capture(),
-                          scaler=scaler if scaler is not None and scaler.is_enabled() else None)
+                          scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+                          grads_ready=self._replicas.sync.stage_done if self._replicas else None)
         self._tie_link.refresh()  # copies of tied weights take their owner's value, before
         if versioned:              # PipeDream-2BW versions them
             self._versions.open(len(pairs), optimizer)
         try:
             result = self._run(schedule, step)
-        except BaseException:
+            if self._replicas is not None:  # the averages over dp, before the ties add up
+                self._replicas.finish()
+        except BaseException as exc:
             if versioned:
                 self._versions.abandon()
+            if self._replicas is not None:
+                self._replicas.abandon(exc)
             raise
         if versioned:
             self._versions.close()
@@ -289,6 +303,8 @@ class Pipe(nn.Module):
             losses = torch.stack([torch.stack([result.losses[k]
                                                for k in range(b * m, (b + 1) * m)]).sum()
                                   for b in range(len(pairs))])
+        if losses is not None and self._replicas is not None:
+            losses = self._replicas.mean(losses)  # the global batch's loss
         shared = self._share(losses, (len(pairs),))
         assert shared is not None
         return list(shared.unbind())
@@ -348,6 +364,12 @@ class Pipe(nn.Module):
         """Per rank, for the last step: the most micro-batches stashed at once, and the most
         bytes stashed (stage inputs, plus what autograd saved if `track_memory=True`)."""
         return [dict(s) for s in self._stats]
+
+    def data_parallel_stats(self) -> dict[str, float]:
+        """Pipeline x data parallelism, for the last step: seconds the gradient all-reduces
+        over dp ran (`allreduce_s`), seconds the step waited for them after its last action
+        (`exposed_s`), and the share of the first the pipeline hid (`hidden_share`)."""
+        return dict(self._replicas.sync.stats) if self._replicas is not None else {}
 
     def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict, with the model's keys, for a single-device model.

@@ -13,6 +13,7 @@ from torch import nn
 from pipeline.batchnorm import microbatch_scope
 from pipeline.checkpoint import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.context import CallerState
+from pipeline.data_parallel import last_gradient_actions
 from pipeline.errors import PipeConfigError
 from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple, from_tuple, leading_rows, like
@@ -41,6 +42,8 @@ class StepInputs:
     track_memory: bool = False
     caller: CallerState = field(default_factory=CallerState)  # autocast, inference mode
     scaler: Any = None  # a torch.amp.GradScaler: each micro-batch's loss is scaled for backward
+    # Called with a stage once its gradients of the step are final (data parallelism).
+    grads_ready: Callable[[int], None] | None = None
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -110,7 +113,8 @@ class StageRuntime:
 
     def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         events, t0, clock = self.events, step.t0, time.perf_counter
-        for action in actions:
+        ready = {} if step.grads_ready is None else last_gradient_actions(actions)
+        for i, action in enumerate(actions):
             self.current = action
             self._ready = clock()
             self._handlers[action.op](action, step, result)
@@ -118,6 +122,9 @@ class StageRuntime:
                 # Compute time only: waiting for a peer's data is idle time (a bubble), so the
                 # clock starts when the handler has its inputs (see _received).
                 events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+            if i in ready:
+                assert step.grads_ready is not None
+                step.grads_ready(ready[i])
         self.current = None
         if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
             raise AssertionError(f"rank {self.rank}: left {sorted(self._stash)} stashed and "

@@ -1,0 +1,79 @@
+"""Pipeline x data parallelism on a DeviceMesh ("dp" x "pp"), over gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline import Pipe, PipeConfigError
+from pipeline.data_parallel import _chunks, _union, last_gradient_actions
+from pipeline.launch import RankFailed, spawn
+from schedules import Action, Op
+from tests.pipeline import dp_workers
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+COMBOS_2x2 = [("gpipe", "never", [4, 4]), ("1f1b", "always", [4, 4]),
+              ("interleaved", "never", [2, 2, 2, 2]), ("zb-h1", "always", [4, 4])]
+
+
+def test_2x2_equals_one_device_on_the_global_batch() -> None:
+    assert spawn(dp_workers.equivalence, 4, 2, 2, COMBOS_2x2, timeout=240) == [4] * 4
+
+
+def test_4x1_and_1x4_equal_one_device() -> None:
+    assert spawn(dp_workers.equivalence, 4, 4, 1, [("1f1b", "always", [8])],
+                 timeout=120) == [1] * 4
+    assert spawn(dp_workers.equivalence, 4, 1, 4, [("1f1b", "never", [2, 2, 2, 2]),
+                                                   ("zb-h1", "always", [2, 2, 2, 2])],
+                 timeout=120) == [2] * 4
+
+
+def test_sum_reducing_losses_across_replicas() -> None:
+    assert spawn(dp_workers.equivalence, 4, 2, 2, COMBOS_2x2[:2], "sum", timeout=120) == [2] * 4
+
+
+def test_the_pipe_reports_the_hidden_share_of_the_all_reduce() -> None:
+    for stats in spawn(dp_workers.stats, 4, timeout=120):
+        assert stats["allreduce_s"] > 0 and 0.0 <= stats["hidden_share"] <= 1.0
+        assert stats["exposed_s"] <= stats["allreduce_s"] + 1e-9
+
+
+def test_zero_redundancy_optimizer_over_dp_equals_plain_adam() -> None:
+    assert spawn(dp_workers.zero_one, 4, timeout=180) == [True] * 4
+
+
+def test_a_killed_rank_is_named_with_its_coordinates_on_every_rank() -> None:
+    with pytest.raises(RankFailed) as info:
+        spawn(dp_workers.killed_mid_step, 4, timeout=120, grace=60)
+    results = info.value.results
+    assert sorted(results) == [0, 1, 2], str(info.value)  # rank 3 died
+    for rank, message in results.items():
+        assert "rank 3" in message or "global rank 3" in message, (rank, message)
+        assert "dp 1, pp 1" in message, (rank, message)
+        assert float(message.split("s:")[0]) < 30, (rank, message)
+
+
+def test_replicas_that_disagree_raise_pipe_config_error() -> None:
+    for message in spawn(dp_workers.disagreeing_replicas, 2, timeout=90):
+        assert message.startswith("PipeConfigError: the replicas"), message
+        assert '"chunks": 2' in message and '"chunks": 4' in message
+
+
+# -- pieces, in one process
+@pytest.mark.parametrize("mesh", [object(), "dp"])
+def test_a_mesh_that_is_not_a_named_device_mesh_is_refused(mesh: object) -> None:
+    with pytest.raises(PipeConfigError, match="DeviceMesh with named dimensions"):
+        Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], mesh=mesh)
+
+
+def test_the_last_gradient_action_of_each_stage() -> None:
+    actions = [Action(0, Op.F, 0), Action(1, Op.F, 0), Action(1, Op.B, 0), Action(0, Op.I, 0),
+               Action(1, Op.B, 1), Action(0, Op.W, 0)]
+    assert last_gradient_actions(actions) == {4: 1, 5: 0}
+
+
+def test_buckets_and_time_unions() -> None:
+    big = [torch.nn.Parameter(torch.zeros(2**21)) for _ in range(5)]  # 8 MiB each
+    assert [len(c) for c in _chunks(big)] == [3, 2]
+    assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
