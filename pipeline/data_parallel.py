@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from schedules import Action, Op
 
 __all__ = ["GradSync", "Mesh", "Replicas", "last_gradient_actions", "resolve_mesh"]
@@ -40,8 +41,16 @@ class Mesh:
     pp_size: int
     ranks: tuple[int, ...]
 
-    def where(self) -> str:
-        return f"dp {self.dp_rank}, pp {self.pp_rank}"
+    def pp_peer(self, pp_rank: int) -> str:
+        """A rank of this pipeline, named with its place in the mesh."""
+        g = dist.get_global_rank(self.pp, pp_rank)
+        return f"rank {pp_rank} (global rank {g}, dp {self.dp_rank}, pp {pp_rank})"
+
+    def dp_peer(self, dp_rank: int) -> str:
+        """A replica of this rank, named with its place in the mesh."""
+        assert self.dp is not None
+        g = dist.get_global_rank(self.dp, dp_rank)
+        return f"global rank {g} (dp {dp_rank}, pp {self.pp_rank})"
 
 
 def resolve_mesh(mesh: Any, group: Any) -> Mesh | None:
@@ -182,12 +191,17 @@ class Replicas:
 
         self.mesh = mesh
         self.transport = DistributedTransport(mesh.dp_rank, device, timeout=timeout,
-                                              group=mesh.dp, watch=mesh.ranks)
+                                              group=mesh.dp, watch=mesh.ranks,
+                                              names=mesh.dp_peer)
         self.sync = GradSync(stages, mesh.dp, self.transport.wait_work)
         self._agreed: set[str] = set()
 
     def agree(self, pipe: Any, num_batches: int) -> None:
         """The replicas were built and called alike (once per new combination)."""
+        with self._named_failures():
+            self._agree(pipe, num_batches)
+
+    def _agree(self, pipe: Any, num_batches: int) -> None:
         mine = json.dumps({"mesh": [self.mesh.dp_size, self.mesh.pp_size],
                            "balance": pipe.balance, "schedule": str(pipe._probe.name),
                            "chunks": pipe.chunks, "checkpoint": pipe.checkpoint,
@@ -205,12 +219,15 @@ class Replicas:
 
     def global_rows(self, rows: int) -> int:
         """The global batch's rows: every replica's shard together."""
-        return sum(int(v) for v in self.transport.exchange(str(rows)))
+        with self._named_failures():
+            return sum(int(v) for v in self.transport.exchange(str(rows)))
 
     def mean(self, losses: torch.Tensor) -> torch.Tensor:
         """The replicas' losses (each weighted by the global rows, times dp) averaged."""
         payload = ",".join(float(v).hex() for v in losses.tolist())
-        parts = [[float.fromhex(v) for v in p.split(",")] for p in self.transport.exchange(payload)]
+        with self._named_failures():
+            seen = self.transport.exchange(payload)
+        parts = [[float.fromhex(v) for v in p.split(",")] for p in seen]
         total = torch.tensor(parts, dtype=torch.float64).sum(0) / self.mesh.dp_size
         return total.to(losses.dtype).to(losses.device)
 
@@ -220,7 +237,23 @@ class Replicas:
         return {"total": self.global_rows(rows), "scale": float(self.mesh.dp_size)}
 
     def finish(self) -> None:
-        self.sync.finish()
+        with self._named_failures():
+            self.sync.finish()
+
+    @contextmanager
+    def _named_failures(self) -> Iterator[None]:
+        """Failures seen while talking to the replicas, as `PipelineError`s; a replica found
+        dead is reported to every rank of the mesh."""
+        from pipeline.distributed import PeerFailure
+        from pipeline.transport import PeerTimeout, PipelineAborted
+
+        try:
+            yield
+        except PipelineAborted as exc:
+            raise PipelineError(str(exc)) from None
+        except (PeerFailure, PeerTimeout) as exc:
+            self.transport.abort(self.mesh.dp_rank, str(exc))
+            raise PipelineError(str(exc)) from None
 
     def abandon(self, exc: BaseException) -> None:
         """A step failed here: forget its reductions and wake the replicas waiting on us."""

@@ -19,6 +19,7 @@ import contextlib
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -126,7 +127,8 @@ class DistributedTransport:
 
     def __init__(self, rank: int, device: torch.device, *, timeout: float,
                  group: dist.ProcessGroup | None = None,
-                 watch: tuple[int, ...] | None = None) -> None:
+                 watch: tuple[int, ...] | None = None,
+                 names: Callable[[int], str] | None = None) -> None:
         self.rank = rank  # within `group`
         self.device = device
         self.timeout = timeout
@@ -138,6 +140,7 @@ class DistributedTransport:
         # Global ranks whose failure reports end this rank's waits: its group's, or a whole
         # mesh's (a failed replica must stop the others too).
         self._watch = list(watch) if watch is not None else self._global
+        self.name = names or (lambda r: f"rank {r}")  # a peer in messages (with coordinates)
         self._comm_device = device if device.type == "cuda" else torch.device("cpu")
         self._store = _default_store()
         self._sent_meta: dict[tuple[int, Message], Meta] = {}
@@ -175,8 +178,8 @@ class DistributedTransport:
             return op(tensor, self._global[peer], group=self.group)
         except RuntimeError as exc:
             self._check_failed()
-            raise PeerFailure(f"rank {peer} is gone (its process died or its connection broke); "
-                              f"rank {self.rank} could not reach it: {exc}") from exc
+            raise PeerFailure(f"{self.name(peer)} is gone (its process died or its connection "
+                              f"broke); rank {self.rank} could not reach it: {exc}") from exc
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         work = self._p2p(dist.isend, tensor, dst)
@@ -275,8 +278,8 @@ class DistributedTransport:
         if flag < 0:  # poison: a rank failed (see `abort`)
             failed = -flag - 1
             self._check_failed()
-            raise PipelineAborted(failed, f"rank {failed} failed (told rank {self.rank} "
-                                          f"through rank {src})")
+            raise PipelineAborted(failed, f"{self.name(failed)} failed (told rank {self.rank} "
+                                          f"through {self.name(src)})")
         if flag == 1:  # new shapes: the header, then the message itself
             header = self._recv_now(_HEADER, torch.int64, src, what).tolist()
             meta = tuple(header[:_meta_length(header)])
@@ -314,8 +317,8 @@ class DistributedTransport:
                 self._check_failed()  # a failure elsewhere explains the silence
                 raise PeerTimeout(self.rank, src, what, self.timeout) from None
             self._check_failed()
-            raise PeerFailure(f"rank {src} is gone (its process died or its connection broke) "
-                              f"while rank {self.rank} waited for {what} from it: {exc}"
+            raise PeerFailure(f"{self.name(src)} is gone (its process died or its connection "
+                              f"broke) while rank {self.rank} waited for {what} from it: {exc}"
                               ) from exc
 
     # -- messages outside the schedule --------------------------------------------------------
@@ -370,7 +373,7 @@ class DistributedTransport:
             raise PeerTimeout(self.rank, src, what, self.timeout) from None
         except RuntimeError as exc:
             self._check_failed()
-            peer = f"rank {src}" if src is not None else "a peer"
+            peer = self.name(src) if src is not None else "a peer"
             raise PeerFailure(f"{peer} is gone (its process died or its connection broke) "
                               f"while rank {self.rank} waited for {what}: {exc}") from exc
 

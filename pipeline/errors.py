@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PipeConfigError", "PipeTypeError"]
+__all__ = ["PipeConfigError", "PipeTypeError", "PipelineError"]
 
 
 class PipeConfigError(ValueError):
@@ -11,3 +11,7 @@ class PipeConfigError(ValueError):
 
 class PipeTypeError(PipeConfigError, TypeError):
     """An argument of the wrong type (a `TypeError` as well as a `PipeConfigError`)."""
+
+
+class PipelineError(RuntimeError):
+    """A stage failed during a step; the message names its rank, stage, action and micro-batch."""

@@ -14,6 +14,7 @@ from torch import nn
 from pipeline import collectives
 from pipeline.data_parallel import Mesh
 from pipeline.distributed import DistributedTransport, PeerFailure
+from pipeline.errors import PipelineError
 from pipeline.stage import StageRuntime, StepInputs, StepResult
 from pipeline.transport import LocalTransport, PeerTimeout, PipelineAborted
 from pipeline.workers import RankWorkers
@@ -22,10 +23,6 @@ from schedules import Action, Op, Schedule, Timeline
 __all__ = ["Executor", "PipelineError"]
 
 _log = logging.getLogger(__name__)
-
-
-class PipelineError(RuntimeError):
-    """A stage failed during a step; the message names its rank, stage, action and micro-batch."""
 
 
 class _Stalled(Exception):
@@ -46,13 +43,15 @@ class Executor:
         self.world = world
         self.timeout = timeout
         self.broken: str | None = None
+        self._mesh = mesh
         self._rank_of = placement.rank_of
         self._placement = placement.placement
         self.transport: LocalTransport | DistributedTransport
         if world is not None:
             self.transport = DistributedTransport(world[0], devices[world[0]], timeout=timeout,
                                                   group=group,
-                                                  watch=mesh.ranks if mesh is not None else None)
+                                                  watch=mesh.ranks if mesh is not None else None,
+                                                  names=mesh.pp_peer if mesh is not None else None)
             ranks = [world[0]]
         else:
             self.transport = LocalTransport(timeout)
@@ -101,19 +100,24 @@ class Executor:
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 
+    def _who(self, rank: int) -> str:
+        """A rank and its device, with its place in the mesh under data parallelism."""
+        where = "" if self._mesh is None else self._mesh.pp_peer(rank).partition(" (")[2][:-1]
+        return f"rank {rank} ({self.devices[rank]}{'; ' + where if where else ''})"
+
     def _failure(self, rank: int, action: Action | None, exc: BaseException) -> str:
         where = "before its first action" if action is None else (
             f"at {action} ({_describe(action)})")
         advice = "raise Pipe(timeout=...) if a stage is really that slow"
         if isinstance(exc, _Stalled):
-            return (f"rank {rank} ({self.devices[rank]}) is stuck {where}: that action ran for "
+            return (f"{self._who(rank)} is stuck {where}: that action ran for "
                     f"more than timeout={self.timeout:g}s; {advice}")
         if isinstance(exc, PeerTimeout):  # blame the rank that did not deliver, not the waiter
             current = self.runtimes[exc.src].current if self.world is None else None
             at = "" if current is None else f" at {current} ({_describe(current)})"
-            return (f"rank {exc.src} ({self.devices[exc.src]}) is stuck{at} (or too slow): rank "
+            return (f"{self._who(exc.src)} is stuck{at} (or too slow): rank "
                     f"{rank} waited {exc.seconds:g}s {where} for {exc.what} from it; {advice}")
-        return f"rank {rank} ({self.devices[rank]}) failed {where}: {type(exc).__name__}: {exc}"
+        return f"{self._who(rank)} failed {where}: {type(exc).__name__}: {exc}"
 
     def _stalled(self, failures: list[tuple[int, Action | None, BaseException]],
                  seen: dict[int, tuple[Action, float]]) -> bool:
