@@ -375,10 +375,13 @@ class Pipe(nn.Module):
         """The whole model's state_dict, with the model's keys, for a single-device model.
 
         In one process this is `state_dict()`. Multi-process, every rank must call it; rank
-        `dst` gets the full dictionary (on CPU) and the others None.
+        `dst` gets the full dictionary (on CPU) and the others None (on a mesh: rank `dst` of
+        the pipeline of dp rank 0).
         """
         if not self.world:
             return dict(self.state_dict())
+        if self._replicas is not None and self._replicas.mesh.dp_rank != 0:
+            return None  # every replica holds the same weights: the first one gathers them
         owner = {}
         model: nn.Sequential = self.__dict__["_full_model"]
         stage_of = [s for s, size in enumerate(self.balance) for _ in range(size)]

@@ -88,6 +88,8 @@ def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
 def _group(module: nn.Module) -> tuple[Any, bool]:
     """(process group, True) for a Pipe running as one of several processes; else (None,
     False): DCP then runs without a process group, in this process alone."""
+    if getattr(module, "mesh", None) is not None:  # every rank of the mesh: the default group
+        return None, True
     if getattr(module, "world", None):
         return getattr(module, "group", None), True
     return None, False

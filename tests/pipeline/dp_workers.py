@@ -131,3 +131,38 @@ def zero_one(rank: int) -> bool:
     return True
 
 
+
+
+def checkpoint_moves(rank: int, dp: int, pp: int, path: str, save: bool) -> bool:
+    """Train one step on a dp x pp mesh from the checkpoint at `path` (or from the seed's
+    weights), compare with one device, and (if `save`) write full_state_dict and a sharded
+    checkpoint for the next mesh shape."""
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    dp_rank = mesh.get_local_rank("dp")
+    reference = _model()
+    balance = [8] if pp == 1 else [4, 4]
+    pipe = Pipe(_model(seed=7), balance, chunks=2, mesh=mesh)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    plain = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    if os.path.exists(f"{path}/full.pt"):
+        start = torch.load(f"{path}/full.pt")
+        reference.load_state_dict(start)
+        pipe.load(f"{path}/sharded", optimizer)  # the optimizer state travels too
+        plain.load_state_dict(torch.load(f"{path}/plain-optimizer.pt"))
+    else:
+        pipe.load_state_dict(reference.state_dict())
+    x, y = _global_batch(3)
+    pipe.step(_shard(x, dp_rank, dp), _shard(y, dp_rank, dp), nn.MSELoss())
+    nn.MSELoss()(reference(x), y).backward()
+    optimizer.step()
+    plain.step()
+    full = pipe.full_state_dict()
+    if full is not None and rank == 0:
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(full[key], value, **TOL)
+        if save:
+            torch.save(full, f"{path}/full.pt")
+            torch.save(plain.state_dict(), f"{path}/plain-optimizer.pt")
+    if save:
+        pipe.save(f"{path}/sharded", optimizer)
+    return True

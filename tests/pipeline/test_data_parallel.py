@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -77,3 +79,19 @@ def test_buckets_and_time_unions() -> None:
     big = [torch.nn.Parameter(torch.zeros(2**21)) for _ in range(5)]  # 8 MiB each
     assert [len(c) for c in _chunks(big)] == [3, 2]
     assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+
+
+def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> None:
+    path = str(tmp_path)
+    assert spawn(dp_workers.checkpoint_moves, 4, 2, 2, path, True, timeout=120) == [True] * 4
+    # 2x2 -> 1x2: the full state_dict, and the sharded checkpoint with Adam's state.
+    assert spawn(dp_workers.checkpoint_moves, 2, 1, 2, path, False, timeout=120) == [True] * 2
+    # ... and into one device, from the sharded checkpoint.
+    from pipeline import sharded
+
+    model = dp_workers._model(seed=9)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sharded.load(model, f"{path}/sharded", optimizer)
+    full = torch.load(f"{path}/full.pt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, full[key]), key
