@@ -13,13 +13,13 @@ from torch import nn
 import schedules
 from pipeline import bootstrap, checks
 from pipeline.checkpoint import CHECKPOINT_MODES
-from pipeline.data_parallel import Mesh, resolve_mesh
+from pipeline.data_parallel import SHARDING, Mesh, resolve_mesh
 from pipeline.errors import PipeConfigError
 from pipeline.partition import BalanceError, partition, split_sizes
 from pipeline.profile import layer_params, layer_sizes, layer_times
 from schedules import Schedule
 
-__all__ = ["Layout", "check_arguments", "make_schedule", "resolve"]
+__all__ = ["Layout", "check_arguments", "check_sharding", "make_schedule", "resolve"]
 
 _METHODS = ("uniform", "params", "time", "size")
 
@@ -177,3 +177,25 @@ def make_schedule(arg: str | Schedule, balance: list[int], num_ranks: int, chunk
                               num_batches=num_batches)
     built = schedules.get_schedule(arg, num_ranks, chunks, **options)
     return schedules.validate(schedules.lower(built))
+
+
+def check_sharding(data_parallel: object, layout: Layout, schedule: str | Schedule) -> None:
+    """`data_parallel="fsdp"` needs a mesh with "dp" and a schedule FSDP2 can follow: whole
+    backwards (no I/W split: FSDP2 reduces in the backward's hooks) and one set of weights."""
+    if data_parallel not in SHARDING:
+        raise PipeConfigError(f"data_parallel must be one of {SHARDING} (got {data_parallel!r})")
+    if data_parallel == "replicate":
+        return
+    if layout.mesh is None or layout.mesh.dp is None:
+        raise PipeConfigError("data_parallel='fsdp' shards over a mesh's 'dp' dimension: pass "
+                              "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")
+    name = schedule.name if isinstance(schedule, Schedule) else schedule
+    probe = schedule if isinstance(schedule, Schedule) else make_schedule(
+        schedule, layout.balance, layout.num_ranks, 1, 1)
+    ops = {a.op for row in probe.actions for a in row}
+    if ops & {schedules.Op.I, schedules.Op.W, schedules.Op.U}:
+        raise PipeConfigError(
+            f"data_parallel='fsdp' cannot run schedule {name!r}: FSDP2 reduces gradients in "
+            f"hooks of a whole backward, and this schedule splits backwards (zero-bubble) or "
+            f"versions weights (2BW). Use 'gpipe', '1f1b' or 'interleaved' with FSDP2, or "
+            f"data_parallel='replicate' (every schedule)")

@@ -23,7 +23,10 @@ from torch import nn
 from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from schedules import Action, Op
 
-__all__ = ["GradSync", "Mesh", "Replicas", "last_gradient_actions", "resolve_mesh"]
+__all__ = ["SHARDING", "GradSync", "Mesh", "Replicas", "last_gradient_actions",
+           "resolve_mesh"]
+
+SHARDING = ("replicate", "fsdp")
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -35,6 +38,7 @@ class Mesh:
 
     pp: Any
     dp: Any
+    dp_mesh: Any  # the 1-D "dp" sub-mesh (FSDP2 shards over it)
     dp_rank: int
     dp_size: int
     pp_rank: int
@@ -73,7 +77,8 @@ def resolve_mesh(mesh: Any, group: Any) -> Mesh | None:
     pp = mesh.get_group("pp")
     dp = mesh.get_group("dp") if "dp" in names else None
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    return Mesh(pp, dp, dist.get_rank(dp) if dp is not None else 0,
+    return Mesh(pp, dp, mesh["dp"] if dp is not None else None,
+                dist.get_rank(dp) if dp is not None else 0,
                 dist.get_world_size(dp) if dp is not None else 1, dist.get_rank(pp),
                 dist.get_world_size(pp), ranks)
 
@@ -186,15 +191,27 @@ class Replicas:
     waits, so a replica that failed is named rather than waited for."""
 
     def __init__(self, mesh: Mesh, stages: dict[int, nn.Module], device: torch.device,
-                 timeout: float) -> None:
+                 timeout: float, shard: str) -> None:
         from pipeline.distributed import DistributedTransport
 
         self.mesh = mesh
+        self.shard = shard
         self.transport = DistributedTransport(mesh.dp_rank, device, timeout=timeout,
                                               group=mesh.dp, watch=mesh.ranks,
                                               names=mesh.dp_peer)
         self.sync = GradSync(stages, mesh.dp, self.transport.wait_work)
+        if shard == "fsdp":  # FSDP2 shards each stage and reduce-scatters its gradients
+            from torch.distributed.fsdp import fully_shard
+
+            for module in stages.values():
+                # Kept unsharded between forward and backward, as torchtitan does for
+                # pipelines: a stage runs several forwards before their backwards.
+                fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
         self._agreed: set[str] = set()
+
+    @property
+    def grads_ready(self) -> Callable[[int], None] | None:
+        return self.sync.stage_done if self.shard == "replicate" else None
 
     def agree(self, pipe: Any, num_batches: int) -> None:
         """The replicas were built and called alike (once per new combination)."""
@@ -238,7 +255,7 @@ class Replicas:
 
     def finish(self) -> None:
         with self._named_failures():
-            self.sync.finish()
+            self.sync.finish()  # (nothing to do under FSDP2: it reduced in the backward)
 
     @contextmanager
     def _named_failures(self) -> Iterator[None]:

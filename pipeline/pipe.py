@@ -50,6 +50,7 @@ class Pipe(nn.Module):
         track_memory: bool = False,
         group: Any = None,
         mesh: Any = None,
+        data_parallel: str = "replicate",
         param_init: str | bootstrap.ParamInit = "reset",
         deferred_batch_norm: bool = False,
     ) -> None:
@@ -64,9 +65,13 @@ class Pipe(nn.Module):
         self.balance, self.num_ranks = layout.balance, layout.num_ranks
         self.devices, self.world, self.group = layout.devices, layout.world, layout.group
         self.mesh = layout.mesh
+        config.check_sharding(data_parallel, layout, schedule)
         bounds, layers = layout.bounds, list(model)
         self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
         self._ties = ties.find_ties(model, self.balance)
+        if self._ties and data_parallel == "fsdp":
+            raise PipeConfigError("data_parallel='fsdp' does not shard weights tied across "
+                                  "stages: use data_parallel='replicate' for this model")
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, per (chunks, batches)
         # The placement comes from the schedule.
         self._probe = self._schedule(1, 1) if not isinstance(schedule, Schedule) else schedule
@@ -92,7 +97,7 @@ class Pipe(nn.Module):
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout, self.mesh)
         self._replicas = (Replicas(self.mesh, {s: self.partitions[s] for s in self.local_stages},
-                                   self.devices[self.world[0]], self.timeout)
+                                   self.devices[self.world[0]], self.timeout, data_parallel)
                           if self.mesh is not None and self.mesh.dp_size > 1 and self.world
                           else None)
         self._tie_link = ties.link(self._ties, dict(super().named_parameters(
@@ -271,7 +276,7 @@ class Pipe(nn.Module):
                           versions=self._versions if versioned else None,
                           track_memory=self.track_memory, caller=CallerState.capture(),
                           scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-                          grads_ready=self._replicas.sync.stage_done if self._replicas else None)
+                          grads_ready=self._replicas.grads_ready if self._replicas else None)
         self._tie_link.refresh()  # copies of tied weights take their owner's value, before
         if versioned:              # PipeDream-2BW versions them
             self._versions.open(len(pairs), optimizer)

@@ -95,3 +95,15 @@ def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> Non
     full = torch.load(f"{path}/full.pt")
     for key, value in model.state_dict().items():
         assert torch.equal(value, full[key]), key
+
+
+def test_fsdp2_over_dp_equals_one_device() -> None:
+    combos = [("1f1b", "never"), ("gpipe", "always")]
+    assert spawn(dp_workers.fsdp, 4, combos, timeout=180) == [2] * 4
+
+
+def test_fsdp_without_a_dp_dimension_is_refused() -> None:
+    with pytest.raises(PipeConfigError, match="shards over a mesh's 'dp' dimension"):
+        Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], data_parallel="fsdp")
+    with pytest.raises(PipeConfigError, match="data_parallel must be one of"):
+        Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], data_parallel="zero3")
