@@ -12,15 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipeline import Pipe, PipelineError
-
-TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see tests/test_transparency.py)
-
-
-def _model(seed: int = 0, width: int = 16) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(),
-                         nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
-                         nn.Linear(width, 3))
+from tests.pipeline.dist_workers import TOL, _model
 
 
 def _global_batch(step: int, rows: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
