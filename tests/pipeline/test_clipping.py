@@ -41,3 +41,26 @@ def test_a_nonfinite_norm_is_refused_when_asked() -> None:
     with pytest.raises(RuntimeError, match="error_if_nonfinite=False"):
         pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
     pipe.close()
+
+
+def test_clip_after_a_grad_scaler_unscales_equals_the_plain_models() -> None:
+    reference = tiny_lm(dropout=0.0)
+    model = copy.deepcopy(reference)
+    pipe = Pipe(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    x, y = _batch(4)
+    norms = []
+    for net, run in ((reference, None), (model, pipe)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        if run is None:
+            scaler.scale(lm_loss(net(x), y)).backward()
+        else:
+            run.step(x, y, lm_loss, scaler=scaler)
+        scaler.unscale_(optimizer)
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1) if run is None
+                     else run.clip_grad_norm_(0.1))
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-5, atol=1e-7)
+    plain = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, plain[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    pipe.close()
