@@ -125,6 +125,8 @@ def _flag(buf: torch.Tensor, value: int | None = None) -> int:
 class DistributedTransport:
     """Point-to-point transport over a torch.distributed process group (gloo or NCCL)."""
 
+    copies = True  # `send` packs the values into a buffer of its own before it returns
+
     def __init__(self, rank: int, device: torch.device, *, timeout: float,
                  group: dist.ProcessGroup | None = None,
                  watch: tuple[int, ...] | None = None,

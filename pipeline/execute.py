@@ -86,7 +86,8 @@ class Executor:
              "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
              "devices": [str(d) for d in self.devices], "checkpoint": checkpoint})
         stats = [{"peak_stashed_microbatches": rt.peak_stashed,
-                  "peak_stashed_bytes": rt.peak_stashed_bytes} for rt in self.runtimes]
+                  "peak_stashed_bytes": rt.peak_stashed_bytes,
+                  "released_output_bytes": rt.released_bytes} for rt in self.runtimes]
         return timeline, stats
 
     def share(self, values: torch.Tensor | None, shape: tuple[int, ...],

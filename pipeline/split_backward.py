@@ -17,7 +17,32 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightGrad", "backward_input", "backward_weight"]
+__all__ = ["WeightGrad", "backward_input", "backward_weight", "release", "run_backward"]
+
+
+def release(outputs: Sequence[Any]) -> int:
+    """Free the storage of stage outputs whose data went to the next stage (Megatron's
+    `deallocate_output_tensor`): the backward needs only their autograd graph. Skips outputs
+    that are views, leaves, or saved by their own backward (the storage would stay alive).
+    Returns the bytes released. Their backward must then go through `run_backward`."""
+    freed = 0
+    for o in outputs:
+        if (isinstance(o, torch.Tensor) and o.grad_fn is not None and o._base is None
+                and not hasattr(o.grad_fn, "_saved_result") and o.numel() > 0):
+            freed += o.numel() * o.element_size()
+            o.data = torch.empty(0, dtype=o.dtype, device=o.device)
+    return freed
+
+
+def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *,
+                 inputs: Sequence[torch.Tensor] = (), accumulate: bool = True,
+                 keep_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """autograd's engine, called without the Python-side shape checks of `backward`/`grad`,
+    which a released output (`release`) would fail: its gradient keeps the real shape."""
+    engine = torch.autograd.Variable._execution_engine
+    result: tuple[torch.Tensor | None, ...] = engine.run_backward(
+        tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+    return result
 
 
 def _node(t: torch.Tensor) -> Node | None:
@@ -90,8 +115,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch
             state.grads[join] = grads
         handles.append(join.register_prehook(record))
     try:
-        grads = torch.autograd.grad(list(outputs), wanted, list(grad_outputs),
-                                    retain_graph=True, allow_unused=True)
+        grads = run_backward(outputs, grad_outputs, inputs=wanted, accumulate=False,
+                             keep_graph=True)
     finally:
         for h in handles:
             h.remove()
@@ -125,7 +150,7 @@ def backward_weight(state: WeightGrad) -> None:
     """Accumulate the parameters' gradients into `.grad`, freeing what only W needed."""
     if state.fallback is not None:
         outs, grads = state.fallback
-        torch.autograd.backward(outs, grads, inputs=state.params or None)
+        run_backward(outs, grads, inputs=state.params)
         return
     for joins, params in state.groups:
         edges, grads_out, pinned = [], [], []

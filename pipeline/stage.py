@@ -17,7 +17,13 @@ from pipeline.data_parallel import last_gradient_actions
 from pipeline.errors import PipeConfigError
 from pipeline.memory import SavedBytes
 from pipeline.microbatch import as_tuple, from_tuple, leading_rows, like
-from pipeline.split_backward import WeightGrad, backward_input, backward_weight
+from pipeline.split_backward import (
+    WeightGrad,
+    backward_input,
+    backward_weight,
+    release,
+    run_backward,
+)
 from pipeline.transport import Transport, move
 from pipeline.versions import WeightVersions, call_with
 from schedules import Action, Event, Op
@@ -89,6 +95,7 @@ class StageRuntime:
         self.buffers = BufferGuard()
         self.events: list[Event] = []
         self.peak_stashed = 0
+        self.released_bytes = 0
         self.stashed_bytes = 0
         self.peak_stashed_bytes = 0
         self._stash: dict[tuple[int, int], _Stash] = {}
@@ -106,6 +113,7 @@ class StageRuntime:
         """Execute this rank's lowered actions for one step."""
         self.events = []
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
+        self.released_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox):
             store.clear()
         with step.caller.step():
@@ -133,6 +141,11 @@ class StageRuntime:
     def _send(self, action: Action, step: StepInputs, result: StepResult) -> None:
         msg = message(action)
         self.transport.send(msg, self._outbox.pop(msg), self.rank_of(msg[1]))
+        stash = self._stash.get((msg[1] - 1, msg[2])) if msg[0] == "F" else None
+        if stash is not None and stash.outputs is not None and self.transport.copies:
+            # The next stage has its copy of the activations; the backward needs only their
+            # graph (and the incoming gradient's shape).
+            self.released_bytes += release(stash.outputs)
 
     def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
         msg = message(action)
@@ -282,7 +295,7 @@ class StageRuntime:
             roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if action.op is Op.B:
             if roots:
-                torch.autograd.backward(roots, grads)
+                run_backward(roots, grads)  # roots may be released outputs (see _send)
             input_grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
                            for t in stash.inputs]
             self._free(s, m)

@@ -52,6 +52,10 @@ class Transport(Protocol):
     back as fresh leaves requiring grad.
     """
 
+    # Whether `send` is done with the values when it returns (it copied them into its own
+    # buffer): the sender may then release a stage output's storage.
+    copies: bool
+
     def begin(self, schedule: Schedule) -> None: ...
 
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None: ...
@@ -89,6 +93,8 @@ class LocalTransport:
     compute and no thread blocks on the device. A waiting thread sleeps on a condition variable
     (the GIL is released).
     """
+
+    copies = False  # the receiver takes the sender's tensors themselves
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout

@@ -450,3 +450,15 @@ def batch_norm_statistics(rank: int, deferred: bool) -> int:
             torch.testing.assert_close(got, want[key], rtol=1e-5, atol=1e-6, msg=key)
             checked += 1
     return checked
+
+
+def released_outputs(rank: int, schedule: str) -> int:
+    """Stage outputs sent to the next process are freed after the send (their graph stays);
+    the gradients are still exactly one device's."""
+    model, reference = _model(), _model()
+    pipe = Pipe(model, [3, 5], chunks=2, schedule=schedule, checkpoint="never")
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    pipe.step(x, y, nn.MSELoss())
+    nn.MSELoss()(reference(x), y).backward()
+    _local_grads_match(pipe, reference, schedule)
+    return pipe.memory_stats()[0]["released_output_bytes"]

@@ -150,3 +150,9 @@ def test_a_last_stage_target_with_other_rows_fails_every_rank() -> None:
 def test_batch_norm_statistics_across_processes(deferred: bool) -> None:
     # Rank 0 holds two BatchNorm layers, rank 1 one: three buffers each.
     assert spawn(dist_workers.batch_norm_statistics, 2, deferred, timeout=90) == [6, 3]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_sent_activations_are_released_and_gradients_stay_exact(schedule: str) -> None:
+    # Rank 0 sends two micro-batches of 4 x 16 fp32 (a Linear's output): 512 bytes freed.
+    assert spawn(dist_workers.released_outputs, 2, schedule, timeout=60) == [512, 0]
