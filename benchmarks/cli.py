@@ -16,16 +16,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from benchmarks import data_parallel
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.harness import Measured, merge_ranks, resolve_balances, roles, run_rank
+from benchmarks.models import get_model
 from benchmarks.plots import write_plots
 from benchmarks.records import build_records, validate_record
-from benchmarks.report import render_markdown
+from benchmarks.report import render_data_parallel, render_markdown
 from pipeline.launch import RankFailed, spawn
 from schedules import Timeline, available
 
-__all__ = ["main", "run_group", "write_outputs"]
+__all__ = ["main", "run_data_parallel", "run_group", "write_outputs"]
 
 _GROUP_TIMEOUT = 7200.0
 _log = logging.getLogger(__name__)
@@ -36,8 +38,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Measure ours against torch.distributed.pipelining, the plain model and "
                     "the hardware bound, side by side, and check the simulator.")
-    p.add_argument("--suite", choices=sorted(SUITES), default="quick",
-                   help="quick: a tiny model for CI (about a minute); full: the README's numbers")
+    p.add_argument("--suite", choices=[*sorted(SUITES), "dp"], default="quick",
+                   help="quick: a tiny model for CI (about a minute); full: the README's "
+                        "numbers; dp: pipeline x data parallelism on 4 processes (2x2, 1x4 "
+                        "and DDP 4x1)")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="directory for results.jsonl, report.md, timelines/ and plots/")
     p.add_argument("--models", help="comma-separated: mlp, transformer, unbalanced, tiny")
@@ -127,21 +131,75 @@ def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[
     return written
 
 
+def _dp_suite(args: argparse.Namespace, device: str) -> data_parallel.DpSuite:
+    """The dp suite, narrowed by the flags that apply to it (one value each)."""
+    for flag in ("ranks", "transport"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} does not apply to --suite dp: it runs 4 processes as "
+                             f"2x2 and 1x4 meshes and as DDP")
+    chosen: dict[str, Any] = {"device": device}
+    for flag, field, convert in (("models", "model", str), ("schedules", "schedule", str),
+                                 ("microbatches", "chunks", int), ("warmup", "warmup", int),
+                                 ("repeats", "repeats", int)):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if isinstance(value, str) and "," in value:
+            raise ValueError(f"--{flag} takes one value with --suite dp (got {value!r})")
+        try:
+            chosen[field] = convert(value)
+        except ValueError:
+            raise ValueError(f"--{flag} takes a whole number (got {value!r})") from None
+    if "model" in chosen:
+        get_model(chosen["model"])  # raises on an unknown name
+    if chosen.get("chunks", 1) < 1:
+        raise ValueError(f"--microbatches must be >= 1 (got {chosen['chunks']})")
+    return data_parallel.DpSuite(**chosen)
+
+
+def run_data_parallel(suite: data_parallel.DpSuite, out: Path, *, command: str) -> int:
+    """Measure the dp suite; write results.jsonl, environment.json and report.md."""
+    env = environment(suite.device)
+    gpus = torch.cuda.device_count() if suite.device == "cuda" else 0
+    try:
+        records, notes = data_parallel.run_suite(suite, env, num_gpus=gpus)
+    except RankFailed as exc:
+        print(f"python -m benchmarks: the dp suite failed:\n{exc}", file=sys.stderr)
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
+                                               for r in records))
+    (out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    (out / "report.md").write_text(render_data_parallel(records, env, command=command,
+                                                        notes=notes))
+    print(f"{len(records)} configurations; report: {out / 'report.md'}, "
+          f"records: {out / 'results.jsonl'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verbose:  # the library logs but configures nothing; the command line may
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(asctime)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = ("python -m benchmarks " + " ".join(argv)).strip()
+    dp_suite = None
     try:
         _check(args)
-        suite = narrow(SUITES[args.suite], models=args.models, ranks=args.ranks,
-                       microbatches=args.microbatches, schedules=args.schedules,
-                       transports=args.transport, warmup=args.warmup, repeats=args.repeats)
         device = _device(args.device)
+        if args.suite == "dp":
+            dp_suite = _dp_suite(args, device)
+        else:
+            suite = narrow(SUITES[args.suite], models=args.models, ranks=args.ranks,
+                           microbatches=args.microbatches, schedules=args.schedules,
+                           transports=args.transport, warmup=args.warmup,
+                           repeats=args.repeats)
     except ValueError as exc:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 2
+    if dp_suite is not None:
+        return run_data_parallel(dp_suite, args.out, command=command)
     chosen = groups(suite, device=device)
     notes: list[str] = []
     if device == "cuda":
@@ -173,8 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if timeline is not None:
                 timelines[record["id"]] = timeline
     bar.close()
-    command = "python -m benchmarks " + " ".join(argv)
-    write_outputs(args.out, records, timelines, env, suite=suite.name, command=command.strip(),
+    write_outputs(args.out, records, timelines, env, suite=suite.name, command=command,
                   failures=failures, notes=notes, plots=not args.no_plots)
     print(f"{len(records)} configurations measured; report: {args.out / 'report.md'}, "
           f"records: {args.out / 'results.jsonl'}")

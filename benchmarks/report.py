@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Target", "evaluate_targets", "format_bytes", "format_ms", "render_markdown",
-           "results_table"]
+__all__ = ["Target", "data_parallel_table", "evaluate_targets", "format_bytes", "format_ms",
+           "render_data_parallel", "render_markdown", "results_table"]
 
 Record = dict[str, Any]
 
@@ -189,21 +189,23 @@ def _baselines(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
+def _environment(env: dict[str, Any]) -> list[str]:
+    return ["## Environment", "",
+            f"- torch {env.get('torch')}, Python {env.get('python')}, {env.get('platform')}",
+            f"- CPU: {env.get('cpu')} ({env.get('num_cpus')} logical CPUs); GPU: "
+            f"{', '.join(env.get('gpu') or []) or 'none'}; device {env.get('device')}, "
+            f"backend {env.get('backend')}",
+            f"- threads: {env.get('threads_per_rank')} per rank; the plain model on 1 and on "
+            f"{env.get('plain_all_threads')}",
+            f"- git commit: {env.get('git_commit')}", ""]
+
+
 def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
                     suite: str, command: str, failures: Sequence[str] = (),
                     notes: Sequence[str] = ()) -> str:
     """The whole report: environment, targets, then per model its results and baselines."""
-    env = environment
-    out = [f"# Benchmark results: suite `{suite}`", "",
-           f"`{command}`", "",
-           "## Environment", "",
-           f"- torch {env.get('torch')}, Python {env.get('python')}, {env.get('platform')}",
-           f"- CPU: {env.get('cpu')} ({env.get('num_cpus')} logical CPUs); GPU: "
-           f"{', '.join(env.get('gpu') or []) or 'none'}; device {env.get('device')}, "
-           f"backend {env.get('backend')}",
-           f"- threads: {env.get('threads_per_rank')} per rank; the plain model on 1 and on "
-           f"{env.get('plain_all_threads')}",
-           f"- git commit: {env.get('git_commit')}", ""]
+    out = [f"# Benchmark results: suite `{suite}`", "", f"`{command}`", "",
+           *_environment(environment)]
     targets = evaluate_targets(records)
     if targets:
         model = _reference_model(records)
@@ -227,4 +229,49 @@ def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
                 out += ["Partitions (p >= 2): " + ", ".join(
                     f"{s} {list(b)}" for s, b in balances), ""]
             out += [results_table(chosen), "", "Baselines:", "", _baselines(chosen), ""]
+    return "\n".join(out)
+
+
+def _hidden_cell(r: Record) -> str:
+    dp = r["data_parallel"]
+    if dp is None:
+        return "-"
+    return (f"{dp['hidden_share']['median']:.0%} (all-reduce "
+            f"{format_ms(dp['allreduce_s'])} ms, exposed {format_ms(dp['exposed_s'])} ms)")
+
+
+def data_parallel_table(records: Sequence[Record]) -> str:
+    """One row per dp x pp configuration (records of `benchmarks.data_parallel`)."""
+    lines = ["| dp x pp | what | step ms: median (min-max) | samples/s | peak stash per rank | "
+             "parameters per rank | all-reduce hidden (median) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        c = r["config"]
+        what = (f"Pipe {c['schedule']}, {c['chunks']} micro-batches per replica, balance "
+                f"{c['balance']}" if c["kind"] == "pipe" else "DDP, whole model")
+        if r["skipped"] is not None:
+            lines.append(f"| {c['name']} | {what} | skipped: {r['skipped']} | | | | |")
+            continue
+        lines.append(f"| {c['name']} | {what} | {format_ms(r['step_time_s'], spread=True)} | "
+                     f"{r['samples_per_s']['median']:.0f} | "
+                     f"{_per_rank_bytes(r['peak_stashed_bytes'])} | "
+                     f"{_per_rank_bytes(r['param_bytes'])} | {_hidden_cell(r)} |")
+    return "\n".join(lines)
+
+
+def render_data_parallel(records: Sequence[Record], environment: dict[str, Any], *,
+                         command: str, notes: Sequence[str] = ()) -> str:
+    """The dp suite's report: environment, then one table of the configurations."""
+    first = records[0]["config"] if records else {}
+    out = ["# Benchmark results: suite `dp` (pipeline x data parallelism)", "",
+           f"`{command}`", "", *_environment(environment)]
+    if notes:
+        out += ["## Not run here", "", *(f"- {n}" for n in notes), ""]
+    out += [f"## `{first.get('model')}`, global batch {first.get('global_batch')}", "",
+            "Ranks in global order (rank = dp rank x pp + pp rank). Peak stash: stage inputs "
+            "plus what autograd saved, at the peak, from one more untimed step (DDP: its "
+            "input and one forward's saved tensors, counted the same way). All-reduce hidden: "
+            "per timed step, 1 - (exposed time summed over ranks) / (all-reduce time summed "
+            "over ranks); the all-reduce and exposed times are the slowest rank's.", "",
+            data_parallel_table(records), ""]
     return "\n".join(out)
