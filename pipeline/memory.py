@@ -11,8 +11,8 @@ __all__ = ["SavedBytes"]
 
 
 class SavedBytes:
-    """Context manager: `bytes` is what autograd saved inside it (parameters excluded, since
-    they are memory the model holds anyway). Hooks are thread-local, so each worker counts only
+    """Context manager: `bytes` is what autograd saved inside it (parameters and views of
+    them excluded, since they are memory the model holds anyway). Hooks are thread-local, so each worker counts only
     its own forwards."""
 
     def __init__(self) -> None:
@@ -20,7 +20,8 @@ class SavedBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
+        # A view of a parameter (Linear saves `weight.t()`) is the parameter's memory too.
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
             self.bytes += t.numel() * t.element_size()
         return t
 
