@@ -28,14 +28,15 @@ def _shard(t: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
 
 
 def equivalence(rank: int, dp: int, pp: int, combos: list[tuple[str, str, list[int]]],
-                reduction: str = "mean") -> int:
+                reductions: tuple[str, ...] = ("mean",)) -> int:
     """dp x pp: each replica steps its uneven shard; the loss is the global batch's and every
     gradient the single-device model's on the global batch, over two steps (accumulating)."""
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
     dp_rank = mesh.get_local_rank("dp")
     checked = 0
-    loss_fn = nn.MSELoss(reduction=reduction)
-    for schedule, checkpoint, balance in combos:
+    for (schedule, checkpoint, balance), reduction in (
+            (c, r) for c in combos for r in reductions):
+        loss_fn = nn.MSELoss(reduction=reduction)
         model, reference = _model(), _model()
         pipe = Pipe(model, balance, chunks=2, schedule=schedule, checkpoint=checkpoint,
                     mesh=mesh)
