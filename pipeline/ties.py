@@ -129,8 +129,13 @@ class TieLink:
                         copy.param.copy_(owner)
 
     def refresh(self) -> None:
-        """Every copy takes its owner's value (sent over when they live on other ranks)."""
+        """Every copy takes its owner's value (sent over when they live on other ranks), with
+        no gradient (a failed step may have left part of one)."""
         self.refresh_local()
+        for tie in self.ties:
+            for copy in tie.copies:
+                if copy.param is not None:
+                    copy.param.grad = None
         if self.me is None:
             return
         for tie in self.ties:
