@@ -12,8 +12,8 @@ __all__ = ["SavedBytes"]
 
 class SavedBytes:
     """Context manager: `bytes` is what autograd saved inside it (parameters and views of
-    them excluded, since they are memory the model holds anyway). Hooks are thread-local, so each worker counts only
-    its own forwards."""
+    them excluded, since they are memory the model holds anyway). Hooks are thread-local, so
+    each worker counts only its own forwards."""
 
     def __init__(self) -> None:
         self.bytes = 0
