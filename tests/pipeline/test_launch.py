@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pipeline.launch import RankFailed, free_port, main, rank_env, spawn
+from tests.limits import SPAWN_TIMEOUT
 
 
 def _whoami(rank: int, tag: str) -> tuple[Any, ...]:
@@ -49,16 +50,15 @@ def test_free_port_can_be_bound() -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
 def test_spawn_returns_each_ranks_result_in_rank_order() -> None:
-    assert spawn(_whoami, 2, "x", timeout=100) == [(0, 0, 2, "0", "x"), (1, 1, 2, "1", "x")]
+    assert spawn(_whoami, 2, "x", timeout=SPAWN_TIMEOUT) == [(0, 0, 2, "0", "x"),
+                                                             (1, 1, 2, "1", "x")]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
 def test_spawn_names_the_failed_rank_and_keeps_the_others_results() -> None:
     with pytest.raises(RankFailed, match=r"rank 1: ValueError: rank one says no") as err:
-        spawn(_fail_on_one, 2, timeout=100)
+        spawn(_fail_on_one, 2, timeout=SPAWN_TIMEOUT)
     assert err.value.results == {0: 0}
 
 
@@ -88,7 +88,6 @@ class _LateQueue:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
 def test_spawn_reads_reports_that_arrive_as_their_ranks_exit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: a rank that reported and exited between the parent's get giving up and its
@@ -106,7 +105,8 @@ def test_spawn_reads_reports_that_arrive_as_their_ranks_exit(
             return self.ctx.Process(*args, **kwargs)
 
     monkeypatch.setattr(mp, "get_context", Context)
-    assert spawn(_whoami, 2, "x", timeout=100) == [(0, 0, 2, "0", "x"), (1, 1, 2, "1", "x")]
+    assert spawn(_whoami, 2, "x", timeout=SPAWN_TIMEOUT) == [(0, 0, 2, "0", "x"),
+                                                             (1, 1, 2, "1", "x")]
 
 
 def _script(tmp_path: Path, body: str) -> Path:
