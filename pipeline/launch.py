@@ -96,6 +96,16 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             dist.destroy_process_group()
 
 
+def _drain(results: Any, got: dict[int, tuple[str, Any]]) -> None:
+    """Read every report already in `results` into `got`, without waiting."""
+    while True:
+        try:
+            rank, status, value = results.get(block=False)
+        except queue.Empty:
+            return
+        got[rank] = (status, value)
+
+
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0,
           backend: str = "gloo", grace: float = 15.0) -> list[Any]:
     """Run `fn(rank, *args)` on `nproc` fresh ranks (gloo; or NCCL, rank r on cuda:r); return
@@ -119,9 +129,14 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0
             rank, status, value = results.get(timeout=0.2)
             got[rank] = (status, value)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-            for r in dead:  # exited without reporting: killed, or crashed hard
-                got[r] = ("error", f"process died (exit code {procs[r].exitcode})")
+            exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+            # A rank reports, then exits: its report can reach the queue just after the get
+            # above gave up. Once a rank has exited its report is in the queue (a child's
+            # queue is flushed at exit), so read what is there before calling any rank dead.
+            _drain(results, got)
+            for r in exited:
+                if r not in got:  # exited without reporting: killed, or crashed hard
+                    got[r] = ("error", f"process died (exit code {procs[r].exitcode})")
         failed = [r for r, (status, _) in got.items() if status == "error"]
         if failed and deadline > time.monotonic() + grace:
             _log.info("rank %d failed; the others get %gs to finish", failed[0], grace)

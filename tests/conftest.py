@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.limits import DIST_TEST_TIMEOUT
 
 settings.register_profile(
     "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -15,3 +18,11 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that spawn processes get a hang guard above spawn's own (see tests/limits.py);
+    # pyproject's 120 s stays the limit of everything else.
+    for item in items:
+        if item.get_closest_marker("dist") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(DIST_TEST_TIMEOUT))

@@ -14,6 +14,7 @@ from benchmarks.config import stages_per_rank
 from benchmarks.torch_baseline import TORCH_PEERS, TorchPipeline, peer_stages, unsupported
 from pipeline import Pipe
 from pipeline.launch import spawn
+from tests.limits import SPAWN_TIMEOUT
 from tests.torch_csv import build, torch_csv
 from tests.torch_csv import unsupported as torch_refuses
 
@@ -118,12 +119,11 @@ def peer_memory(rank: int, cases: list[tuple[str, int]]) -> list[dict[str, list[
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
 def test_torch_peak_memory_is_counted_as_ours() -> None:
     """Torch's peers hold what their schedules say: GPipe all m micro-batches on every rank,
     1F1B p - r, ZB-V what its own order gives (our count of torch's pipeline_order)."""
     cases = [("gpipe", 4), ("1f1b", 4), ("zb-v", 4), ("interleaved", 4)]
-    results = spawn(peer_memory, 2, cases, timeout=100)
+    results = spawn(peer_memory, 2, cases, timeout=SPAWN_TIMEOUT)
     peaks = {s: [r[i]["peak_stashed_microbatches"][0] for r in results]
              for i, (s, _) in enumerate(cases)}
     assert peaks["gpipe"] == [4, 4]

@@ -15,6 +15,9 @@ from torch import nn
 from pipeline import Pipe, PipelineError
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see tests/test_transparency.py)
+# Pipe(timeout=...) of the failure tests: a failure that only the timeout ended would take this
+# long; tests/pipeline/test_distributed.py requires far less (it is never waited for).
+FAILURE_TIMEOUT = 300.0
 
 
 def _model(seed: int = 0, width: int = 16) -> nn.Sequential:
@@ -113,7 +116,7 @@ class _Fail(nn.Module):
 def failing_middle(rank: int, how: str) -> tuple[str, float]:
     """Rank 1 of 3 fails on micro-batch 3; returns the error each surviving rank raised."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Fail(how), nn.Linear(4, 4))
-    pipe = Pipe(model, [1, 2, 1], chunks=4, schedule="1f1b", timeout=60)
+    pipe = Pipe(model, [1, 2, 1], chunks=4, schedule="1f1b", timeout=FAILURE_TIMEOUT)
     start = time.monotonic()
     try:
         pipe.step(torch.randn(7, 4), torch.randn(7, 4), nn.MSELoss())
@@ -283,17 +286,50 @@ def resume(rank: int, schedule: str) -> bool:
     return all(torch.equal(p, e) for p, e in zip(pipe.parameters(), expected, strict=True))
 
 
+def _exited(pid: int) -> bool:
+    """Whether process `pid` has exited (on Linux, also while its parent has yet to reap it)."""
+    if os.path.isdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] == "Z"  # a zombie: it has exited
+        except FileNotFoundError:
+            return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_exited(pid: int, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not _exited(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not exit within {seconds:g} s")
+        time.sleep(0.02)
+
+
+def _pids() -> list[int]:
+    """Every rank's process id, by rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return pids
+
+
 def dies_between_steps(rank: int, steps_before: int) -> tuple[str, float]:
     """Rank 1 of 3 exits after `steps_before` steps (0: before the first); the survivors'
     next step must raise PipelineError naming it, never a raw backend error."""
+    pids = _pids()
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    pipe = Pipe(model, [1, 2, 1], chunks=2, schedule="1f1b", timeout=60)
+    pipe = Pipe(model, [1, 2, 1], chunks=2, schedule="1f1b", timeout=FAILURE_TIMEOUT)
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     for _ in range(steps_before):
         pipe.step(x, y, nn.MSELoss())
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)  # let the connections break first: the case is a peer already gone
+    _wait_exited(pids[1])  # the case is a peer already gone (its connections closed)
     start = time.monotonic()
     try:
         pipe.step(x, y, nn.MSELoss())
@@ -304,30 +340,40 @@ def dies_between_steps(rank: int, steps_before: int) -> tuple[str, float]:
     return "no error", time.monotonic() - start
 
 
-class _SlowAfterFirst(nn.Module):
-    """Sleeps in its second forward: long enough for rank 0 to have exited."""
+class _HearsFirst(nn.Module):
+    """Rank 0's layer. Its second forward waits, polling the failure reports as every wait of
+    the transport does, until this rank hears of the failure: rank 0 then exits before it sends
+    micro-batch 1, which rank 1 is blocked receiving."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.transport: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == 2:
-            time.sleep(2.0)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                self.transport._check_failed()  # raises once rank 2's report is in the store
+                time.sleep(0.01)
+            raise AssertionError("rank 0 never heard of the failure")
         return x
 
 
 def first_failure_after_rank0_exits(rank: int) -> str:
-    """Rank 2 fails at once; rank 0 exits as soon as it hears; rank 1 hears only after that.
-    Every rank that reports must name rank 2, the first failure."""
-    model = nn.Sequential(nn.Linear(4, 4), _SlowAfterFirst(), _Fail("raise"))
-    pipe = Pipe(model, [1, 1, 1], chunks=4, schedule="gpipe", timeout=60)
+    """Rank 2 fails at once; rank 0 exits as soon as it hears; rank 1, blocked receiving from
+    rank 0, hears only after that (when rank 0's connection breaks). Every rank that reports
+    must name rank 2, the first failure, not rank 0."""
+    hears = _HearsFirst()
+    model = nn.Sequential(hears, nn.Linear(4, 4), _Fail("raise"))
+    pipe = Pipe(model, [1, 1, 1], chunks=4, schedule="gpipe", timeout=FAILURE_TIMEOUT)
+    hears.transport = pipe._executor.transport
     try:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
     except PipelineError as exc:
         if rank == 0:
-            os._exit(0)  # with the store in its process, as torch's default rendezvous has it
+            os._exit(0)  # it once hosted the store, which its exit took down
         return str(exc)
     return "no error"
 
@@ -340,13 +386,13 @@ def disagreeing_ranks(rank: int, field: str) -> str:
     balance = [[2, 6], [6, 2]][rank] if field == "balance" else [4, 4]
     schedule = ["gpipe", "1f1b"][rank] if field == "schedule" else "1f1b"
     rows = [8, 6][rank] if field == "batch rows" else 8
-    pipe = Pipe(model, balance, chunks=2, schedule=schedule, timeout=60)
+    pipe = Pipe(model, balance, chunks=2, schedule=schedule, timeout=FAILURE_TIMEOUT)
     x, y = torch.randn(rows, 6), torch.randn(rows, 3)
     start = time.monotonic()
     try:
         pipe.step(x, y, nn.MSELoss())
     except PipeConfigError as exc:
-        assert time.monotonic() - start < 20
+        assert time.monotonic() - start < FAILURE_TIMEOUT / 3  # found, not timed out
         return f"PipeConfigError: {exc}"
     except PipelineError as exc:
         return f"PipelineError: {exc}"

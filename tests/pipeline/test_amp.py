@@ -8,6 +8,7 @@ from torch import nn
 
 from pipeline import Pipe
 from pipeline.launch import spawn
+from tests.limits import SPAWN_TIMEOUT
 from tests.pipeline import dist_workers
 
 # bf16 keeps 8 significant bits (unit roundoff 2**-9 ~ 2e-3). Both sides run the same bf16 kernels
@@ -183,7 +184,7 @@ def test_dropout_replays_with_ranks_sharing_the_cpu() -> None:
 
 @pytest.mark.dist
 def test_grad_scaler_overflow_on_one_rank_skips_every_rank() -> None:
-    assert spawn(dist_workers.scaler_overflow, 2, timeout=60) == [(True, 2.0**9)] * 2
+    assert spawn(dist_workers.scaler_overflow, 2, timeout=SPAWN_TIMEOUT) == [(True, 2.0**9)] * 2
 
 
 def test_inference_on_an_input_that_requires_grad() -> None:

@@ -11,6 +11,7 @@ from pipeline import Pipe, PipeConfigError
 from pipeline.data_parallel import _chunks, _union, last_gradient_actions
 from pipeline.launch import RankFailed, spawn
 from schedules import Action, Op
+from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dp_workers
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -22,30 +23,30 @@ COMBOS_2x2 = [("gpipe", "never", [4, 4]), ("1f1b", "always", [4, 4]),
 def test_2x2_equals_one_device_on_the_global_batch() -> None:
     # Losses reducing by mean and by sum.
     assert spawn(dp_workers.equivalence, 4, 2, 2, COMBOS_2x2, ("mean", "sum"),
-                 timeout=240) == [8] * 4
+                 timeout=SPAWN_TIMEOUT) == [8] * 4
 
 
 def test_4x1_and_1x4_equal_one_device() -> None:
     assert spawn(dp_workers.equivalence, 4, 4, 1, [("1f1b", "always", [8])],
-                 timeout=120) == [1] * 4
+                 timeout=SPAWN_TIMEOUT) == [1] * 4
     assert spawn(dp_workers.equivalence, 4, 1, 4, [("1f1b", "never", [2, 2, 2, 2]),
                                                    ("zb-h1", "always", [2, 2, 2, 2])],
-                 timeout=120) == [2] * 4
+                 timeout=SPAWN_TIMEOUT) == [2] * 4
 
 
 def test_the_pipe_reports_the_hidden_share_of_the_all_reduce() -> None:
-    for stats in spawn(dp_workers.stats, 4, timeout=120):
+    for stats in spawn(dp_workers.stats, 4, timeout=SPAWN_TIMEOUT):
         assert stats["allreduce_s"] > 0 and 0.0 <= stats["hidden_share"] <= 1.0
         assert stats["exposed_s"] <= stats["allreduce_s"] + 1e-9
 
 
 def test_zero_redundancy_optimizer_over_dp_equals_plain_adam() -> None:
-    assert spawn(dp_workers.zero_one, 4, timeout=180) == [True] * 4
+    assert spawn(dp_workers.zero_one, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
 
 
 def test_a_killed_rank_is_named_with_its_coordinates_on_every_rank() -> None:
     with pytest.raises(RankFailed) as info:
-        spawn(dp_workers.killed_mid_step, 4, timeout=120, grace=60)
+        spawn(dp_workers.killed_mid_step, 4, timeout=SPAWN_TIMEOUT, grace=60)
     results = info.value.results
     assert sorted(results) == [0, 1, 2], str(info.value)  # rank 3 died
     for rank, message in results.items():
@@ -55,7 +56,7 @@ def test_a_killed_rank_is_named_with_its_coordinates_on_every_rank() -> None:
 
 
 def test_replicas_that_disagree_raise_pipe_config_error() -> None:
-    for message in spawn(dp_workers.disagreeing_replicas, 2, timeout=90):
+    for message in spawn(dp_workers.disagreeing_replicas, 2, timeout=SPAWN_TIMEOUT):
         assert message.startswith("PipeConfigError: the replicas"), message
         assert '"chunks": 2' in message and '"chunks": 4' in message
 
@@ -79,11 +80,14 @@ def test_buckets_and_time_unions() -> None:
     assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
 
 
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
 def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> None:
     path = str(tmp_path)
-    assert spawn(dp_workers.checkpoint_moves, 4, 2, 2, path, True, timeout=120) == [True] * 4
+    assert spawn(dp_workers.checkpoint_moves, 4, 2, 2, path, True,
+                 timeout=SPAWN_TIMEOUT) == [True] * 4
     # 2x2 -> 1x2: the full state_dict, and the sharded checkpoint with Adam's state.
-    assert spawn(dp_workers.checkpoint_moves, 2, 1, 2, path, False, timeout=120) == [True] * 2
+    assert spawn(dp_workers.checkpoint_moves, 2, 1, 2, path, False,
+                 timeout=SPAWN_TIMEOUT) == [True] * 2
     # ... and into one device, from the sharded checkpoint.
     from pipeline import sharded
 
@@ -97,7 +101,7 @@ def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> Non
 
 def test_fsdp2_over_dp_equals_one_device() -> None:
     combos = [("1f1b", "never"), ("gpipe", "always")]
-    assert spawn(dp_workers.fsdp, 4, combos, timeout=180) == [2] * 4
+    assert spawn(dp_workers.fsdp, 4, combos, timeout=SPAWN_TIMEOUT) == [2] * 4
 
 
 def test_fsdp_without_a_dp_dimension_is_refused() -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from pipeline import Pipe
 from pipeline.launch import spawn
+from tests.limits import SPAWN_TIMEOUT
 from tests.pipeline import dist_workers
 from tests.pipeline.test_amp import autocast_matches_plain
 
@@ -58,12 +59,13 @@ def test_dropout_replay_on_cuda() -> None:
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.dist
 def test_nccl_two_ranks() -> None:
     _gpus(2)
     combos = [("1f1b", "never"), ("zb-h1", "always"), ("interleaved", "except_last")]
     balances = {"1f1b": [4, 4], "zb-h1": [4, 4], "interleaved": [2, 2, 2, 2]}
     assert spawn(dist_workers.equivalence, 2, combos, balances, backend="nccl",
-                 timeout=200) == [6, 6]
+                 timeout=SPAWN_TIMEOUT) == [6, 6]
 
 
 def _shared_gpu_pipe(model: nn.Module, **kwargs: object) -> Pipe:

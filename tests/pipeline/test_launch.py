@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from pipeline.launch import RankFailed, free_port, main, rank_env, spawn
+from tests.limits import SPAWN_TIMEOUT
 
 
 def _whoami(rank: int, tag: str) -> tuple[Any, ...]:
@@ -47,17 +50,63 @@ def test_free_port_can_be_bound() -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
 def test_spawn_returns_each_ranks_result_in_rank_order() -> None:
-    assert spawn(_whoami, 2, "x", timeout=100) == [(0, 0, 2, "0", "x"), (1, 1, 2, "1", "x")]
+    assert spawn(_whoami, 2, "x", timeout=SPAWN_TIMEOUT) == [(0, 0, 2, "0", "x"),
+                                                             (1, 1, 2, "1", "x")]
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(120)
 def test_spawn_names_the_failed_rank_and_keeps_the_others_results() -> None:
     with pytest.raises(RankFailed, match=r"rank 1: ValueError: rank one says no") as err:
-        spawn(_fail_on_one, 2, timeout=100)
+        spawn(_fail_on_one, 2, timeout=SPAWN_TIMEOUT)
     assert err.value.results == {0: 0}
+
+
+def _same(q: Any) -> Any:
+    return q
+
+
+class _LateQueue:
+    """spawn's result queue as a loaded machine can make it look to the parent: the first wait
+    gives up (empty) only after every rank has reported and exited."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.held = True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _same, (self.inner,)  # the ranks put into the real queue
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self.held and block:
+            self.held = False
+            deadline = time.monotonic() + 90
+            while mp.active_children() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise queue.Empty
+        return self.inner.get(block, timeout)
+
+
+@pytest.mark.dist
+def test_spawn_reads_reports_that_arrive_as_their_ranks_exit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a rank that reported and exited between the parent's get giving up and its
+    # look at the exit codes was called dead ("process died (exit code 0)").
+    get_context = mp.get_context
+
+    class Context:
+        def __init__(self, method: str) -> None:
+            self.ctx = get_context(method)
+
+        def Queue(self) -> _LateQueue:  # (multiprocessing's name)
+            return _LateQueue(self.ctx.Queue())
+
+        def Process(self, *args: Any, **kwargs: Any) -> Any:
+            return self.ctx.Process(*args, **kwargs)
+
+    monkeypatch.setattr(mp, "get_context", Context)
+    assert spawn(_whoami, 2, "x", timeout=SPAWN_TIMEOUT) == [(0, 0, 2, "0", "x"),
+                                                             (1, 1, 2, "1", "x")]
 
 
 def _script(tmp_path: Path, body: str) -> Path:

@@ -13,6 +13,7 @@ from torch import nn
 
 from pipeline import Pipe, PipeConfigError, sharded
 from pipeline.launch import spawn
+from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline.sharded_workers import (
     adam,
     assert_same,
@@ -126,15 +127,16 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 def _saved_and_continued(path: Path, nproc: int, balance: list[int]
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    results = spawn(train_save_continue, nproc, str(path), balance, timeout=100)
+    results = spawn(train_save_continue, nproc, str(path), balance, timeout=SPAWN_TIMEOUT)
     return unpack([r[0] for r in results]), unpack([r[1] for r in results])
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
 def test_two_processes_to_four_threads_and_one_device(tmp_path: Path) -> None:
     saved, continued = _saved_and_continued(tmp_path, 2, [2, 4])
-    results = spawn(load_continue, 4, str(tmp_path), [1, 2, 2, 1], False, timeout=100)
+    results = spawn(load_continue, 4, str(tmp_path), [1, 2, 2, 1], False,
+                    timeout=SPAWN_TIMEOUT)
     assert_same(unpack([r[1] for r in results]), saved, "4 processes")
     assert_same(unpack([r[2] for r in results]), continued, "4 processes, one step later")
     for what, target in (("threads", _threads([3, 2, 1], seed=1)), ("one device", model(2))):
@@ -145,10 +147,10 @@ def test_two_processes_to_four_threads_and_one_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
 def test_four_processes_to_two(tmp_path: Path) -> None:
     saved, continued = _saved_and_continued(tmp_path, 4, [1, 2, 2, 1])
-    results = spawn(load_continue, 2, str(tmp_path), [4, 2], True, timeout=100)
+    results = spawn(load_continue, 2, str(tmp_path), [4, 2], True, timeout=SPAWN_TIMEOUT)
     for error, _, _ in results:  # every rank raised, and names the rank that misses keys
         assert "over 4 processes" in error, error
         assert "rank 1: model keys missing ['6.bias', '6.weight']" in error, error

@@ -120,6 +120,7 @@ def test_a_state_dict_shows_the_owners_value_after_the_optimizer_step() -> None:
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_tied_model_across_processes(nproc: int) -> None:
     from pipeline.launch import spawn
+    from tests.limits import SPAWN_TIMEOUT
     from tests.pipeline import dist_workers
 
     split = {2: [3, 4], 3: [2, 3, 2]}[nproc]
@@ -128,7 +129,7 @@ def test_tied_model_across_processes(nproc: int) -> None:
     if nproc == 2:
         combos += [("zb-v", "always", [2, 2, 1, 2]), ("interleaved", "never", [2, 2, 1, 2])]
     assert spawn(dist_workers.tied_language_model, nproc, combos,
-                 timeout=180) == [len(combos)] * nproc
+                 timeout=SPAWN_TIMEOUT) == [len(combos)] * nproc
 
 
 @pytest.mark.parametrize("many", [False, True])

@@ -9,6 +9,7 @@ import pytest
 import schedules
 from pipeline.launch import spawn
 from schedules.csvio import torch_incompatibility
+from tests.limits import SPAWN_TIMEOUT
 from tests.pipeline import interop_workers
 from tests.torch_csv import TORCH_CLASSES, build, unsupported
 
@@ -52,13 +53,12 @@ def _torch_cases(p: int) -> list[tuple[str, int, bool, int | None]]:
     return cases
 
 
-@pytest.mark.timeout(240)
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_exchange_both_ways_trains_exactly(p: int) -> None:
     ours, theirs = _ours(p), _torch_cases(p)
     names = {name for name, _, _ in ours}
     assert {"gpipe", "1f1b", "interleaved", "zb-h1"} <= names and "2bw" not in names
     assert {case[0] for case in theirs} == set(TORCH_CLASSES) - {"Schedule1F1B"}
-    results = spawn(interop_workers.exchange, p, ours, theirs, timeout=200)
+    results = spawn(interop_workers.exchange, p, ours, theirs, timeout=SPAWN_TIMEOUT)
     expected = len(ours) * 2 + len(theirs)
     assert [len(done) for done in results] == [expected] * p
