@@ -26,6 +26,7 @@ def test_2x2_equals_one_device_on_the_global_batch() -> None:
                  timeout=SPAWN_TIMEOUT) == [8] * 4
 
 
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
 def test_4x1_and_1x4_equal_one_device() -> None:
     assert spawn(dp_workers.equivalence, 4, 4, 1, [("1f1b", "always", [8])],
                  timeout=SPAWN_TIMEOUT) == [1] * 4
