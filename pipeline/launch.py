@@ -88,6 +88,12 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        if backend == "gloo":
+            # Every rank has joined before any runs `fn`. gloo connects the ranks pairwise in
+            # init_process_group, and a rank can return from it before its peers do: if `fn`
+            # then returned at once and the rank exited, it closed pairs a slower rank was
+            # still setting up ("Gloo connectFullMesh failed ... Connection closed by peer").
+            dist.barrier()
         results.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # reported to the parent, which raises RankFailed
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

@@ -109,6 +109,61 @@ def test_spawn_reads_reports_that_arrive_as_their_ranks_exit(
                                                              (1, 1, 2, "1", "x")]
 
 
+_EARLY: list[bool] = []  # on rank 1 of the test below: rank 0 ran `fn` before rank 1 joined
+
+
+def _joins_late(fn: Any, rank: int, *rest: Any) -> None:
+    """spawn's child, with rank 1's init_process_group lingering after it returns: up to 3 s,
+    until rank 0 says it has started `fn`."""
+    import torch.distributed as dist
+
+    from pipeline import launch
+
+    init = dist.init_process_group
+
+    def lingering(*args: Any, **kwargs: Any) -> None:
+        init(*args, **kwargs)
+        if rank == 1:
+            store = dist.distributed_c10d._get_default_store()
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not store.check(["test/fn started"]):
+                time.sleep(0.01)
+            _EARLY.append(store.check(["test/fn started"]))
+
+    dist.init_process_group = lingering  # type: ignore[assignment]
+    launch._child(fn, rank, *rest)
+
+
+def _started_before_all_joined(rank: int) -> bool:
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.distributed_c10d._get_default_store().set("test/fn started", "1")
+        return False
+    return _EARLY[0]
+
+
+@pytest.mark.dist
+def test_spawn_runs_fn_only_once_every_rank_has_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a rank ran `fn` as soon as its own init_process_group returned; one whose `fn`
+    # returned at once exited and broke the pairs a slower rank was still connecting (under
+    # load: "Gloo connectFullMesh failed ... Connection closed by peer" on rank 1).
+    get_context = mp.get_context
+
+    class Context:
+        def __init__(self, method: str) -> None:
+            self.ctx = get_context(method)
+
+        def Queue(self) -> Any:
+            return self.ctx.Queue()
+
+        def Process(self, *, target: Any, **kwargs: Any) -> Any:
+            return self.ctx.Process(target=_joins_late, **kwargs)
+
+    monkeypatch.setattr(mp, "get_context", Context)
+    assert spawn(_started_before_all_joined, 2, timeout=SPAWN_TIMEOUT) == [False, False]
+
+
 def _script(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "script.py"
     path.write_text("import json, os, sys, time\nrank = int(os.environ['RANK'])\n" + body)
