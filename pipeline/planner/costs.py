@@ -50,8 +50,8 @@ class ModelProfile:
     by_rows: Mapping[int, LayerCosts]
     batch_rows: int
     device: str = "cpu"
-    _static: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict, repr=False,
-                                                            compare=False)
+    _static: dict[tuple[int, int], tuple[int, int, int]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def at(self, rows: int) -> LayerCosts:
         """The costs of micro-batches of `rows` rows (profiled at that size)."""
@@ -61,13 +61,13 @@ class ModelProfile:
                            f"{sorted(self.by_rows)}); profile_model(..., rows=[{rows}, ...])")
         return found
 
-    def static_bytes(self, start: int, stop: int) -> tuple[int, int]:
+    def static_bytes(self, start: int, stop: int) -> tuple[int, int, int]:
         """Layers `start..stop-1` as one stage: (bytes of its parameters and buffers, bytes of
-        its trainable parameters), each distinct Parameter once."""
+        its trainable parameters, number of trainable tensors), each Parameter once."""
         key = (start, stop)
         if key not in self._static:
             seen: set[int] = set()
-            total = trainable = 0
+            total = trainable = count = 0
             for i in range(start, stop):
                 total += self.buffer_bytes[i]
                 for pid, nbytes, grad in self.params[i]:
@@ -75,7 +75,8 @@ class ModelProfile:
                         seen.add(pid)
                         total += nbytes
                         trainable += nbytes if grad else 0
-            self._static[key] = (total, trainable)
+                        count += 1 if grad else 0
+            self._static[key] = (total, trainable, count)
         return self._static[key]
 
 

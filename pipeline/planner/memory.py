@@ -18,18 +18,20 @@ from schedules import Op, Schedule
 
 __all__ = ["OPTIMIZERS", "checkpointed", "optimizer_factor", "rank_peaks", "stash_profile"]
 
-# Bytes of optimizer state per byte of trainable parameter (torch's implementations keep their
-# state in the parameter's dtype).
-OPTIMIZERS = {"adam": 2.0, "adamw": 2.0, "sgd": 0.0, "momentum": 1.0, "rmsprop": 1.0,
-              "adagrad": 1.0}
+# Optimizer state: bytes per byte of trainable parameter (torch's implementations keep their
+# state in the parameter's dtype), and bytes per parameter tensor (Adam's and Adagrad's `step`
+# counter, a float32 scalar each).
+OPTIMIZERS = {"adam": (2.0, 4), "adamw": (2.0, 4), "sgd": (0.0, 0), "momentum": (1.0, 0),
+              "rmsprop": (1.0, 4), "adagrad": (1.0, 4)}
 
 
-def optimizer_factor(optimizer: str | float) -> float:
-    """Optimizer state bytes per trainable parameter byte for a named optimizer (or a number)."""
+def optimizer_factor(optimizer: str | float) -> tuple[float, int]:
+    """(state bytes per trainable parameter byte, bytes per parameter tensor) of a named
+    optimizer; a number gives the first and no per-tensor state."""
     if isinstance(optimizer, int | float) and not isinstance(optimizer, bool):
         if optimizer < 0:
             raise ValueError(f"optimizer state per parameter byte must be >= 0 (got {optimizer})")
-        return float(optimizer)
+        return float(optimizer), 0
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)} or the bytes of state "
                          f"per parameter byte as a number (got {optimizer!r})")

@@ -104,7 +104,7 @@ class _Work:
 
 class _Search:
     def __init__(self, profile: ModelProfile, link: Link, ranks: int, limits: Sequence[float],
-                 optimizer: float) -> None:
+                 optimizer: tuple[float, int]) -> None:
         self.profile, self.link, self.ranks = profile, link, ranks
         self.limits, self.optimizer = list(limits), optimizer
         self.n = profile.num_layers
@@ -130,8 +130,9 @@ class _Search:
         return [f * (1 + rc) + b for f, b in zip(c.forward, back, strict=True)]
 
     def static(self, w: _Work, start: int, stop: int, versioned: bool) -> float:
-        total, trainable = self.profile.static_bytes(start, stop)
-        extra = trainable * (1 + self.optimizer + (1 if w.dp > 1 else 0))
+        total, trainable, tensors = self.profile.static_bytes(start, stop)
+        per_byte, per_tensor = self.optimizer
+        extra = trainable * (1 + per_byte + (1 if w.dp > 1 else 0)) + tensors * per_tensor
         return total + extra + (2 * total if versioned else 0)
 
     def evaluate(self, w: _Work, balance: Sequence[int] | None = None) -> bool:
@@ -257,7 +258,8 @@ class _Search:
 
 def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, checkpoint: str,
             balance: Sequence[int] | None = None, options: Sequence[tuple[str, int]] = (),
-            dp: int = 1, pp: int | None = None, optimizer: float = 2.0) -> Candidate:
+            dp: int = 1, pp: int | None = None,
+            optimizer: tuple[float, int] = (2.0, 4)) -> Candidate:
     """The prediction for one configuration (`balance` None: the min-max split of time), as a
     `Candidate` with status "fits" whatever the budget."""
     if pp is None:
@@ -288,7 +290,7 @@ def _fmt(nbytes: float) -> str:
 
 
 def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[float],
-           optimizer: float, space: Space) -> tuple[list[Candidate], float, str]:
+           optimizer: tuple[float, int], space: Space) -> tuple[list[Candidate], float, str]:
     """Every candidate of `space` with its verdict, the chosen one first; and, when none fits,
     the smallest budget per rank under which one would (else 0) and that candidate."""
     s = _Search(profile, link, ranks, limits, optimizer)

@@ -38,7 +38,8 @@ def test_static_bytes_count_a_tied_weight_once_per_stage() -> None:
     ids = torch.randint(0, 13, (4, 8))
     profile = profile_model(model, ids, ids, lm_loss, repeats=1, warmup=0)
     wte = 13 * 16 * 4
-    whole, trainable = profile.static_bytes(0, len(model))
+    whole, trainable, tensors = profile.static_bytes(0, len(model))
+    assert tensors == len(list(model.parameters()))
     assert whole == trainable == sum(p.numel() * 4 for p in model.parameters())
     head = profile.static_bytes(len(model) - 1, len(model))[0]
     assert head == wte  # the head's only weight is the embedding's
@@ -60,7 +61,7 @@ def test_profiling_leaves_the_model_as_it_was() -> None:
 def test_bad_rows_are_refused() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     x = torch.randn(4, 2)
-    with pytest.raises(ValueError, match="rows must lie in 1..4"):
+    with pytest.raises(ValueError, match=r"rows must lie in 1\.\.4"):
         profile_model(model, x, x, nn.MSELoss(), rows=[8])
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         profile_model(model, x, x, nn.MSELoss(), repeats=0)

@@ -64,9 +64,9 @@ def test_recomputation_as_a_table() -> None:
 
 
 def test_optimizer_state() -> None:
-    assert optimizer_factor("adam") == 2.0
-    assert optimizer_factor("sgd") == 0.0
-    assert optimizer_factor(1.5) == 1.5
+    assert optimizer_factor("adam") == (2.0, 4)  # exp_avg, exp_avg_sq; a float32 step each
+    assert optimizer_factor("sgd") == (0.0, 0)
+    assert optimizer_factor(1.5) == (1.5, 0)
     with pytest.raises(ValueError, match="must be one of"):
         optimizer_factor("lion")
     with pytest.raises(ValueError, match=">= 0"):
