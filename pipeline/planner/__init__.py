@@ -2,8 +2,8 @@
 
 from pipeline.planner.costs import LayerCosts, ModelProfile, profile_model
 from pipeline.planner.link import Link, measure_link
-from pipeline.planner.plan import Plan, PlanError, format_bytes, plan
+from pipeline.planner.plan import Plan, PlanError, format_bytes, format_table, plan
 from pipeline.planner.search import Candidate
 
 __all__ = ["Candidate", "LayerCosts", "Link", "ModelProfile", "Plan", "PlanError",
-           "format_bytes", "measure_link", "plan", "profile_model"]
+           "format_bytes", "format_table", "measure_link", "plan", "profile_model"]

@@ -17,7 +17,7 @@ from pipeline.planner.memory import optimizer_factor
 from pipeline.planner.search import CHECKPOINTS, Candidate, Space, search
 from schedules import Timeline
 
-__all__ = ["Plan", "PlanError", "format_bytes", "plan"]
+__all__ = ["Plan", "PlanError", "format_bytes", "format_table", "plan"]
 
 
 class PlanError(PipeConfigError):
@@ -77,7 +77,17 @@ class Plan:
     @property
     def timeline(self) -> Timeline:
         """The chosen configuration's predicted timeline (seconds)."""
-        return _seconds(self.chosen)
+        return self.timeline_of(self.chosen)
+
+    @staticmethod
+    def timeline_of(candidate: Candidate) -> Timeline:
+        """A simulated candidate's predicted timeline, in seconds, titled by its settings."""
+        if candidate.timeline is None:
+            raise ValueError(f"{candidate.label} was not simulated ({candidate.status})")
+        t = candidate.timeline
+        meta = {**t.meta, "predicted": True, "schedule": f"{candidate.label} (chunks "
+                f"{candidate.chunks}, {candidate.checkpoint}, dp {candidate.dp})"}
+        return Timeline(t.num_ranks, t.events, "s", meta)
 
     def pipe_kwargs(self, **overrides: Any) -> dict[str, Any]:
         """`Pipe`'s arguments for this plan (with `overrides`, e.g. `mesh=` when dp > 1)."""
@@ -115,14 +125,6 @@ class Plan:
             f"{self.link.per_byte * 1e9:.3f} ns/byte",
         ]
         return "\n".join(lines)
-
-
-def _seconds(c: Candidate) -> Timeline:
-    assert c.timeline is not None
-    t = c.timeline
-    meta = {**t.meta, "schedule": f"{c.label} (chunks {c.chunks}, {c.checkpoint})",
-            "predicted": True}
-    return Timeline(t.num_ranks, t.events, "s", meta)
 
 
 def format_table(candidates: Sequence[Candidate], limit: int | None = 20) -> str:

@@ -321,6 +321,8 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                                                f"{profile.num_layers} layers"))
                     continue
                 for ckpt in space.checkpoints:
+                    if ckpt == "except_last" and m == 1 and "never" in space.checkpoints:
+                        continue  # one micro-batch: except_last recomputes nothing
                     w = _Work(name, opts, dp, pp, m, mb, ckpt, costs, 0.0)
                     # Before splitting: the average rank's work, one micro-batch's path (with
                     # the cheaper backward of the split and unsplit kinds, so it bounds both).
