@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from pipeline.microbatch import leading_rows
 from pipeline.profile import _detached, _fresh_inputs, _sync, _untouched
 from pipeline.split_backward import backward_input, backward_weight
 
-__all__ = ["LayerCosts", "ModelProfile", "profile_model"]
+__all__ = ["LayerCosts", "ModelProfile", "measure_contention", "profile_model"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -194,3 +195,39 @@ def profile_model(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossF
                     for layer in layers)
     device = next((str(p.device) for p in model.parameters()), "cpu")
     return ModelProfile(len(layers), params, buffers, by_rows, batch, device)
+
+
+def measure_contention(threads: int, *, size: int = 256, work: int = 40,
+                       repeats: int = 3) -> float:
+    """How much longer a CPU computation takes when `threads` threads run one each at once
+    than when one runs alone (1.0: they do not slow each other; `threads` on one core: about
+    `threads`). Ranks on CPU share cores, caches and memory bandwidth with each other and with
+    whatever else the machine runs: the simulator's ranks compute at their profiled speed, so
+    the planner slows the overlapped part of each rank's work by this factor."""
+    if threads < 1 or repeats < 1:
+        raise ValueError(f"threads and repeats must be >= 1 (got {threads}, {repeats})")
+    a = torch.randn(size, size)
+
+    def job() -> None:
+        for _ in range(work):
+            torch.mm(a, a)
+
+    def timed(n: int) -> float:
+        runs = []
+        for _ in range(repeats):
+            workers = [threading.Thread(target=job) for _ in range(n)]
+            start = time.perf_counter()
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timed(1)  # warm-up
+        return max(1.0, timed(threads) / timed(1)) if threads > 1 else 1.0
+    finally:
+        torch.set_num_threads(previous)

@@ -11,7 +11,7 @@ from torch import nn
 
 import schedules
 from pipeline.errors import PipeConfigError
-from pipeline.planner.costs import LossFn, ModelProfile, profile_model
+from pipeline.planner.costs import LossFn, ModelProfile, measure_contention, profile_model
 from pipeline.planner.link import TRANSPORTS, Link, measure_link
 from pipeline.planner.memory import optimizer_factor
 from pipeline.planner.search import CHECKPOINTS, Candidate, Space, search
@@ -64,6 +64,7 @@ class Plan:
     devices: tuple[str, ...] | None
     link: Link
     profile: ModelProfile
+    contention: float = 1.0
 
     @property
     def chosen(self) -> Candidate:
@@ -122,7 +123,8 @@ class Plan:
                if self.dp > 1 else ""),
             f"predicted peak per rank {peaks} (budget {budget})",
             f"transfers over {self.link.transport}: {self.link.latency * 1e6:.1f} us + "
-            f"{self.link.per_byte * 1e9:.3f} ns/byte",
+            f"{self.link.per_byte * 1e9:.3f} ns/byte; ranks computing at once are "
+            f"{self.contention:.2f}x slower than alone",
         ]
         return "\n".join(lines)
 
@@ -202,7 +204,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
          transport: str = "threads", link: Link | None = None,
          profile: ModelProfile | None = None, chunks: Sequence[int] | None = None,
          checkpoints: Sequence[str] | None = None, data_parallel: Sequence[int] | None = None,
-         max_stages_per_rank: int = 4, repeats: int = 3) -> Plan:
+         max_stages_per_rank: int = 4, repeats: int = 3,
+         contention: float | None = None) -> Plan:
     """Choose how to pipeline `model` over `ranks` ranks within `memory_per_rank` bytes each.
 
     `sample` and `target` are one (global) batch, `loss_fn` the loss. Every registered schedule
@@ -210,7 +213,9 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     `ranks` (`transport` "gloo" or "nccl"; threads run one pipeline) and each micro-batch
     count is a candidate; see `pipeline.planner.search` for how the search is exact or
     pruned. Costs come from profiling the model where it lives (`profile_model`) and from
-    measuring the transport (`measure_link`); pass `profile` or `link` to reuse measurements.
+    measuring the transport (`measure_link`) and, when the ranks are CPUs, how much ranks
+    computing at once slow each other (`measure_contention`); pass `profile`, `link` or
+    `contention` to reuse measurements.
     Raises `PlanError` (a `ValueError`) naming the smallest budget that would fit when no
     candidate fits.
     """
@@ -244,8 +249,13 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     if link is None:
         pair = list(devices[:2]) if devices is not None and len(devices) > 1 else ["cpu", "cpu"]
         link = measure_link(transport, devices=pair)
+    if contention is None:
+        on_cpu = devices is None or all(str(d).startswith("cpu") for d in devices)
+        contention = measure_contention(ranks) if on_cpu and ranks > 1 else 1.0
+    if not contention >= 1.0:
+        raise PipeConfigError(f"contention must be a number >= 1 (got {contention!r})")
     table, least, where = search(profile, link, ranks=ranks, limits=limits,
-                                 optimizer=factor, space=space)
+                                 optimizer=factor, space=space, contention=contention)
     chosen = table[0] if table else None
     if chosen is None or chosen.status != "chosen":
         raise _no_fit(limits, least, where, tuple(table))
@@ -256,7 +266,7 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                 chosen.peak_bytes, chosen.activation_bytes, chosen.allreduce_time, limits,
                 tuple(table),
                 tuple(str(d) for d in devices) if devices is not None else None, link,
-                profile)
+                profile, contention)
 
 
 def _batch_rows(sample: Any) -> int:

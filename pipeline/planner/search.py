@@ -7,11 +7,16 @@ budget, the exact min-max split among those whose every stage fits (a rank's bud
 evenly by its stages, when it holds several) is taken instead. Candidates are then visited in
 increasing order of a lower bound on their step (a rank's total work, or one micro-batch's
 path through every stage): once the bound reaches the fastest simulated step, no later
-candidate can be faster, and the rest are pruned without simulating them.
+candidate can be faster, and the rest are pruned without simulating them. Ranks on CPU slow
+each other (shared cores, caches, memory bandwidth): with a measured contention factor above
+1, each candidate is simulated a second time with every rank's work slowed by that factor for
+the share of it that overlapped another rank's in the first simulation (the bounds, computed
+at full speed, stay lower bounds).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -104,8 +109,9 @@ class _Work:
 
 class _Search:
     def __init__(self, profile: ModelProfile, link: Link, ranks: int, limits: Sequence[float],
-                 optimizer: tuple[float, int]) -> None:
+                 optimizer: tuple[float, int], contention: float = 1.0) -> None:
         self.profile, self.link, self.ranks = profile, link, ranks
+        self.contention = contention
         self.limits, self.optimizer = list(limits), optimizer
         self.n = profile.num_layers
         self._schedules: dict[tuple[Any, ...], Schedule] = {}
@@ -228,7 +234,10 @@ class _Search:
     def simulate(self, w: _Work) -> tuple[float, float, Timeline]:
         """(step seconds, exposed all-reduce seconds, timeline) of an evaluated candidate."""
         assert w.schedule is not None and w.balance is not None
-        timeline = schedules.simulate(w.schedule, self.stage_costs(w, w.balance))
+        costs = self.stage_costs(w, w.balance)
+        timeline = schedules.simulate(w.schedule, costs)
+        if self.contention > 1:
+            timeline = schedules.simulate(w.schedule, self.contended(w, costs, timeline))
         span = timeline.makespan
         if w.dp == 1:
             return span, 0.0, timeline
@@ -247,6 +256,32 @@ class _Search:
             finish = max(finish, t)
         return finish, finish - span, timeline
 
+    def contended(self, w: _Work, costs: Costs, timeline: Timeline) -> Costs:
+        """`costs` with each rank's compute slowed by the contention factor for the share of
+        its work that overlaps another rank's (all of it when replicas run beside it)."""
+        assert w.schedule is not None
+        spans = [[(e.start, e.end) for e in timeline.lane(r) if e.action.is_compute]
+                 for r in range(w.pp)]
+        slow: dict[int, float] = {}
+        for r in range(w.pp):
+            mine = sum(b - a for a, b in spans[r])
+            if w.dp > 1 or mine <= 0:
+                share = 1.0 if w.dp > 1 else 0.0
+            else:
+                others = _union([iv for q in range(w.pp) if q != r for iv in spans[q]])
+                share = _overlap(spans[r], others) / mine
+            for s in w.schedule.stages_of(r):
+                slow[s] = 1 + (self.contention - 1) * share
+        k = len(slow)
+
+        def scaled(value: float | Sequence[float]) -> tuple[float, ...]:
+            values = [value] * k if isinstance(value, int | float) else list(value)
+            return tuple(v * slow[s] for s, v in enumerate(values))
+
+        return Costs(forward=scaled(costs.forward), backward=scaled(costs.backward),
+                     backward_input=scaled(costs.backward_input),
+                     backward_weight=scaled(costs.backward_weight), comm=costs.comm)
+
     def least_budget(self, w: _Work) -> float:
         """The smallest budget per rank under which this candidate gets a split."""
         if w.peaks is None:
@@ -258,8 +293,8 @@ class _Search:
 
 def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, checkpoint: str,
             balance: Sequence[int] | None = None, options: Sequence[tuple[str, int]] = (),
-            dp: int = 1, pp: int | None = None,
-            optimizer: tuple[float, int] = (2.0, 4)) -> Candidate:
+            dp: int = 1, pp: int | None = None, optimizer: tuple[float, int] = (2.0, 4),
+            contention: float = 1.0) -> Candidate:
     """The prediction for one configuration (`balance` None: the min-max split of time), as a
     `Candidate` with status "fits" whatever the budget."""
     if pp is None:
@@ -268,11 +303,33 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
         gen = schedules.info(schedule)
         pp = len(balance) // dict(options).get(gen.stages_option or "", gen.stages_per_rank)
     rows = -(-(profile.batch_rows // dp) // chunks)
-    s = _Search(profile, link, dp * pp, [math.inf] * (dp * pp), optimizer)
+    s = _Search(profile, link, dp * pp, [math.inf] * (dp * pp), optimizer, contention)
     w = _Work(schedule, tuple(options), dp, pp, chunks, rows, checkpoint, profile.at(rows), 0.0)
     s.evaluate(w, balance)
     step, exposed, timeline = s.simulate(w)
     return _row(w, "fits", "", step, exposed, timeline)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(spans: list[tuple[float, float]], union: list[tuple[float, float]]) -> float:
+    """Total length of `spans` (disjoint, one rank's) covered by `union` (sorted, disjoint)."""
+    starts = [a for a, _ in union]
+    total = 0.0
+    for a, b in spans:
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(union) and union[i][0] < b:
+            total += max(0.0, min(b, union[i][1]) - max(a, union[i][0]))
+            i += 1
+    return total
 
 
 def _bounds(balance: Sequence[int]) -> list[int]:
@@ -290,10 +347,11 @@ def _fmt(nbytes: float) -> str:
 
 
 def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[float],
-           optimizer: tuple[float, int], space: Space) -> tuple[list[Candidate], float, str]:
+           optimizer: tuple[float, int], space: Space,
+           contention: float = 1.0) -> tuple[list[Candidate], float, str]:
     """Every candidate of `space` with its verdict, the chosen one first; and, when none fits,
     the smallest budget per rank under which one would (else 0) and that candidate."""
-    s = _Search(profile, link, ranks, limits, optimizer)
+    s = _Search(profile, link, ranks, limits, optimizer, contention)
     rows_total = profile.batch_rows
     table: list[Candidate] = []
     todo: list[_Work] = []

@@ -22,6 +22,7 @@ def _plan(profile: ModelProfile, ranks: int, budget: float | None, **kw: Any) ->
     model = nn.Sequential(*[nn.Identity() for _ in range(profile.num_layers)])
     kw.setdefault("link", Link("threads", 1e-5, 1e-10))
     kw.setdefault("max_stages_per_rank", 2)
+    kw.setdefault("contention", 1.0)
     return plan(model, None, None, None, ranks=ranks, memory_per_rank=budget,
                 profile=profile, **kw)
 
@@ -162,3 +163,36 @@ def test_planning_48_layers_for_8_ranks_takes_under_10_seconds() -> None:
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, f"planning took {elapsed:.1f} s"
     assert len(p.candidates) > 500 and sum(len(p.balance) for _ in [0]) >= 8
+
+
+def test_contention_slows_only_the_overlapped_work() -> None:
+    profile = synthetic_profile([(1e-4, 100.0, 1000.0)] * 4, 8, overhead=0.0)
+    link = Link.free()
+
+    def step(chunks: int, contention: float, dp: int = 1) -> float:
+        got = predict(profile, link, schedule="1f1b", chunks=chunks, checkpoint="never",
+                      pp=2, dp=dp, contention=contention)
+        assert got.step_time is not None
+        return got.step_time
+
+    # One micro-batch: the two ranks never compute at once, nothing to slow.
+    assert step(1, 2.0) == pytest.approx(step(1, 1.0))
+    # Eight: most of each rank's work overlaps the other's.
+    assert step(1, 1.0) > step(8, 1.0)
+    assert step(8, 1.0) * 1.5 < step(8, 2.0) <= step(8, 1.0) * 2
+    # Replicas compute beside every rank all the time.
+    assert step(4, 2.0, dp=2) == pytest.approx(2 * step(4, 1.0, dp=2))
+    # And the plan follows: at 2x contention, pipelining two ranks on shared cores buys little.
+    fast = _plan(profile, 2, None, contention=1.0)
+    slow = _plan(profile, 2, None, contention=2.0)
+    assert slow.predicted_step_time > fast.predicted_step_time
+    assert slow.contention == 2.0
+
+
+def test_contention_is_measured_on_cpu() -> None:
+    from pipeline.planner import measure_contention
+
+    assert measure_contention(1) == 1.0
+    assert measure_contention(2, work=5, repeats=1) >= 1.0
+    with pytest.raises(ValueError, match=">= 1"):
+        measure_contention(0)
