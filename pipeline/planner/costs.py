@@ -197,37 +197,74 @@ def profile_model(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossF
     return ModelProfile(len(layers), params, buffers, by_rows, batch, device)
 
 
-def measure_contention(threads: int, *, size: int = 256, work: int = 40,
-                       repeats: int = 3) -> float:
-    """How much longer a CPU computation takes when `threads` threads run one each at once
-    than when one runs alone (1.0: they do not slow each other; `threads` on one core: about
-    `threads`). Ranks on CPU share cores, caches and memory bandwidth with each other and with
-    whatever else the machine runs: the simulator's ranks compute at their profiled speed, so
-    the planner slows the overlapped part of each rank's work by this factor."""
-    if threads < 1 or repeats < 1:
-        raise ValueError(f"threads and repeats must be >= 1 (got {threads}, {repeats})")
-    a = torch.randn(size, size)
+def measure_contention(model: nn.Sequential, sample: Any, *, ranks: int,
+                       seconds: float = 0.3, repeats: int = 3) -> float:
+    """How much slower the model's layers compute when `ranks` threads run them at once, each
+    its own contiguous share (split by parameters, as a pipeline's ranks would hold them), than
+    when each share runs alone: the mean over shares of (time per forward + backward together)
+    / (time alone), at least 1; the median of `repeats` measurements. Ranks on CPU share
+    cores, caches and memory bandwidth with each other and with whatever else the machine
+    runs; the simulator's ranks compute at their profiled speed, so the planner slows the
+    overlapped part of each rank's work by this factor. The model is left as it was."""
+    if ranks < 1 or repeats < 1 or not seconds > 0:
+        raise ValueError(f"ranks and repeats must be >= 1 and seconds > 0 (got {ranks}, "
+                         f"{repeats}, {seconds})")
+    layers = list(model)
+    if ranks == 1 or len(layers) < ranks:
+        return 1.0
+    from pipeline.partition import partition
+    from pipeline.profile import layer_params
 
-    def job() -> None:
-        for _ in range(work):
-            torch.mm(a, a)
+    bounds = [0]
+    for size in partition(layer_params(model), ranks):
+        bounds.append(bounds[-1] + size)
+    with _untouched(model, sample):
+        value = sample
+        jobs = []
+        for r in range(ranks):
+            part = nn.Sequential(*layers[bounds[r]:bounds[r + 1]])
+            jobs.append((part, value, r == 0))
+            with torch.no_grad():
+                value = part(_detached(value))
 
-    def timed(n: int) -> float:
-        runs = []
-        for _ in range(repeats):
-            workers = [threading.Thread(target=job) for _ in range(n)]
+        def once(job: tuple[nn.Module, Any, bool]) -> None:
+            part, given, first = job
+            roots, grads = _roots(part(_detached(given) if first else _fresh_inputs(given)))
+            if roots:
+                torch.autograd.backward(roots, grads)
+
+        def rate(chosen: list[int]) -> list[float]:
+            """Seconds per forward + backward of each chosen share, all running at once."""
+            stop = threading.Event()
+            counts = [0] * len(chosen)
+
+            def loop(i: int) -> None:
+                while not stop.is_set():
+                    once(jobs[chosen[i]])
+                    counts[i] += 1
+
+            workers = [threading.Thread(target=loop, args=(i,)) for i in range(len(chosen))]
             start = time.perf_counter()
             for t in workers:
                 t.start()
+            time.sleep(seconds)
+            stop.set()
             for t in workers:
                 t.join()
-            runs.append(time.perf_counter() - start)
-        return statistics.median(runs)
+            elapsed = time.perf_counter() - start
+            return [elapsed / max(1, c) for c in counts]
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        timed(1)  # warm-up
-        return max(1.0, timed(threads) / timed(1)) if threads > 1 else 1.0
-    finally:
-        torch.set_num_threads(previous)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for job in jobs:
+                once(job)  # warm-up
+            factors = []
+            for _ in range(repeats):
+                alone = [rate([r])[0] for r in range(ranks)]
+                together = rate(list(range(ranks)))
+                factors.append(statistics.fmean(t / a for t, a in zip(together, alone,
+                                                                       strict=True)))
+        finally:
+            torch.set_num_threads(previous)
+    return max(1.0, statistics.median(factors))

@@ -14,7 +14,8 @@ from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import LossFn, ModelProfile, measure_contention, profile_model
 from pipeline.planner.link import TRANSPORTS, Link, measure_link
 from pipeline.planner.memory import optimizer_factor
-from pipeline.planner.search import CHECKPOINTS, Candidate, Space, search
+from pipeline.planner.search import search
+from pipeline.planner.space import CHECKPOINTS, Candidate, Space
 from schedules import Timeline
 
 __all__ = ["Plan", "PlanError", "format_bytes", "format_table", "plan"]
@@ -251,7 +252,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
         link = measure_link(transport, devices=pair)
     if contention is None:
         on_cpu = devices is None or all(str(d).startswith("cpu") for d in devices)
-        contention = measure_contention(ranks) if on_cpu and ranks > 1 else 1.0
+        contention = (measure_contention(model, sample, ranks=ranks)
+                      if on_cpu and ranks > 1 and sample is not None else 1.0)
     if not contention >= 1.0:
         raise PipeConfigError(f"contention must be a number >= 1 (got {contention!r})")
     table, least, where = search(profile, link, ranks=ranks, limits=limits,

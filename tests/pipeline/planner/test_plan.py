@@ -124,3 +124,21 @@ def test_profiling_happens_when_no_profile_is_given() -> None:
     assert p.schedule in ("1f1b", "gpipe") and p.chunks == 2
     assert sorted(p.profile.by_rows) == [8]
     assert p.link.transport == "threads"
+
+
+@pytest.mark.dist
+def test_a_data_parallel_plan_runs_on_a_mesh() -> None:
+    from pipeline.launch import spawn
+    from tests.pipeline.planner import plan_workers
+
+    spec = get_model("tiny")
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    # Which factorisation wins is test_search's business; here, two replicas must run.
+    p = plan(model, x, y, loss, ranks=2, memory_per_rank=None, transport="gloo",
+             link=Link("gloo", 0.0, 0.0), contention=1.0, chunks=[1, 2], repeats=1,
+             data_parallel=[2])
+    assert (p.dp, p.pp) == (2, 1) and p.microbatch_rows in (4, 8)
+    kwargs = {k: v for k, v in p.pipe_kwargs(mesh=None).items() if k != "mesh"}
+    assert "devices" not in kwargs  # processes: each rank its own device
+    losses = spawn(plan_workers.step_planned, 2, p.dp, p.pp, kwargs, timeout=120)
+    assert losses[0] == losses[1]

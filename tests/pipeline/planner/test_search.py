@@ -189,10 +189,16 @@ def test_contention_slows_only_the_overlapped_work() -> None:
     assert slow.contention == 2.0
 
 
-def test_contention_is_measured_on_cpu() -> None:
+def test_contention_is_measured_on_the_models_own_layers() -> None:
+    import torch
+
     from pipeline.planner import measure_contention
 
-    assert measure_contention(1) == 1.0
-    assert measure_contention(2, work=5, repeats=1) >= 1.0
-    with pytest.raises(ValueError, match=">= 1"):
-        measure_contention(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(16, 64)
+    assert measure_contention(model, x, ranks=1) == 1.0
+    assert measure_contention(model, x, ranks=2, seconds=0.05, repeats=1) >= 1.0
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
+        measure_contention(model, x, ranks=0)
