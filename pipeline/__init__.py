@@ -4,8 +4,10 @@ import logging
 
 from pipeline.checkpoint import is_recomputing
 from pipeline.pipe import Pipe, PipeConfigError, PipelineError
+from pipeline.planner import Plan, PlanError, plan
 
-__all__ = ["Pipe", "PipeConfigError", "PipelineError", "is_recomputing"]
+__all__ = ["Pipe", "PipeConfigError", "PipelineError", "Plan", "PlanError", "is_recomputing",
+           "plan"]
 
 # A library logs, the application decides what is shown: silent unless logging is configured.
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["BalanceError", "partition", "split_sizes"]
+__all__ = ["BalanceError", "Fits", "min_max_split", "partition", "split_sizes"]
+
+Fits = Callable[[int, int, int], bool]
+"""`fits(part, start, stop)`: may layers `start..stop-1` form part `part`? (e.g. a memory limit)"""
 
 
 class BalanceError(ValueError):
     """A balance (layers per stage) that cannot describe the model."""
 
 
-def partition(costs: Sequence[float], num_parts: int) -> list[int]:
+def partition(costs: Sequence[float], num_parts: int, *, fits: Fits | None = None) -> list[int]:
     """Split `costs` into `num_parts` non-empty contiguous parts minimising the largest part sum.
 
     Returns the part sizes (a balance). Exact, by dynamic programming over prefix sums in
     O(k * n^2). Among optimal splits it keeps the last stage as short as possible, since the
-    last stage also computes the loss.
+    last stage also computes the loss. With `fits`, only parts it accepts are used (the split
+    is then the best among those that fit; a `BalanceError` when none does).
     """
     n = len(costs)
     if num_parts < 1:
@@ -38,16 +42,48 @@ def partition(costs: Sequence[float], num_parts: int) -> list[int]:
     for k in range(1, num_parts + 1):
         for i in range(k, n - (num_parts - k) + 1):
             for j in range(k - 1, i):  # the last part is layers j..i-1
+                if fits is not None and (best[k - 1][j] == inf or not fits(k - 1, j, i)):
+                    continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 # `<=` keeps the latest cut among ties: the last part stays short.
                 if value <= best[k][i]:
                     best[k][i], cut[k][i] = value, j
+    if best[num_parts][n] == inf:
+        raise BalanceError(f"no split of {n} layers into {num_parts} stages has every stage "
+                           f"within its limit: raise the limit or use other stages")
     sizes, i = [], n
     for k in range(num_parts, 0, -1):
         j = cut[k][i]
         sizes.append(i - j)
         i = j
     return sizes[::-1]
+
+
+def min_max_split(num_items: int, num_parts: int,
+                  cost: Callable[[int, int, int], float]) -> tuple[list[int], float]:
+    """The contiguous split of `num_items` into `num_parts` non-empty parts minimising the
+    largest `cost(part, start, stop)`, and that largest cost. Exact (dynamic programming, k n^2
+    calls of `cost`); unlike `partition`, a part's cost may depend on its position, so this
+    finds, for instance, the split needing the least memory on its fullest stage."""
+    if num_parts < 1 or num_items < num_parts:
+        raise BalanceError(f"cannot split {num_items} layers into {num_parts} non-empty "
+                           f"stages: use between 1 and {num_items} stages")
+    inf = float("inf")
+    best = [[inf] * (num_items + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (num_items + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_parts + 1):
+        for i in range(k, num_items - (num_parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], cost(k - 1, j, i))
+                if value <= best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    sizes, i = [], num_items
+    for k in range(num_parts, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1], best[num_parts][num_items]
 
 
 def split_sizes(total: int, num_parts: int) -> list[int]:

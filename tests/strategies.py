@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import schedules
 
-__all__ = ["balances", "schedule_args", "schedules_any", "sequential_specs"]
+__all__ = ["balances", "model_profiles", "schedule_args", "schedules_any", "sequential_specs",
+           "synthetic_profile"]
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -65,3 +66,31 @@ def balances(draw: st.DrawFn, num_layers: int, num_stages: int) -> list[int]:
                                 max_size=num_stages - 1, unique=True)))
     edges = [0, *cuts, num_layers]
     return [b - a for a, b in itertools.pairwise(edges)]
+
+
+def synthetic_profile(layer_costs: list[tuple[float, float, float]], batch: int, *,
+                      overhead: float = 1e-4) -> Any:
+    """A `ModelProfile` without a model: per layer (seconds per row, bytes per row saved,
+    parameter bytes); every micro-batch size costs `overhead` + rows x seconds per row in
+    forward (twice that in backward, split evenly into I and W) and holds its input (4 bytes
+    a row per layer) and rows x its saved bytes. Profiled at every size 1..batch."""
+    from pipeline.planner import LayerCosts, ModelProfile
+
+    by_rows = {}
+    for r in range(1, batch + 1):
+        forward = tuple(overhead + r * t for t, _, _ in layer_costs)
+        by_rows[r] = LayerCosts(r, forward, tuple(2 * f for f in forward), forward, forward,
+                                tuple(4.0 * r for _ in layer_costs),
+                                tuple(r * g for _, g, _ in layer_costs))
+    params = tuple(((i, int(p), True),) for i, (_, _, p) in enumerate(layer_costs))
+    return ModelProfile(len(layer_costs), params, (0,) * len(layer_costs), by_rows, batch)
+
+
+@st.composite
+def model_profiles(draw: st.DrawFn, max_layers: int = 8) -> Any:
+    """A synthetic `ModelProfile` of 2..max_layers layers, uneven in time, memory and size."""
+    n = draw(st.integers(2, max_layers))
+    costs = [(draw(st.floats(1e-5, 1e-3)), float(draw(st.integers(0, 4096))),
+              float(draw(st.integers(0, 1 << 16)))) for _ in range(n)]
+    return synthetic_profile(costs, draw(st.sampled_from([1, 2, 4, 8])),
+                             overhead=draw(st.sampled_from([0.0, 1e-5, 1e-4])))

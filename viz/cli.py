@@ -89,6 +89,7 @@ examples:
   pipeviz 1f1b -p 4 -m 8 --format chrome -o trace.json      (open in ui.perfetto.dev)
   pipeviz 1f1b -p 2 -m 3 --format dot -o graph.svg          (dependency graph, critical path)
   pipeviz compare gpipe 1f1b interleaved zb-h1 -p 4 -m 8 --format svg -o compare.svg
+  pipeviz plan benchmarks.models:MODELS.mlp --ranks 2 --memory 80MiB   (pipeviz plan --help)
 
 exit status: 0 drawn; 1 the schedule is invalid (drawn, failing step marked); 2 bad arguments.""",
     )
@@ -123,8 +124,13 @@ exit status: 0 drawn; 1 the schedule is invalid (drawn, failing step marked); 2 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run pipeviz; returns the exit status (0 drawn, 1 invalid schedule, 2 bad arguments)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["plan"]:  # profiles a model: torch is imported for this command only
+        from viz.plan import main as plan_main
+
+        return plan_main(args[1:])
     try:
-        return _main(_parser().parse_args(argv))
+        return _main(_parser().parse_args(args))
     except _UsageError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the cause wrote
         print(f"pipeviz: error: {message} (see pipeviz --help)", file=sys.stderr)

@@ -262,6 +262,8 @@ def _describe(timeline: Timeline) -> str:
     text = ", ".join(parts)
     if "costs" in meta:
         text += f"; costs {meta['costs']}"
+    if meta.get("predicted"):  # seconds, but simulated (pipeline.plan's timelines)
+        return text + "; predicted"
     return text + ("; measured" if timeline.unit == "s" else "; planned")
 
 

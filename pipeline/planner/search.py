@@ -1,0 +1,398 @@
+"""The search: schedules x checkpoint modes x dp x pp x micro-batch counts, each split under the
+memory limit and simulated, in order of a lower bound that prunes what cannot win.
+
+For every candidate, the layers are split by the exact min-max partition of their profiled
+time (forward, backward, and the replay when recomputing); if that split exceeds a rank's
+budget, the exact min-max split among those whose every stage fits (a rank's budget shared
+evenly by its stages, when it holds several) is taken instead. Candidates are then visited in
+increasing order of a lower bound on their step (a rank's total work, or one micro-batch's
+path through every stage): once the bound reaches the fastest simulated step, no later
+candidate can be faster, and the rest are pruned without simulating them. Ranks on CPU slow
+each other (shared cores, caches, memory bandwidth): with a measured contention factor above
+1, each candidate is simulated a second time with every rank's work slowed by that factor for
+the share of it that overlapped another rank's in the first simulation (the bounds, computed
+at full speed, stay lower bounds).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import schedules
+from pipeline.partition import BalanceError, min_max_split, partition
+from pipeline.planner.costs import LayerCosts, ModelProfile
+from pipeline.planner.link import Link
+from pipeline.planner.memory import checkpointed, rank_peaks, stash_profile
+from pipeline.planner.space import Candidate, Space
+from schedules import Costs, Op, Schedule, Timeline
+
+__all__ = ["predict", "search"]
+
+_SLACK = 1 + 1e-12  # budgets are compared with this much rounding allowed
+
+
+@dataclass
+class _Work:
+    """A candidate being evaluated: its schedule, per-layer costs and memory model."""
+
+    name: str
+    options: tuple[tuple[str, int], ...]
+    dp: int
+    pp: int
+    chunks: int
+    rows: int
+    checkpoint: str
+    costs: LayerCosts
+    bound0: float
+    schedule: Schedule | None = None
+    balance: list[int] | None = None
+    peaks: tuple[float, ...] | None = None
+    acts: tuple[float, ...] | None = None
+    reason: str = ""
+    bound: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Search:
+    def __init__(self, profile: ModelProfile, link: Link, ranks: int, limits: Sequence[float],
+                 optimizer: tuple[float, int], contention: float = 1.0) -> None:
+        self.profile, self.link, self.ranks = profile, link, ranks
+        self.contention = contention
+        self.limits, self.optimizer = list(limits), optimizer
+        self.n = profile.num_layers
+        self._schedules: dict[tuple[Any, ...], Schedule] = {}
+        self._splits: dict[tuple[Any, ...], list[int]] = {}
+
+    # -- per candidate ---------------------------------------------------------------------------
+    def schedule(self, w: _Work) -> Schedule:
+        key = (w.name, w.options, w.pp, w.chunks)
+        if key not in self._schedules:
+            self._schedules[key] = schedules.get_schedule(w.name, w.pp, w.chunks,
+                                                          **dict(w.options))
+        return self._schedules[key]
+
+    @staticmethod
+    def recompute_share(w: _Work) -> float:
+        return sum(checkpointed(w.checkpoint, w.chunks)) / w.chunks
+
+    def layer_times(self, w: _Work, split: bool) -> list[float]:
+        c, rc = w.costs, self.recompute_share(w)
+        back = ([i + wt for i, wt in zip(c.backward_input, c.backward_weight, strict=True)]
+                if split else list(c.backward))
+        return [f * (1 + rc) + b for f, b in zip(c.forward, back, strict=True)]
+
+    def static(self, w: _Work, start: int, stop: int, versioned: bool) -> float:
+        total, trainable, tensors = self.profile.static_bytes(start, stop)
+        per_byte, per_tensor = self.optimizer
+        extra = trainable * (1 + per_byte + (1 if w.dp > 1 else 0)) + tensors * per_tensor
+        return total + extra + (2 * total if versioned else 0)
+
+    def evaluate(self, w: _Work, balance: Sequence[int] | None = None) -> bool:
+        """Split `w` under its budget (or take `balance` as given); False (with `w.reason`)
+        if nothing fits."""
+        sched = w.schedule = self.schedule(w)
+        k, per_rank = sched.num_stages, sched.num_stages // sched.num_ranks
+        ops = {a.op for row in sched.actions for a in row}
+        split, versioned = Op.I in ops, Op.U in ops
+        rec = checkpointed(w.checkpoint, w.chunks)
+        stash = stash_profile(sched, rec)
+        times = self.layer_times(w, split)
+        saved = [0.0]
+        for s in w.costs.saved_bytes:
+            saved.append(saved[-1] + s)
+        inputs = w.costs.input_bytes
+        limit = [min(self.limits[d * w.pp + sched.rank_of(s)] for d in range(w.dp)) / per_rank
+                 for s in range(k)]
+
+        def stage_mem(s: int, j: int, i: int) -> float:
+            graph = saved[i] - saved[j]
+            return self.static(w, j, i, versioned) + max(
+                (a * inputs[j] + b * graph for a, b in stash.get(s, ((0, 0),))), default=0.0)
+
+        def peaks(balance: list[int]) -> tuple[float, ...]:
+            bounds = _bounds(balance)
+            ins = [inputs[bounds[s]] for s in range(k)]
+            graphs = [saved[bounds[s + 1]] - saved[bounds[s]] for s in range(k)]
+            w.acts = rank_peaks(sched, rec, ins, graphs)
+            return tuple(w.acts[r] + sum(self.static(w, bounds[s], bounds[s + 1], versioned)
+                                         for s in sched.stages_of(r)) for r in range(w.pp))
+
+        w.extra.update(stage_mem=stage_mem, per_rank=per_rank, split=split)
+        if balance is not None:
+            w.balance, w.peaks = list(balance), peaks(list(balance))
+            w.bound = self.bound(w, balance)
+            return True
+        key = (tuple(times), k)
+        if key not in self._splits:
+            self._splits[key] = partition(times, k)
+        balance = self._splits[key]
+        got = peaks(balance)
+        over = [r for r in range(w.pp) if got[r] > limit[sched.stages_of(r)[0]] * per_rank
+                * _SLACK]
+        w.reason = "the fastest split fits"
+        if over:
+            try:
+                balance = partition(times, k, fits=lambda s, j, i: stage_mem(s, j, i)
+                                    <= limit[s] * _SLACK)
+            except BalanceError:
+                r = over[0]
+                budget = limit[sched.stages_of(r)[0]] * per_rank
+                w.reason = (f"rank {r} needs {_fmt(got[r])} with the fastest split "
+                            f"{balance}; no split fits {_fmt(budget)}")
+                w.balance, w.peaks = balance, got
+                return False
+            got = peaks(balance)
+            w.reason = "split to fit the budget"
+        w.balance, w.peaks = balance, got
+        w.bound = self.bound(w, balance)
+        return True
+
+    def stage_costs(self, w: _Work, balance: Sequence[int]) -> Costs:
+        c, rc = w.costs, self.recompute_share(w)
+        out: dict[str, list[float]] = {"forward": [], "backward": [], "backward_input": [],
+                                       "backward_weight": []}
+        start = 0
+        for size in balance:
+            part = range(start, start + size)
+            f = sum(c.forward[i] for i in part)
+            out["forward"].append(f)
+            out["backward"].append(sum(c.backward[i] for i in part) + rc * f)
+            out["backward_input"].append(sum(c.backward_input[i] for i in part) + rc * f)
+            out["backward_weight"].append(sum(c.backward_weight[i] for i in part))
+            start += size
+        boundary = max((c.input_bytes[i] for i in _bounds(balance)[1:-1]), default=0.0)
+        return Costs(comm=self.link.time(boundary), **out)
+
+    def bound(self, w: _Work, balance: Sequence[int]) -> float:
+        """A lower bound on the step: no rank finishes before its own work is done, and no
+        step before one micro-batch has gone forward and back through every stage."""
+        assert w.schedule is not None
+        costs = self.stage_costs(w, balance)
+        split = w.extra["split"]
+        work = [costs.of(Op.F, s) + (costs.of(Op.I, s) + costs.of(Op.W, s) if split
+                                     else costs.of(Op.B, s)) for s in range(len(balance))]
+        busy = max(w.chunks * sum(work[s] for s in w.schedule.stages_of(r))
+                   for r in range(w.pp))
+        chain = sum(costs.of(Op.F, s) + costs.of(Op.I if split else Op.B, s)
+                    for s in range(len(balance)))
+        return max(busy, chain)
+
+    def simulate(self, w: _Work) -> tuple[float, float, Timeline]:
+        """(step seconds, exposed all-reduce seconds, timeline) of an evaluated candidate."""
+        assert w.schedule is not None and w.balance is not None
+        costs = self.stage_costs(w, w.balance)
+        timeline = schedules.simulate(w.schedule, costs)
+        if self.contention > 1:
+            timeline = schedules.simulate(w.schedule, self.contended(w, costs, timeline))
+        span = timeline.makespan
+        if w.dp == 1:
+            return span, 0.0, timeline
+        # Each stage's gradients are averaged as soon as its last backward ends; one rank's
+        # reductions run one after another.
+        done: dict[int, float] = {}
+        for e in timeline.events:
+            if e.action.op in (Op.B, Op.W):
+                done[e.action.stage] = max(done.get(e.action.stage, 0.0), e.end)
+        bounds, finish = _bounds(w.balance), span
+        for r in range(w.pp):
+            t = 0.0
+            for s in sorted(w.schedule.stages_of(r), key=lambda s: done.get(s, span)):
+                grads = self.profile.static_bytes(bounds[s], bounds[s + 1])[1]
+                t = max(t, done.get(s, span)) + self.link.allreduce(grads, w.dp)
+            finish = max(finish, t)
+        return finish, finish - span, timeline
+
+    def contended(self, w: _Work, costs: Costs, timeline: Timeline) -> Costs:
+        """`costs` with each rank's compute slowed by the contention factor for the share of
+        its work that overlaps another rank's (all of it when replicas run beside it)."""
+        assert w.schedule is not None
+        spans = [[(e.start, e.end) for e in timeline.lane(r) if e.action.is_compute]
+                 for r in range(w.pp)]
+        slow: dict[int, float] = {}
+        for r in range(w.pp):
+            mine = sum(b - a for a, b in spans[r])
+            if w.dp > 1 or mine <= 0:
+                share = 1.0 if w.dp > 1 else 0.0
+            else:
+                others = _union([iv for q in range(w.pp) if q != r for iv in spans[q]])
+                share = _overlap(spans[r], others) / mine
+            for s in w.schedule.stages_of(r):
+                slow[s] = 1 + (self.contention - 1) * share
+        k = len(slow)
+
+        def scaled(value: float | Sequence[float]) -> tuple[float, ...]:
+            values = [value] * k if isinstance(value, int | float) else list(value)
+            return tuple(v * slow[s] for s, v in enumerate(values))
+
+        return Costs(forward=scaled(costs.forward), backward=scaled(costs.backward),
+                     backward_input=scaled(costs.backward_input),
+                     backward_weight=scaled(costs.backward_weight), comm=costs.comm)
+
+    def least_budget(self, w: _Work) -> float:
+        """The smallest budget per rank under which this candidate gets a split."""
+        if w.peaks is None:
+            return math.inf
+        per_rank = w.extra["per_rank"]
+        _, worst = min_max_split(self.n, len(w.balance or ()), w.extra["stage_mem"])
+        return float(min(max(w.peaks), per_rank * worst))
+
+
+def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, checkpoint: str,
+            balance: Sequence[int] | None = None, options: Sequence[tuple[str, int]] = (),
+            dp: int = 1, pp: int | None = None, optimizer: tuple[float, int] = (2.0, 4),
+            contention: float = 1.0) -> Candidate:
+    """The prediction for one configuration (`balance` None: the min-max split of time), as a
+    `Candidate` with status "fits" whatever the budget."""
+    if pp is None:
+        if balance is None:
+            raise ValueError("predict needs pp (pipeline ranks) or a balance")
+        gen = schedules.info(schedule)
+        pp = len(balance) // dict(options).get(gen.stages_option or "", gen.stages_per_rank)
+    rows = -(-(profile.batch_rows // dp) // chunks)
+    s = _Search(profile, link, dp * pp, [math.inf] * (dp * pp), optimizer, contention)
+    w = _Work(schedule, tuple(options), dp, pp, chunks, rows, checkpoint, profile.at(rows), 0.0)
+    s.evaluate(w, balance)
+    step, exposed, timeline = s.simulate(w)
+    return _row(w, "fits", "", step, exposed, timeline)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(spans: list[tuple[float, float]], union: list[tuple[float, float]]) -> float:
+    """Total length of `spans` (disjoint, one rank's) covered by `union` (sorted, disjoint)."""
+    starts = [a for a, _ in union]
+    total = 0.0
+    for a, b in spans:
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(union) and union[i][0] < b:
+            total += max(0.0, min(b, union[i][1]) - max(a, union[i][0]))
+            i += 1
+    return total
+
+
+def _bounds(balance: Sequence[int]) -> list[int]:
+    out = [0]
+    for b in balance:
+        out.append(out[-1] + b)
+    return out
+
+
+def _fmt(nbytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[float],
+           optimizer: tuple[float, int], space: Space,
+           contention: float = 1.0) -> tuple[list[Candidate], float, str]:
+    """Every candidate of `space` with its verdict, the chosen one first; and, when none fits,
+    the smallest budget per rank under which one would (else 0) and that candidate."""
+    s = _Search(profile, link, ranks, limits, optimizer, contention)
+    rows_total = profile.batch_rows
+    table: list[Candidate] = []
+    todo: list[_Work] = []
+    for dp in space.dps:
+        pp = ranks // dp
+        if ranks % dp or rows_total % dp:
+            continue
+        rows = rows_total // dp
+        for m in space.chunk_counts(rows, pp):
+            mb = -(-rows // m)
+            if mb not in profile.by_rows:
+                for name, opts in space.schedules:
+                    for ckpt in space.checkpoints:
+                        table.append(Candidate(name, opts, dp, pp, m, mb, ckpt, "impossible",
+                                               f"not profiled at {mb} rows per micro-batch"))
+                continue
+            costs = profile.at(mb)
+            for name, opts in space.schedules:
+                gen = schedules.info(name)
+                v = dict(opts).get(gen.stages_option or "", gen.stages_per_rank)
+                if v * pp > profile.num_layers:
+                    for ckpt in space.checkpoints:
+                        table.append(Candidate(name, opts, dp, pp, m, mb, ckpt, "impossible",
+                                               f"needs {v * pp} stages, the model has "
+                                               f"{profile.num_layers} layers"))
+                    continue
+                for ckpt in space.checkpoints:
+                    if ckpt == "except_last" and m == 1 and "never" in space.checkpoints:
+                        continue  # one micro-batch: except_last recomputes nothing
+                    w = _Work(name, opts, dp, pp, m, mb, ckpt, costs, 0.0)
+                    # Before splitting: the average rank's work, one micro-batch's path (with
+                    # the cheaper backward of the split and unsplit kinds, so it bounds both).
+                    rc = s.recompute_share(w)
+                    c = costs
+                    work = sum(f * (1 + rc) + min(b, i + wt) for f, b, i, wt in zip(
+                        c.forward, c.backward, c.backward_input, c.backward_weight, strict=True))
+                    chain = sum(f * (1 + rc) + min(b, i) for f, b, i in zip(
+                        c.forward, c.backward, c.backward_input, strict=True))
+                    w.bound0 = max(m * work / pp, chain)
+                    todo.append(w)
+    todo.sort(key=lambda w: w.bound0)
+    best = math.inf
+    evaluated: list[_Work] = []
+    results: list[tuple[_Work, float, float, Timeline]] = []
+    for w in todo:
+        if w.bound0 >= best:
+            table.append(Candidate(w.name, w.options, w.dp, w.pp, w.chunks, w.rows,
+                                   w.checkpoint, "pruned", f"even a perfect split takes "
+                                   f">= {w.bound0 * 1e3:.2f} ms", lower_bound=w.bound0))
+            continue
+        if not s.evaluate(w):
+            evaluated.append(w)
+            table.append(_row(w, "over budget"))
+            continue
+        if w.bound >= best:
+            table.append(_row(w, "pruned", f"lower bound {w.bound * 1e3:.2f} ms"))
+            continue
+        step, exposed, timeline = s.simulate(w)
+        best = min(best, step)
+        results.append((w, step, exposed, timeline))
+    for w, step, exposed, timeline in results:
+        table.append(_row(w, "fits", w.reason, step, exposed, timeline))
+    least, where = 0.0, ""
+    if not results:
+        least = math.inf
+        for w in evaluated:
+            need = s.least_budget(w)
+            if need < least:
+                least, where = need, (f"{_row(w, '').label}, dp {w.dp} x pp {w.pp}, chunks "
+                                      f"{w.chunks}, checkpoint {w.checkpoint!r}")
+    table.sort(key=_order)
+    if results:
+        table[0] = _replace_status(table[0], "chosen")
+    return table, least, where
+
+
+def _row(w: _Work, status: str, reason: str | None = None, step: float | None = None,
+         exposed: float = 0.0, timeline: Timeline | None = None) -> Candidate:
+    return Candidate(w.name, w.options, w.dp, w.pp, w.chunks, w.rows, w.checkpoint, status,
+                     w.reason if reason is None else reason,
+                     tuple(w.balance) if w.balance else None, step, w.bound or None, w.peaks,
+                     w.acts, exposed, timeline)
+
+
+_RANK = {"chosen": 0, "fits": 0, "pruned": 1, "over budget": 2, "impossible": 3}
+
+
+def _order(c: Candidate) -> tuple[Any, ...]:
+    return (_RANK[c.status], c.step_time if c.step_time is not None else math.inf,
+            max(c.peak_bytes) if c.peak_bytes else math.inf, c.lower_bound or math.inf)
+
+
+def _replace_status(c: Candidate, status: str) -> Candidate:
+    return replace(c, status=status)

@@ -1,0 +1,61 @@
+"""The candidates a plan is chosen from: the space searched, and one configuration's verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedules import Timeline
+
+__all__ = ["CHECKPOINTS", "Candidate", "Space"]
+
+CHECKPOINTS = ("never", "except_last", "always")
+
+
+@dataclass(frozen=True)
+class Space:
+    """What to consider: schedules (name, options), checkpoint modes, data-parallel sizes and,
+    per replica, micro-batch counts (None: powers of two up to 64 and 1..4 times pp)."""
+
+    schedules: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
+    checkpoints: tuple[str, ...] = CHECKPOINTS
+    dps: tuple[int, ...] = (1,)
+    chunks: tuple[int, ...] | None = None
+
+    def chunk_counts(self, rows: int, pp: int) -> tuple[int, ...]:
+        if self.chunks is not None:
+            return tuple(sorted({m for m in self.chunks if m <= rows}))
+        powers = {1 << i for i in range(7)}
+        return tuple(sorted(m for m in powers | {pp * j for j in range(1, 5)} if m <= rows))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration and what the search found. `status`: "chosen", "fits" (simulated),
+    "pruned" (its lower bound is no faster than the chosen step), "over budget", "impossible".
+    Times are seconds per step, bytes are per pipeline rank."""
+
+    schedule: str
+    options: tuple[tuple[str, int], ...]
+    dp: int
+    pp: int
+    chunks: int
+    rows: int
+    checkpoint: str
+    status: str
+    reason: str
+    balance: tuple[int, ...] | None = None
+    step_time: float | None = None
+    lower_bound: float | None = None
+    peak_bytes: tuple[float, ...] | None = None
+    activation_bytes: tuple[float, ...] | None = None
+    allreduce_time: float = 0.0
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.status in ("chosen", "fits", "pruned")
+
+    @property
+    def label(self) -> str:
+        opts = "".join(f" {k}={v}" for k, v in self.options)
+        return f"{self.schedule}{opts}"

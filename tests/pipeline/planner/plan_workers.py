@@ -1,0 +1,30 @@
+"""Run on spawned gloo ranks by tests/pipeline/planner/test_plan.py: a dp x pp plan's Pipe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from benchmarks.models import get_model
+from pipeline import Pipe
+
+
+def step_planned(rank: int, dp: int, pp: int, kwargs: dict[str, Any]) -> float:
+    """Each replica steps its half of the tiny model's batch under the plan's arguments; the
+    returned loss is the global batch's."""
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    spec = get_model("tiny")
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    pipe = Pipe(model, **kwargs, mesh=mesh)
+    rows = len(x) // dp
+    d = mesh.get_local_rank("dp")
+    try:
+        got = pipe.step(x[d * rows:(d + 1) * rows], y[d * rows:(d + 1) * rows], loss)
+    finally:
+        pipe.close()
+    with torch.no_grad():
+        expected = loss(spec.build()(x), y)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (rank, got, expected)
+    return float(got)

@@ -1,0 +1,43 @@
+"""pipeline.planner.link: a measured latency and time per byte between two ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.planner import Link, measure_link
+
+
+def test_link_arithmetic() -> None:
+    link = Link("gloo", 1e-5, 1e-9)
+    assert link.time(1000) == pytest.approx(1e-5 + 1e-6)
+    # Ring all-reduce: 2(n-1) messages of 1/n of the data each.
+    assert link.allreduce(4000, 4) == pytest.approx(6 * (1e-5 + 1000 * 1e-9))
+    assert link.allreduce(4000, 1) == 0.0
+    assert Link.free().time(1 << 30) == 0.0
+    with pytest.raises(ValueError, match="transport must be one of"):
+        Link("carrier-pigeon", 0.0, 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        Link("threads", -1.0, 0.0)
+
+
+def test_threads_are_measured_through_the_pipes_own_transport() -> None:
+    link = measure_link("threads", sizes=(1024, 1 << 20), repeats=5)
+    assert link.transport == "threads"
+    assert link.latency >= 0 and link.per_byte >= 0
+    assert link.time(1 << 20) < 0.1  # a mailbox hand-off, not a copy
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_gloo_is_measured_between_two_processes() -> None:
+    link = measure_link("gloo", sizes=(1024, 1 << 20), repeats=5)
+    assert link.transport == "gloo"
+    assert link.per_byte > 0  # loopback copies every byte
+    assert link.time(1 << 20) > link.time(1024)
+
+
+def test_bad_measurements_are_refused() -> None:
+    with pytest.raises(ValueError, match="transport must be one of"):
+        measure_link("mpi")
+    with pytest.raises(ValueError, match="at least two sizes"):
+        measure_link("threads", sizes=(1024,))

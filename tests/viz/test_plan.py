@@ -1,0 +1,69 @@
+"""`pipeviz plan`: the plan, its candidates and the two best predicted timelines."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from viz import main
+from viz.plan import parse_bytes, resolve_model
+
+_TINY = ["plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--chunks", "1,2",
+         "--schedules", "1f1b,gpipe,zb-h1", "--threads", "1"]
+
+
+def test_budgets_read_with_units() -> None:
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2e9
+    assert parse_bytes("1e6") == 1e6
+    assert parse_bytes("none") is None
+    for bad in ("lots", "12 parsecs", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+
+
+def test_models_are_named_as_module_and_attribute() -> None:
+    model, x, y, loss = resolve_model("benchmarks.models:MODELS.tiny")
+    assert len(model) == 5 and x.shape[0] == y.shape[0] == 16 and callable(loss)
+
+
+def test_plan_prints_the_plan_the_candidates_and_the_two_best(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_TINY) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: ")
+    assert "predicted step" in out and "predicted peak per rank" in out
+    assert "schedule" in out and "chosen" in out and "status" in out
+    assert "chosen vs runner-up" in out and "; predicted" in out
+    assert "rank 1 |" in out
+
+
+def test_a_budget_nothing_fits_names_the_least(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_TINY, "--memory", "1KiB"]) == 1
+    captured = capsys.readouterr()
+    assert "the smallest budget that fits is" in captured.err
+    assert "over budget" in captured.out
+
+
+def test_svg_goes_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.svg"
+    assert main([*_TINY, "-o", str(out)]) == 0
+    assert out.read_text().lstrip().startswith("<svg")
+    assert "plan: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "nomodule", "--ranks", "2"], "module:name"),
+    (["plan", "benchmarks.models:MODELS.nope", "--ranks", "2"], "no 'nope'"),
+    (["plan", "benchmarks.models:MODELS.tiny", "--ranks", "0"], "--ranks must be >= 1"),
+    (["plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--memory", "x"], "bytes like"),
+    (["plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--schedules", "2f2b"],
+     "registered schedules"),
+])
+def test_bad_arguments_get_one_line(args: list[str], message: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -1,0 +1,178 @@
+"""`pipeviz plan`: plan a model for a memory budget, print the candidates, draw the top two."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["main", "parse_bytes", "resolve_model"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10,
+          "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class _UsageError(Exception):
+    """A bad argument: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def parse_bytes(text: str) -> float | None:
+    """'512MiB' -> 536870912, '2GB' -> 2e9, '1e6' -> 1e6, 'none' -> None (unbounded)."""
+    if text.strip().lower() in ("none", "inf", "unbounded"):
+        return None
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not found or found.group(2) not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes like 512MiB, 2GB or 1000000 (or 'none'), got {text!r}")
+    value = float(found.group(1)) * _UNITS[found.group(2)]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a memory budget must be > 0 (got {text!r})")
+    return value
+
+
+def resolve_model(spec: str) -> tuple[Any, Any, Any, Any]:
+    """'package.module:name[.attr...]' -> (model, sample, target, loss_fn). The object named
+    is a function returning those four, or has `build()`, `batch()` and `loss()` (a benchmark
+    `ModelSpec`, e.g. `benchmarks.models:MODELS.mlp`); a mapping is indexed by the next name."""
+    module_name, sep, path = spec.partition(":")
+    if not sep or not module_name or not path:
+        raise _UsageError(f"give the model as module:name (e.g. benchmarks.models:MODELS.mlp), "
+                          f"got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise _UsageError(f"cannot import {module_name!r}: {exc}") from None
+    for part in path.split("."):
+        try:
+            obj = obj[part] if isinstance(obj, Mapping) else getattr(obj, part)
+        except (KeyError, AttributeError):
+            raise _UsageError(f"{spec}: no {part!r} in {module_name}") from None
+    if all(hasattr(obj, a) for a in ("build", "batch", "loss")):
+        sample, target = obj.batch()
+        return obj.build(), sample, target, obj.loss()
+    if callable(obj):
+        got = obj()
+        if isinstance(got, tuple) and len(got) == 4:
+            return got
+    raise _UsageError(f"{spec} must be a function returning (model, sample, target, loss_fn) "
+                      f"or an object with build(), batch() and loss()")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers like 1,2,4 (got {text!r})") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1 (got {text!r})")
+    return values
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="pipeviz plan", description=(
+        "Profile a model, plan its pipeline for a memory budget per rank, print the plan and "
+        "every candidate, and draw the chosen schedule's predicted timeline beside the "
+        "runner-up."))
+    parser.add_argument("model", help="module:name giving (model, sample, target, loss_fn), "
+                                      "e.g. benchmarks.models:MODELS.mlp")
+    parser.add_argument("-p", "--ranks", type=int, required=True, help="ranks (devices)")
+    parser.add_argument("-M", "--memory", type=parse_bytes, default=None,
+                        help="budget per rank, e.g. 512MiB (default: unbounded)")
+    parser.add_argument("--transport", choices=("threads", "gloo", "nccl"), default="threads")
+    parser.add_argument("--schedules", type=lambda t: [s for s in t.split(",") if s],
+                        help="comma-separated schedules (default: every registered one)")
+    parser.add_argument("--chunks", type=_ints, help="micro-batch counts to try, e.g. 1,2,4,8")
+    parser.add_argument("--optimizer", default="adam",
+                        help="adam, adamw, sgd, momentum, rmsprop or adagrad (default adam)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads while profiling (default: torch's own)")
+    parser.add_argument("--rows", type=int, default=20,
+                        help="candidates to list (0: all; default 20)")
+    parser.add_argument("-f", "--format", choices=("text", "svg", "png"), default=None,
+                        help="the timelines' drawing (default: text, or -o's suffix)")
+    parser.add_argument("-o", "--output", help="write the drawing here (svg or png)")
+    parser.add_argument("--width", type=int, default=100, help="text width (default 100)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `pipeviz plan`; returns 0 planned, 1 nothing fits the budget, 2 bad arguments."""
+    try:
+        return _main(_parser().parse_args(argv))
+    except _UsageError as exc:
+        print(f"pipeviz plan: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    import torch  # planning profiles the model: torch only for this command
+
+    from pipeline.planner import PlanError, format_table, plan
+    from viz.compare import compare
+    from viz.render_png import render_png
+    from viz.render_svg import render_svg
+    from viz.render_text import render_text
+
+    if args.ranks < 1:
+        raise _UsageError(f"--ranks must be >= 1 (got {args.ranks})")
+    fmt = args.format or ("png" if (args.output or "").endswith(".png") else
+                          "svg" if (args.output or "").endswith(".svg") else "text")
+    if fmt == "png" and not args.output:
+        raise _UsageError("png is binary: give -o FILE.png")
+    model, sample, target, loss_fn = resolve_model(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        chosen = plan(model, sample, target, loss_fn, ranks=args.ranks,
+                      memory_per_rank=args.memory, schedules=args.schedules,
+                      optimizer=args.optimizer, transport=args.transport, chunks=args.chunks)
+    except PlanError as exc:
+        print(f"pipeviz plan: {exc}", file=sys.stderr)
+        print(format_table(exc.candidates, args.rows or None))
+        return 1
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    print(chosen.summary())
+    print()
+    print(chosen.table(args.rows or None))
+    print()
+    timelines = [chosen.timeline]
+    runner_up = chosen.runner_up
+    if runner_up is not None:
+        timelines.append(chosen.timeline_of(runner_up))
+    drawing = compare(timelines, title="chosen vs runner-up" if runner_up else "chosen",
+                      subtitle="predicted (simulated from the profile), seconds")
+    content: str | bytes
+    if fmt == "text":
+        content = render_text(drawing, width=max(40, args.width))
+    elif fmt == "svg":
+        content = render_svg(drawing)
+    else:
+        try:
+            content = render_png(drawing)
+        except RuntimeError as exc:  # no Pillow
+            raise _UsageError(str(exc)) from None
+    if args.output is None:
+        assert isinstance(content, str)
+        print(content, end="")
+        return 0
+    try:
+        if isinstance(content, bytes):
+            Path(args.output).write_bytes(content)
+        else:
+            Path(args.output).write_text(content, encoding="utf-8")
+    except OSError as exc:
+        raise _UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    return 0
