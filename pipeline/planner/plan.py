@@ -14,7 +14,7 @@ from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import LossFn, ModelProfile, measure_contention, profile_model
 from pipeline.planner.link import TRANSPORTS, Link, measure_link
 from pipeline.planner.memory import optimizer_factor
-from pipeline.planner.search import search
+from pipeline.planner.search import predict, search
 from pipeline.planner.space import CHECKPOINTS, Candidate, Space
 from schedules import Timeline
 
@@ -66,6 +66,7 @@ class Plan:
     link: Link
     profile: ModelProfile
     contention: float = 1.0
+    optimizer: tuple[float, int] = (2.0, 4)
 
     @property
     def chosen(self) -> Candidate:
@@ -73,8 +74,30 @@ class Plan:
 
     @property
     def runner_up(self) -> Candidate | None:
-        """The next fastest simulated candidate that fits (None if there is none)."""
-        return next((c for c in self.candidates[1:] if c.status == "fits"), None)
+        """The next fastest simulated candidate that fits and runs differently (another
+        split, chunk count or predicted step: at one micro-batch, gpipe and 1f1b are one
+        schedule); None if there is none."""
+        c0 = self.chosen
+
+        def differs(c: Candidate) -> bool:
+            return (c.balance != c0.balance or c.chunks != c0.chunks or c.dp != c0.dp
+                    or c.step_time != c0.step_time)
+
+        found = next((c for c in self.candidates[1:] if c.status == "fits" and differs(c)),
+                     None)
+        if found is not None:
+            return found
+        # Every other candidate was pruned unsimulated: simulate the likeliest one alone.
+        for c in sorted((c for c in self.candidates if c.status == "pruned"),
+                        key=lambda c: c.lower_bound or math.inf):
+            alone = predict(self.profile, self.link, schedule=c.schedule, chunks=c.chunks,
+                            checkpoint=c.checkpoint, options=c.options, pp=c.pp, dp=c.dp,
+                            contention=self.contention, optimizer=self.optimizer)
+            if (alone.peak_bytes is not None and differs(alone) and all(
+                    b <= m * (1 + 1e-12) for b, m in zip(alone.peak_bytes,
+                                                          self.memory_per_rank, strict=False))):
+                return alone
+        return None
 
     @property
     def timeline(self) -> Timeline:
@@ -268,7 +291,7 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                 chosen.peak_bytes, chosen.activation_bytes, chosen.allreduce_time, limits,
                 tuple(table),
                 tuple(str(d) for d in devices) if devices is not None else None, link,
-                profile, contention)
+                profile, contention, factor)
 
 
 def _batch_rows(sample: Any) -> int:

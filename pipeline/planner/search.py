@@ -16,7 +16,6 @@ at full speed, stay lower bounds).
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -66,6 +65,7 @@ class _Search:
         self.n = profile.num_layers
         self._schedules: dict[tuple[Any, ...], Schedule] = {}
         self._splits: dict[tuple[Any, ...], list[int]] = {}
+        self._stashes: dict[tuple[Any, ...], dict[int, tuple[tuple[int, int], ...]]] = {}
 
     # -- per candidate ---------------------------------------------------------------------------
     def schedule(self, w: _Work) -> Schedule:
@@ -99,7 +99,10 @@ class _Search:
         ops = {a.op for row in sched.actions for a in row}
         split, versioned = Op.I in ops, Op.U in ops
         rec = checkpointed(w.checkpoint, w.chunks)
-        stash = stash_profile(sched, rec)
+        which = (w.name, w.options, w.pp, w.chunks, w.checkpoint)
+        if which not in self._stashes:
+            self._stashes[which] = stash_profile(sched, rec)
+        stash = self._stashes[which]
         times = self.layer_times(w, split)
         saved = [0.0]
         for s in w.costs.saved_bytes:
@@ -179,15 +182,25 @@ class _Search:
                    for r in range(w.pp))
         chain = sum(costs.of(Op.F, s) + costs.of(Op.I if split else Op.B, s)
                     for s in range(len(balance)))
-        return max(busy, chain)
+        # Beside replicas every rank's work is slowed by the whole contention factor.
+        return max(busy, chain) * (self.contention if w.dp > 1 else 1.0)
 
-    def simulate(self, w: _Work) -> tuple[float, float, Timeline]:
-        """(step seconds, exposed all-reduce seconds, timeline) of an evaluated candidate."""
+    def simulate(self, w: _Work, best: float = math.inf
+                 ) -> tuple[float, float, Timeline] | None:
+        """(step seconds, exposed all-reduce seconds, timeline) of an evaluated candidate;
+        None if, simulated at full speed, it already takes `best` or longer (contention only
+        slows it further)."""
         assert w.schedule is not None and w.balance is not None
         costs = self.stage_costs(w, w.balance)
         timeline = schedules.simulate(w.schedule, costs)
         if self.contention > 1:
-            timeline = schedules.simulate(w.schedule, self.contended(w, costs, timeline))
+            slowed, factors = self.contended(w, costs, timeline)
+            # Each rank's work, slowed, is a bound on the slowed step too.
+            busy = max(timeline.busy(r) * factors[r] for r in range(w.pp))
+            if max(timeline.makespan, busy) >= best:
+                w.bound = max(w.bound, timeline.makespan, busy)
+                return None
+            timeline = schedules.simulate(w.schedule, slowed)
         span = timeline.makespan
         if w.dp == 1:
             return span, 0.0, timeline
@@ -206,22 +219,24 @@ class _Search:
             finish = max(finish, t)
         return finish, finish - span, timeline
 
-    def contended(self, w: _Work, costs: Costs, timeline: Timeline) -> Costs:
+    def contended(self, w: _Work, costs: Costs, timeline: Timeline
+                  ) -> tuple[Costs, list[float]]:
         """`costs` with each rank's compute slowed by the contention factor for the share of
-        its work that overlaps another rank's (all of it when replicas run beside it)."""
+        its work that overlaps another rank's (all of it when replicas run beside it), and
+        each rank's slowdown."""
         assert w.schedule is not None
-        spans = [[(e.start, e.end) for e in timeline.lane(r) if e.action.is_compute]
-                 for r in range(w.pp)]
+        overlaps = _overlaps(timeline, w.pp) if w.dp == 1 else []
         slow: dict[int, float] = {}
+        factors = []
         for r in range(w.pp):
-            mine = sum(b - a for a, b in spans[r])
-            if w.dp > 1 or mine <= 0:
-                share = 1.0 if w.dp > 1 else 0.0
+            if w.dp > 1:
+                share = 1.0
             else:
-                others = _union([iv for q in range(w.pp) if q != r for iv in spans[q]])
-                share = _overlap(spans[r], others) / mine
+                mine, shared = overlaps[r]
+                share = shared / mine if mine > 0 else 0.0
+            factors.append(1 + (self.contention - 1) * share)
             for s in w.schedule.stages_of(r):
-                slow[s] = 1 + (self.contention - 1) * share
+                slow[s] = factors[-1]
         k = len(slow)
 
         def scaled(value: float | Sequence[float]) -> tuple[float, ...]:
@@ -230,7 +245,7 @@ class _Search:
 
         return Costs(forward=scaled(costs.forward), backward=scaled(costs.backward),
                      backward_input=scaled(costs.backward_input),
-                     backward_weight=scaled(costs.backward_weight), comm=costs.comm)
+                     backward_weight=scaled(costs.backward_weight), comm=costs.comm), factors
 
     def least_budget(self, w: _Work) -> float:
         """The smallest budget per rank under which this candidate gets a split."""
@@ -256,30 +271,33 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
     s = _Search(profile, link, dp * pp, [math.inf] * (dp * pp), optimizer, contention)
     w = _Work(schedule, tuple(options), dp, pp, chunks, rows, checkpoint, profile.at(rows), 0.0)
     s.evaluate(w, balance)
-    step, exposed, timeline = s.simulate(w)
+    got = s.simulate(w)
+    assert got is not None
+    step, exposed, timeline = got
     return _row(w, "fits", "", step, exposed, timeline)
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _overlap(spans: list[tuple[float, float]], union: list[tuple[float, float]]) -> float:
-    """Total length of `spans` (disjoint, one rank's) covered by `union` (sorted, disjoint)."""
-    starts = [a for a, _ in union]
-    total = 0.0
-    for a, b in spans:
-        i = max(0, bisect.bisect_right(starts, a) - 1)
-        while i < len(union) and union[i][0] < b:
-            total += max(0.0, min(b, union[i][1]) - max(a, union[i][0]))
-            i += 1
-    return total
+def _overlaps(timeline: Timeline, num_ranks: int) -> list[tuple[float, float]]:
+    """Per rank, (compute time, the part of it while another rank also computes): one sweep
+    over every compute action's start and end."""
+    points = sorted((t, d, e.rank) for e in timeline.events if e.action.is_compute
+                    and e.end > e.start for t, d in ((e.start, 1), (e.end, -1)))
+    active = [0] * num_ranks
+    busy = [0.0] * num_ranks
+    shared = [0.0] * num_ranks
+    running, prev = 0, 0.0
+    for t, d, r in points:  # ends sort before starts at the same time (-1 < 1)
+        if running and t > prev:
+            for q in range(num_ranks):
+                if active[q]:
+                    busy[q] += t - prev
+                    if running >= 2:
+                        shared[q] += t - prev
+        was = active[r]
+        active[r] += d
+        running += (active[r] > 0) - (was > 0)
+        prev = t
+    return list(zip(busy, shared, strict=True))
 
 
 def _bounds(balance: Sequence[int]) -> list[int]:
@@ -340,7 +358,7 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                         c.forward, c.backward, c.backward_input, c.backward_weight, strict=True))
                     chain = sum(f * (1 + rc) + min(b, i) for f, b, i in zip(
                         c.forward, c.backward, c.backward_input, strict=True))
-                    w.bound0 = max(m * work / pp, chain)
+                    w.bound0 = max(m * work / pp, chain) * (s.contention if dp > 1 else 1.0)
                     todo.append(w)
     todo.sort(key=lambda w: w.bound0)
     best = math.inf
@@ -359,7 +377,11 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
         if w.bound >= best:
             table.append(_row(w, "pruned", f"lower bound {w.bound * 1e3:.2f} ms"))
             continue
-        step, exposed, timeline = s.simulate(w)
+        got = s.simulate(w, best)
+        if got is None:
+            table.append(_row(w, "pruned", f"at full speed already {w.bound * 1e3:.2f} ms"))
+            continue
+        step, exposed, timeline = got
         best = min(best, step)
         results.append((w, step, exposed, timeline))
     for w, step, exposed, timeline in results:
