@@ -375,7 +375,9 @@ class DistributedTransport:
             raise PeerTimeout(self.rank, src, what, self.timeout) from None
         except RuntimeError as exc:
             self._check_failed()
-            peer = self.name(src) if src is not None else "a peer"
+            others = [r for r in range(self.world_size) if r != self.rank]
+            peer = (self.name(src) if src is not None else self.name(others[0])
+                    if len(others) == 1 else "one of " + ", ".join(map(self.name, others)))
             raise PeerFailure(f"{peer} is gone (its process died or its connection broke) "
                               f"while rank {self.rank} waited for {what}: {exc}") from exc
 
