@@ -128,6 +128,7 @@ def _check_comms(schedule: Schedule) -> None:
     """A lowered schedule: each cross-rank message has one SEND and one RECV, nothing else is
     sent, and between each pair of ranks the receiver posts in the order the sender sends."""
     n = schedule.num_stages
+    rank_of = schedule.rank_of
     sends: dict[tuple[int, int], list[tuple[Message, int]]] = {}
     recvs: dict[tuple[int, int], list[tuple[Message, int]]] = {}
     needed: dict[Message, tuple[int, int]] = {}  # message -> (rank, position) of its consumer
@@ -135,23 +136,26 @@ def _check_comms(schedule: Schedule) -> None:
         for i, a in enumerate(row):
             if a.is_compute:
                 msg = consumed(a, n)
-                if msg is not None and schedule.rank_of(source_stage(msg)) != rank:
+                if msg is not None and rank_of(source_stage(msg)) != rank:
                     needed[msg] = (rank, i)
                 continue
             msg = message(a)
             if not 0 <= msg[1] < n or not 0 <= source_stage(msg) < n:
                 raise _fail(schedule, f"{a}: it would move data from stage {source_stage(msg)} "
                             f"to stage {msg[1]}, outside stages 0..{n - 1}", {rank: i})
-            src, dst = schedule.rank_of(source_stage(msg)), schedule.rank_of(msg[1])
+            src, dst = rank_of(source_stage(msg)), rank_of(msg[1])
             if src == dst:
                 raise _fail(schedule, f"{a}: stages {source_stage(msg)} and {msg[1]} are both on "
                             f"rank {src}; nothing crosses ranks there", {rank: i})
             side = sends if a.op in (Op.SEND_F, Op.SEND_B) else recvs
             side.setdefault((src, dst), []).append((msg, i))
+    # Each pair's messages as a set, once: not once per message consumed (quadratic).
+    moved = {what: {pair: {m for m, _ in msgs} for pair, msgs in side.items()}
+             for what, side in (("RECV", recvs), ("SEND", sends))}
     for msg, (rank, i) in needed.items():
-        src = schedule.rank_of(source_stage(msg))
-        for side, what, where in ((recvs, "RECV", rank), (sends, "SEND", src)):
-            if msg not in {m for m, _ in side.get((src, rank), ())}:
+        src = rank_of(source_stage(msg))
+        for what, where in (("RECV", rank), ("SEND", src)):
+            if msg not in moved[what].get((src, rank), ()):
                 raise _fail(schedule, f"{schedule.actions[rank][i]} needs data from rank {src} "
                             f"but the schedule has no {what} for it on rank {where}",
                             {rank: i})
