@@ -71,7 +71,7 @@ class Costs:
         return float(value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Event:
     """One action as it ran (or would run) on a rank."""
 
@@ -80,9 +80,20 @@ class Event:
     start: float
     end: float
 
+    # Fills the slots directly: twice as fast as a frozen dataclass's `__init__` (see Action).
+    def __init__(self, rank: int, action: Action, start: float, end: float) -> None:
+        _SET_RANK(self, rank)
+        _SET_ACTION(self, action)
+        _SET_START(self, start)
+        _SET_END(self, end)
+
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+_SET_RANK, _SET_ACTION, _SET_START, _SET_END = (
+    Event.__dict__[name].__set__ for name in ("rank", "action", "start", "end"))
 
 
 def peak_activations(rows: Iterable[Iterable[Action]]) -> tuple[int, ...]:
