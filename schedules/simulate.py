@@ -7,9 +7,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import repeat
 from typing import Any
 
-from schedules.graph import execute
+from schedules.graph import execute_by_kind
 from schedules.ir import Action, Op, Schedule, ScheduleError
 
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "simulate"]
@@ -231,17 +232,16 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Raises `ScheduleError` if the schedule deadlocks (call `validate` for the full diagnosis).
     """
     costs = costs or Costs()
-    result = execute(schedule, lambda a: costs.of(a.op, a.stage), costs.comm)
+    result = execute_by_kind(schedule, costs.of, costs.comm)
     if not isinstance(result, tuple):
         blocked = ", ".join(f"rank {r} at step {i}" for r, (i, _) in sorted(result.blocked.items()))
         raise ScheduleError(f"cannot simulate {schedule.name}: deadlock ({blocked}); "
                             f"run schedules.validate for the marked grid")
     starts, ends = result
-    events = tuple(
-        Event(r, a, starts[r][i], ends[r][i])
-        for r, row in enumerate(schedule.actions) for i, a in enumerate(row)
-    )
+    events: list[Event] = []
+    for r, row in enumerate(schedule.actions):
+        events += map(Event, repeat(r), row, starts[r], ends[r])
     meta = {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
             "num_batches": schedule.num_batches, "placement": schedule.placement}
-    return Timeline(schedule.num_ranks, events, "cost", meta)
+    return Timeline(schedule.num_ranks, tuple(events), "cost", meta)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from schedules.graph import Key, execute
+from schedules.graph import Key, execute_by_kind
 from schedules.ir import Op, Schedule, ScheduleError
 from schedules.lower import Message, consumed, message, source_stage
 from schedules.text import format_grid
@@ -200,7 +200,7 @@ def validate(schedule: Schedule) -> Schedule:
         _check_versions(schedule)
     if schedule.has_comms:
         _check_comms(schedule)
-    result = execute(schedule, lambda a: 1.0)
+    result = execute_by_kind(schedule, lambda op, stage: 1.0)
     if not isinstance(result, tuple):
         lines = []
         for rank, (i, missing) in sorted(result.blocked.items()):
