@@ -21,8 +21,10 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     Bubble (unit costs per stage): (p - 1) / (m + p - 1) of the makespan.
     """
     p, m = num_ranks, num_microbatches
+    forward, backward = Op.F, Op.B
     rows = tuple(
-        tuple(Action(r, Op.F, i) for i in range(m)) + tuple(Action(r, Op.B, i) for i in range(m))
+        tuple(Action(r, forward, i) for i in range(m))
+        + tuple(Action(r, backward, i) for i in range(m))
         for r in range(p)
     )
     return Schedule(p, p, m, rows, name="gpipe")

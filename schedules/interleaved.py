@@ -46,10 +46,11 @@ def interleaved(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2)
         raise ScheduleError(f"interleaved needs stages_per_rank >= 2 (got {v}); "
                             f"use '1f1b' for one stage per rank")
     rounds = _rounds(p, m)
+    forward, backward = Op.F, Op.B
     rows = []
     for r in range(p):
-        forwards = [Action(c * p + r, Op.F, i) for rnd in rounds for c in range(v) for i in rnd]
-        backwards = [Action(c * p + r, Op.B, i)
+        forwards = [Action(c * p + r, forward, i) for rnd in rounds for c in range(v) for i in rnd]
+        backwards = [Action(c * p + r, backward, i)
                      for rnd in rounds for c in reversed(range(v)) for i in rnd]
         warmup = min((v - 1) * len(rounds[0]) + 2 * (p - r - 1), v * m)
         order = forwards[:warmup]

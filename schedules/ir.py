@@ -49,7 +49,7 @@ _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)(?:v
 _MAX_DIGITS = 18
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True, order=True, init=False)
 class Action:
     """One step of one rank: `op` on `stage` for `microbatch`.
 
@@ -63,16 +63,23 @@ class Action:
     microbatch: int
     version: int | None = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.op, Op):
-            object.__setattr__(self, "op", Op(self.op))
-        if self.stage < 0 or self.microbatch < 0:
+    # The checks a `__post_init__` would hold, in a hand-written `__init__` that fills the slots
+    # directly: a frozen dataclass's own `__init__` goes through `object.__setattr__` by name,
+    # about twice the cost, and schedules hold hundreds of thousands of actions.
+    def __init__(self, stage: int, op: Op, microbatch: int, version: int | None = None) -> None:
+        if not isinstance(op, Op):
+            op = Op(op)
+        if stage < 0 or microbatch < 0:
             raise ScheduleError(
-                f"action stage and micro-batch must be >= 0 (got stage={self.stage}, "
-                f"microbatch={self.microbatch})"
+                f"action stage and micro-batch must be >= 0 (got stage={stage}, "
+                f"microbatch={microbatch})"
             )
-        if self.version is not None and self.version < 0:
-            raise ScheduleError(f"weight version must be >= 0 (got {self.version})")
+        if version is not None and version < 0:
+            raise ScheduleError(f"weight version must be >= 0 (got {version})")
+        _SET_STAGE(self, stage)
+        _SET_OP(self, op)
+        _SET_MICROBATCH(self, microbatch)
+        _SET_VERSION(self, version)
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.op.value}{self.microbatch}"
@@ -101,6 +108,9 @@ class Action:
     def is_compute(self) -> bool:
         return self.op in COMPUTE_OPS
 
+
+_SET_STAGE, _SET_OP, _SET_MICROBATCH, _SET_VERSION = (
+    Action.__dict__[name].__set__ for name in ("stage", "op", "microbatch", "version"))
 
 _PLACEMENTS = ("loop", "v")
 
@@ -182,7 +192,7 @@ class Schedule:
 
     @property
     def has_comms(self) -> bool:
-        return any(not a.is_compute for row in self.actions for a in row)
+        return not all({a.op for a in row} <= COMPUTE_OPS for row in self.actions)
 
     def compute_only(self) -> Schedule:
         """This schedule without its SEND/RECV actions."""

@@ -12,8 +12,6 @@ sent before it is consumed after it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from schedules.ir import Action, Op, Schedule
 
 __all__ = ["Message", "consumed", "lower", "message", "produced", "recv_action", "send_action",
@@ -23,22 +21,27 @@ Message = tuple[str, int, int]  # (kind "F" or "B", consumer stage, micro-batch)
 
 _SEND = {"F": Op.SEND_F, "B": Op.SEND_B}
 _RECV = {"F": Op.RECV_F, "B": Op.RECV_B}
+# Module names for the members: looking one up on the enum class costs several times more.
+_F, _B, _I = Op.F, Op.B, Op.I
+_SEND_F, _SEND_B, _RECV_F, _RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
 
 
 def consumed(action: Action, num_stages: int) -> Message | None:
     """The message from an adjacent stage that compute `action` needs (None: it needs none)."""
-    if action.op is Op.F and action.stage > 0:
-        return ("F", action.stage, action.microbatch)
-    if action.op in (Op.B, Op.I) and action.stage < num_stages - 1:
+    op = action.op
+    if op is _F:
+        return ("F", action.stage, action.microbatch) if action.stage > 0 else None
+    if (op is _B or op is _I) and action.stage < num_stages - 1:
         return ("B", action.stage, action.microbatch)
     return None
 
 
 def produced(action: Action, num_stages: int) -> Message | None:
     """The message compute `action` produces for an adjacent stage (None: it produces none)."""
-    if action.op is Op.F and action.stage < num_stages - 1:
-        return ("F", action.stage + 1, action.microbatch)
-    if action.op in (Op.B, Op.I) and action.stage > 0:
+    op = action.op
+    if op is _F:
+        return ("F", action.stage + 1, action.microbatch) if action.stage < num_stages - 1 else None
+    if (op is _B or op is _I) and action.stage > 0:
         return ("B", action.stage - 1, action.microbatch)
     return None
 
@@ -52,13 +55,13 @@ def source_stage(msg: Message) -> int:
 def message(action: Action) -> Message:
     """The message a SEND or RECV action moves."""
     op, s, m = action.op, action.stage, action.microbatch
-    if op is Op.SEND_F:
+    if op is _SEND_F:
         return ("F", s + 1, m)
-    if op is Op.SEND_B:
+    if op is _SEND_B:
         return ("B", s - 1, m)
-    if op is Op.RECV_F:
+    if op is _RECV_F:
         return ("F", s, m)
-    if op is Op.RECV_B:
+    if op is _RECV_B:
         return ("B", s, m)
     raise ValueError(f"{action} is not a SEND or RECV")
 
@@ -73,18 +76,27 @@ def recv_action(msg: Message) -> Action:
     return Action(stage, _RECV[kind], mb)
 
 
-def _cross(schedule: Schedule, row: tuple[Action, ...], rank: int,
-           which: str) -> Iterator[tuple[int, Message, int]]:
-    """(position, message, peer rank) for each message a rank's compute actions receive
-    (`which="in"`) or send (`"out"`) across ranks."""
+def _crossing(schedule: Schedule) -> tuple[list[list[tuple[int, Message, int]]],
+                                            list[list[tuple[int, Message, int]]]]:
+    """Per rank, (position, message, peer rank) for each message its compute actions receive
+    from another rank, and for each they send to another rank."""
     n = schedule.num_stages
-    for i, a in enumerate(row):
-        msg = consumed(a, n) if which == "in" else produced(a, n)
-        if msg is None:
-            continue
-        peer = schedule.rank_of(source_stage(msg) if which == "in" else msg[1])
-        if peer != rank:
-            yield i, msg, peer
+    rank_of = tuple(schedule.rank_of(s) for s in range(n))
+    ins, outs = [], []
+    for rank, row in enumerate(schedule.actions):
+        got, put = [], []
+        for i, a in enumerate(row):
+            msg = consumed(a, n)
+            # The source of a message into stage s: s - 1 for activations, s + 1 for gradients.
+            if msg is not None and (peer := rank_of[msg[1] - 1 if msg[0] == "F"
+                                                    else msg[1] + 1]) != rank:
+                got.append((i, msg, peer))
+            msg = produced(a, n)
+            if msg is not None and (peer := rank_of[msg[1]]) != rank:
+                put.append((i, msg, peer))
+        ins.append(got)
+        outs.append(put)
+    return ins, outs
 
 
 def lower(schedule: Schedule) -> Schedule:
@@ -95,16 +107,18 @@ def lower(schedule: Schedule) -> Schedule:
     if schedule.has_comms:
         return schedule
     rows = schedule.actions
+    ins, outs = _crossing(schedule)
     # The order in which each rank sends to each peer: its producers' order.
     sent: dict[tuple[int, int], list[Message]] = {}
-    for rank, row in enumerate(rows):
-        for _, msg, peer in _cross(schedule, row, rank, "out"):
+    for rank, put in enumerate(outs):
+        for _, msg, peer in put:
             sent.setdefault((rank, peer), []).append(msg)
+    channels = sorted(sent.items())
     lowered = []
     for rank, row in enumerate(rows):
-        needed_at = {msg: i for i, msg, _ in _cross(schedule, row, rank, "in")}
+        needed_at = {msg: i for i, msg, _ in ins[rank]}
         recvs: dict[int, list[Action]] = {}
-        for (_, dst), msgs in sorted(sent.items()):
+        for (_, dst), msgs in channels:
             if dst != rank:
                 continue
             # Walk the channel backwards: each RECV goes before its consumer and before the
@@ -112,16 +126,22 @@ def lower(schedule: Schedule) -> Schedule:
             at = len(row)
             placed = []
             for msg in reversed(msgs):
-                at = min(at, needed_at[msg])
+                needed = needed_at[msg]
+                if needed < at:
+                    at = needed
                 placed.append((at, msg))
-            for at, msg in reversed(placed):
-                recvs.setdefault(at, []).append(recv_action(msg))
+            for at, (kind, stage, mb) in reversed(placed):
+                recvs.setdefault(at, []).append(Action(stage, _RECV[kind], mb))
+        # A SEND follows its producer, the action at its position: same stage, same micro-batch.
+        sends = {i: Action(row[i].stage, _SEND[kind], mb) for i, (kind, _, mb), _ in outs[rank]}
         out: list[Action] = []
         for i, a in enumerate(row):
-            out += recvs.get(i, ())
+            before = recvs.get(i)
+            if before is not None:
+                out += before
             out.append(a)
-            out_msg = produced(a, schedule.num_stages)
-            if out_msg is not None and schedule.rank_of(out_msg[1]) != rank:
-                out.append(send_action(out_msg))
+            after = sends.get(i)
+            if after is not None:
+                out.append(after)
         lowered.append(tuple(out))
     return schedule.replace(actions=tuple(lowered))

@@ -10,12 +10,12 @@ __all__ = ["one_f_one_b", "one_f_one_b_order"]
 
 def one_f_one_b_order(warmup: int, num_microbatches: int) -> list[tuple[Op, int]]:
     """`warmup` forwards, then (F, B) pairs, then the remaining backwards, in micro-batch order."""
-    m = num_microbatches
+    m, forward, backward = num_microbatches, Op.F, Op.B
     warmup = min(warmup, m)
-    order = [(Op.F, i) for i in range(warmup)]
+    order = [(forward, i) for i in range(warmup)]
     for i in range(m - warmup):
-        order += [(Op.F, warmup + i), (Op.B, i)]
-    order += [(Op.B, i) for i in range(m - warmup, m)]
+        order += [(forward, warmup + i), (backward, i)]
+    order += [(backward, i) for i in range(m - warmup, m)]
     return order
 
 

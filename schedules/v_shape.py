@@ -8,12 +8,15 @@ the model, so at unit costs per stage a rank does 6m units of work per step.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import deque
 
 from schedules.ir import Action, Op, Schedule
 from schedules.registry import register
 
 __all__ = ["dualpipe_v", "zb_v"]
+
+
+_B, _I, _W = Op.B, Op.I, Op.W
 
 
 class _Order:
@@ -25,32 +28,41 @@ class _Order:
 
     def __init__(self) -> None:
         self.row: list[Action] = []
-        self._next: Counter[tuple[int, Op]] = Counter()
-        self._pending: list[tuple[int, int]] = []  # (stage, micro-batch) awaiting its W
+        self._next: dict[tuple[int, Op], int] = {}
+        # Per stage, (when, micro-batch) of each I awaiting its W, oldest first.
+        self._pending: dict[int, deque[tuple[int, int]]] = {}
+        self._clock = 0
 
     def count(self, stage: int, op: Op) -> int:
-        return self._next[(stage, Op.I if op is Op.B else op)]
+        return self._next.get((stage, _I if op is _B else op), 0)
 
     def add(self, stage: int, op: Op) -> None:
-        mb = self.count(stage, op)
-        self._next[(stage, Op.I if op is Op.B else op)] += 1
-        if op is Op.I:
-            self._pending.append((stage, mb))
+        key = (stage, _I if op is _B else op)
+        mb = self._next.get(key, 0)
+        self._next[key] = mb + 1
+        if op is _I:
+            self._pending.setdefault(stage, deque()).append((self._clock, mb))
+            self._clock += 1
         self.row.append(Action(stage, op, mb))
 
     def weight(self, stage: int | None = None) -> None:
         """The W of the oldest pending micro-batch (of `stage`, if given); none pending: nothing."""
-        for k, (s, mb) in enumerate(self._pending):
-            if stage is None or s == stage:
-                del self._pending[k]
-                self.row.append(Action(s, Op.W, mb))
+        if stage is None:
+            oldest = min(((q[0][0], s) for s, q in self._pending.items() if q), default=None)
+            if oldest is None:
                 return
+            stage = oldest[1]
+        pending = self._pending.get(stage)
+        if pending:
+            self.row.append(Action(stage, _W, pending.popleft()[1]))
 
     def drain(self, stage: int | None = None) -> None:
         """The W's of every pending micro-batch (of `stage`, if given), oldest first."""
-        for s, mb in [(s, mb) for s, mb in self._pending if stage is None or s == stage]:
-            self._pending.remove((s, mb))
-            self.row.append(Action(s, Op.W, mb))
+        stages = list(self._pending) if stage is None else [stage]
+        found = sorted((when, s, mb) for s in stages for when, mb in self._pending.get(s, ()))
+        for s in stages:
+            self._pending.pop(s, None)
+        self.row += [Action(s, _W, mb) for _, s, mb in found]
 
 
 @register("zb-v", stages_per_rank=2)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import compress, repeat
+from operator import eq
 
-from schedules.graph import Key, execute
-from schedules.ir import Op, Schedule, ScheduleError
+from schedules.graph import Key, Plan, execute_by_kind, kind, plan, stage_op
+from schedules.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
 from schedules.lower import Message, consumed, message, source_stage
 from schedules.text import format_grid
 
@@ -23,6 +25,61 @@ def _where(schedule: Schedule, key: Key) -> dict[int, int]:
             if (a.stage, a.op, a.microbatch) == key:
                 return {rank: i}
     return {}
+
+
+_U = Op.U
+_SENDS = frozenset({Op.SEND_F, Op.SEND_B})
+
+# A check below goes step by step, to report the first step that breaks its rule. Before it
+# runs, a fast test passes the schedules it would pass (most of them, all those generated): one
+# that fails the test may be fine, so the check itself runs and has the last word.
+
+
+def _actions_ok(schedule: Schedule, found: Plan | None) -> bool:
+    """`_check_actions` passes (False: it may not). With a plan, every action is on the rank
+    that holds its stage and keys are unique: what is left is the range of micro-batches."""
+    if found is None:  # a stage out of range or misplaced, a key repeated, or a deadlock
+        return False
+    total, num_batches = schedule.total_microbatches, schedule.num_batches
+    for row in schedule.actions:
+        microbatches = [a.microbatch for a in row if a.op is not _U]
+        if microbatches and max(microbatches) >= total:
+            return False
+        if len(microbatches) < len(row) and max(
+                a.microbatch for a in row if a.op is _U) >= num_batches:
+            return False
+    return True
+
+
+def _complete_ok(schedule: Schedule, found: Plan | None) -> bool:
+    """`_check_complete` passes (False: it may not), for a schedule that passed
+    `_check_actions`: keys unique and in range, so counting them is nearly enough."""
+    if found is None:
+        return False
+    count = Counter(found.kinds)
+    total, num_batches = schedule.total_microbatches, schedule.num_batches
+    stages = range(schedule.num_stages)
+    batched = num_batches > 1 or any(count[kind(s, _U)] for s in stages)
+    mixed = []  # stages running B for some micro-batches and I, W for the others
+    for s in stages:
+        f, b, i, w = (count[kind(s, op)] for op in (Op.F, Op.B, Op.I, Op.W))
+        if f != total or b + i != total or w != i:
+            return False
+        if b and i:
+            mixed.append(s)
+        if batched and count[kind(s, _U)] != num_batches:
+            return False
+    if mixed:  # no micro-batch has both B and I (so each has one), and W goes with I
+        by_kind: dict[int, set[int]] = {kind(s, op): set() for s in mixed
+                                        for op in (Op.B, Op.I, Op.W)}
+        for k, kd in zip(found.keys, found.kinds, strict=True):
+            if kd in by_kind:
+                by_kind[kd].add(k // found.span)
+        for s in mixed:
+            b_set, i_set, w_set = (by_kind[kind(s, op)] for op in (Op.B, Op.I, Op.W))
+            if b_set & i_set or w_set != i_set:
+                return False
+    return not batched or any(a.version is not None for row in schedule.actions for a in row)
 
 
 def _check_actions(schedule: Schedule) -> None:
@@ -128,30 +185,35 @@ def _check_comms(schedule: Schedule) -> None:
     """A lowered schedule: each cross-rank message has one SEND and one RECV, nothing else is
     sent, and between each pair of ranks the receiver posts in the order the sender sends."""
     n = schedule.num_stages
+    rank_of = schedule.rank_of
     sends: dict[tuple[int, int], list[tuple[Message, int]]] = {}
     recvs: dict[tuple[int, int], list[tuple[Message, int]]] = {}
     needed: dict[Message, tuple[int, int]] = {}  # message -> (rank, position) of its consumer
     for rank, row in enumerate(schedule.actions):
         for i, a in enumerate(row):
-            if a.is_compute:
+            op = a.op
+            if op in COMPUTE_OPS:
                 msg = consumed(a, n)
-                if msg is not None and schedule.rank_of(source_stage(msg)) != rank:
+                if msg is not None and rank_of(source_stage(msg)) != rank:
                     needed[msg] = (rank, i)
                 continue
             msg = message(a)
             if not 0 <= msg[1] < n or not 0 <= source_stage(msg) < n:
                 raise _fail(schedule, f"{a}: it would move data from stage {source_stage(msg)} "
                             f"to stage {msg[1]}, outside stages 0..{n - 1}", {rank: i})
-            src, dst = schedule.rank_of(source_stage(msg)), schedule.rank_of(msg[1])
+            src, dst = rank_of(source_stage(msg)), rank_of(msg[1])
             if src == dst:
                 raise _fail(schedule, f"{a}: stages {source_stage(msg)} and {msg[1]} are both on "
                             f"rank {src}; nothing crosses ranks there", {rank: i})
-            side = sends if a.op in (Op.SEND_F, Op.SEND_B) else recvs
+            side = sends if op in _SENDS else recvs
             side.setdefault((src, dst), []).append((msg, i))
+    # Each pair's messages as a set, once: not once per message consumed (quadratic).
+    moved = {what: {pair: {m for m, _ in msgs} for pair, msgs in side.items()}
+             for what, side in (("RECV", recvs), ("SEND", sends))}
     for msg, (rank, i) in needed.items():
-        src = schedule.rank_of(source_stage(msg))
-        for side, what, where in ((recvs, "RECV", rank), (sends, "SEND", src)):
-            if msg not in {m for m, _ in side.get((src, rank), ())}:
+        src = rank_of(source_stage(msg))
+        for what, where in (("RECV", rank), ("SEND", src)):
+            if msg not in moved[what].get((src, rank), ()):
                 raise _fail(schedule, f"{schedule.actions[rank][i]} needs data from rank {src} "
                             f"but the schedule has no {what} for it on rank {where}",
                             {rank: i})
@@ -174,6 +236,45 @@ def _check_comms(schedule: Schedule) -> None:
                         f"{dst}", {rank: extra[1]})
 
 
+def _comms_ok(schedule: Schedule, found: Plan | None) -> bool:
+    """`_check_comms` passes (False: it may not), for a schedule with a plan.
+
+    The plan has every RECV a compute action needs, on its rank. What is left: each SEND and
+    RECV moves data between stages on two ranks, and per pair of ranks the sender's SENDs and
+    the receiver's RECVs name the same messages in the same order (a message named by the key
+    of its RECV), so every RECV has its SEND.
+    """
+    if found is None:
+        return False
+    n = schedule.num_stages
+    rank_of = [schedule.rank_of(s) for s in range(n)]
+    span = found.span
+    pair_of = [-1] * span  # per SEND or RECV kind, sender * num_ranks + receiver
+    shift = [0] * span  # per SEND kind, the int key of its RECV minus its own
+    for kd in set(found.kinds):
+        s, op = stage_op(kd)
+        if op in COMPUTE_OPS:
+            continue
+        come, into = {Op.SEND_F: (s, s + 1), Op.SEND_B: (s, s - 1),
+                      Op.RECV_F: (s - 1, s), Op.RECV_B: (s + 1, s)}[op]
+        if not (0 <= into < n and 0 <= come < n) or rank_of[come] == rank_of[into]:
+            return False
+        pair_of[kd] = rank_of[come] * schedule.num_ranks + rank_of[into]
+        if op in _SENDS:
+            shift[kd] = kind(into, Op.RECV_F if op is Op.SEND_F else Op.RECV_B) - kd
+    sent: dict[int, list[int]] = {}
+    posted: dict[int, list[int]] = {}
+    for rank in range(schedule.num_ranks):
+        start, end = found.offsets[rank], found.offsets[rank + 1]
+        kinds = found.kinds[start:end]
+        pairs = [pair_of[kd] for kd in kinds]
+        named = [k + shift[kd] for k, kd in zip(found.keys[start:end], kinds, strict=True)]
+        for pair in set(pairs) - {-1}:  # a rank sends on (rank, peer), receives on (peer, rank)
+            side = sent if pair // schedule.num_ranks == rank else posted
+            side[pair] = list(compress(named, map(eq, pairs, repeat(pair))))
+    return sent == posted
+
+
 def _name(msg: Message) -> str:
     kind, stage, mb = msg
     what = "activations for" if kind == "F" else "gradients for"
@@ -190,13 +291,16 @@ def validate(schedule: Schedule) -> Schedule:
     every rank runs its list in order, each compute action waiting for its data (sends never
     block).
     """
-    _check_actions(schedule)
-    _check_complete(schedule)
+    found = plan(schedule)  # None: a check below fails, or the schedule deadlocks
+    if not _actions_ok(schedule, found):
+        _check_actions(schedule)
+    if not _complete_ok(schedule, found):
+        _check_complete(schedule)
     if any(a.version is not None for row in schedule.actions for a in row):
         _check_versions(schedule)
-    if schedule.has_comms:
+    if schedule.has_comms and not _comms_ok(schedule, found):
         _check_comms(schedule)
-    result = execute(schedule, lambda a: 1.0)
+    result = execute_by_kind(schedule, lambda op, stage: 1.0)
     if not isinstance(result, tuple):
         lines = []
         for rank, (i, missing) in sorted(result.blocked.items()):

@@ -34,17 +34,18 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
         r2  2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3
     """
     p, m = num_ranks, num_microbatches
+    forward, input_grad, weight_grad = Op.F, Op.I, Op.W
     rows = []
     for r in range(p):
         warmup = min(m, p - 1 - r)
-        row = [Action(r, Op.F, i) for i in range(warmup)]
+        row = [Action(r, forward, i) for i in range(warmup)]
         for k in range(m):
             if warmup + k < m:
-                row.append(Action(r, Op.F, warmup + k))
-            row.append(Action(r, Op.I, k))
+                row.append(Action(r, forward, warmup + k))
+            row.append(Action(r, input_grad, k))
             if k >= r:
-                row.append(Action(r, Op.W, k - r))
-        row += [Action(r, Op.W, k) for k in range(max(0, m - r), m)]
+                row.append(Action(r, weight_grad, k - r))
+        row += [Action(r, weight_grad, k) for k in range(max(0, m - r), m)]
         rows.append(tuple(row))
     return Schedule(p, p, m, tuple(rows), name="zb-h1")
 
@@ -92,31 +93,36 @@ def zb_h1_tight(num_ranks: int, num_microbatches: int) -> Schedule:
 
 def _greedy(p: int, m: int, caps: list[int], name: str) -> Schedule:
     """Tick by tick at unit costs, each rank runs I if it can, else F under its cap, else W."""
-    done: dict[tuple[int, Op, int], int] = {}  # (rank, op, micro-batch) -> tick it finished
+    forward, input_grad, weight_grad = Op.F, Op.I, Op.W
+    never = 1 << 62
+    # Per rank and micro-batch, the tick its F (its I) finished; `never` until then.
+    f_done = [[never] * m for _ in range(p)]
+    i_done = [[never] * m for _ in range(p)]
     rows: list[list[Action]] = [[] for _ in range(p)]
     next_f, next_i, alive = [0] * p, [0] * p, [0] * p
     deferred: list[deque[int]] = [deque() for _ in range(p)]
-    never = 1 << 62
+    left = 3 * m * p  # actions still to place: F, I and W of every micro-batch on every rank
     tick = 0
-    while any(len(row) < 3 * m for row in rows):
-        finished = []
+    while left:
+        finished: list[tuple[list[int], int]] = []
         for r in range(p):
             i, f = next_i[r], next_f[r]
-            if i < f and (r == p - 1 or done.get((r + 1, Op.I, i), never) <= tick):
-                action, next_i[r] = Action(r, Op.I, i), i + 1
+            if i < f and (r == p - 1 or i_done[r + 1][i] <= tick):
+                action, next_i[r] = Action(r, input_grad, i), i + 1
                 deferred[r].append(i)
-            elif f < m and alive[r] < caps[r] and (r == 0 or done.get((r - 1, Op.F, f),
-                                                                      never) <= tick):
-                action, next_f[r] = Action(r, Op.F, f), f + 1
+                finished.append((i_done[r], i))
+            elif f < m and alive[r] < caps[r] and (r == 0 or f_done[r - 1][f] <= tick):
+                action, next_f[r] = Action(r, forward, f), f + 1
                 alive[r] += 1
+                finished.append((f_done[r], f))
             elif deferred[r]:
-                action = Action(r, Op.W, deferred[r].popleft())
+                action = Action(r, weight_grad, deferred[r].popleft())
                 alive[r] -= 1
             else:
                 continue
             rows[r].append(action)
-            finished.append((r, action))
-        for r, action in finished:  # visible to other ranks from the next tick on
-            done[(r, action.op, action.microbatch)] = tick + 1
+            left -= 1
+        for ticks, mb in finished:  # visible to other ranks from the next tick on
+            ticks[mb] = tick + 1
         tick += 1
     return Schedule(p, p, m, tuple(tuple(row) for row in rows), name=name)

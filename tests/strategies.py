@@ -8,9 +8,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 import schedules
+from schedules import Action, Op, Schedule
 
-__all__ = ["balances", "model_profiles", "schedule_args", "schedules_any", "sequential_specs",
-           "synthetic_profile"]
+__all__ = ["balances", "model_profiles", "mutated_schedules", "schedule_args", "schedules_any",
+           "sequential_specs", "synthetic_profile"]
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -32,6 +33,48 @@ def schedule_args(draw: st.DrawFn, name: str | None = None) -> tuple[str, int, i
 def schedules_any(name: str | None = None) -> st.SearchStrategy[Any]:
     """A generated schedule of any registered generator (or of `name`)."""
     return schedule_args(name).map(lambda a: schedules.get_schedule(a[0], a[1], a[2], **a[3]))
+
+
+_EDITS = ("swap", "move", "drop", "copy", "microbatch", "stage", "op")
+
+
+@st.composite
+def mutated_schedules(draw: st.DrawFn) -> Schedule:
+    """A generated schedule, lowered or not, after up to three random edits (swap two actions of
+    a rank, move one to another rank, drop one, copy one, change its micro-batch, stage or op):
+    valid, incomplete, misplaced, repeated, out of range, out of order or deadlocking."""
+    schedule = draw(schedules_any())
+    if draw(st.booleans()):
+        schedule = schedules.lower(schedule)
+    rows = [list(row) for row in schedule.actions]
+    for _ in range(draw(st.integers(0, 3))):
+        edit = draw(st.sampled_from(_EDITS))
+        r = draw(st.integers(0, len(rows) - 1))
+        if not rows[r]:
+            continue
+        i = draw(st.integers(0, len(rows[r]) - 1))
+        a = rows[r][i]
+        other = draw(st.integers(0, len(rows) - 1))
+        at = draw(st.integers(0, len(rows[other])))
+        if edit == "swap":
+            j = draw(st.integers(0, len(rows[r]) - 1))
+            rows[r][i], rows[r][j] = rows[r][j], a
+        elif edit in ("move", "drop"):
+            del rows[r][i]
+            if edit == "move":
+                rows[other].insert(min(at, len(rows[other])), a)
+        elif edit == "copy":
+            rows[other].insert(at, a)
+        else:
+            stage, op, mb = a.stage, a.op, a.microbatch
+            if edit == "microbatch":
+                mb = draw(st.integers(0, schedule.total_microbatches))
+            elif edit == "stage":
+                stage = draw(st.integers(0, schedule.num_stages))
+            else:
+                op = draw(st.sampled_from(list(Op)))
+            rows[r][i] = Action(stage, op, mb, a.version)
+    return schedule.replace(actions=tuple(map(tuple, rows)))
 
 
 @st.composite
