@@ -103,6 +103,9 @@ class StageRuntime:
         self._local: dict[Message, tuple[Any, ...]] = {}  # between stages of this rank
         self._outbox: dict[Message, tuple[Any, ...]] = {}  # produced, waiting for its SEND
         self.current: Action | None = None  # for error reports
+        # Per stage, its layers' training flags: read once per step (they cannot change
+        # within one), not once per forward (a walk of every submodule).
+        self._modes: dict[int, tuple[int, tuple[bool, ...]]] = {}
         self._ready = 0.0  # when the current action had its inputs
         self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
                           Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
@@ -116,6 +119,7 @@ class StageRuntime:
         self.released_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox):
             store.clear()
+        self._modes = {s: mode_key(s, module) for s, module in self.stages.items()}
         with step.caller.step():
             self._run(actions, step, result)
 
@@ -188,7 +192,7 @@ class StageRuntime:
             def fn() -> Any:
                 return call_with(module, weights, arg)
         seed = stage_seed(step.seed, action.stage, action.microbatch)
-        key = mode_key(action.stage, module)
+        key = self._modes[action.stage]
         guard = self.buffers.replay if replay else self.buffers.forward
         try:
             with step.caller.forward(), microbatch_scope(action.microbatch):
