@@ -42,6 +42,11 @@ SUITES: dict[str, Suite] = {
                    "unbalanced": (4, 8, 16)},
                   ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe-v"),
                   TRANSPORTS, warmup=3, repeats=11),
+    # Latency against bandwidth: the reference MLP and the same shape at width 32, where every
+    # action is short and a step is a chain of messages (about 10 minutes on 2 cores).
+    "latency": Suite("latency", ("mlp", "small"), (2,), {"mlp": (4, 8, 16), "small": (8, 32)},
+                     ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"), ("processes",),
+                     warmup=3, repeats=11),
 }
 
 

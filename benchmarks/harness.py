@@ -232,7 +232,8 @@ def _memory(pipes: dict[str, Pipe], step: Callable[[Pipe], object],
         stats = pipe.memory_stats()
         out[name] = {"peak_stashed_bytes": [s["peak_stashed_bytes"] for s in stats],
                      "peak_stashed_microbatches": [s["peak_stashed_microbatches"]
-                                                   for s in stats]}
+                                                   for s in stats],
+                     "peak_activation_bytes": [s["peak_activation_bytes"] for s in stats]}
     return out
 
 

@@ -1,4 +1,4 @@
-"""Benchmark models: the reference MLP, a transformer-like stack, an unbalanced MLP, a tiny one."""
+"""Benchmark models: the reference MLP, a transformer-like stack, an unbalanced MLP, small ones."""
 
 from __future__ import annotations
 
@@ -46,6 +46,18 @@ def _mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _tiny() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[_block(32, 32) for _ in range(4)], nn.Linear(32, 4))
+
+
+def _small() -> nn.Sequential:
+    # The reference MLP's shape at width 32: compute is negligible, so a step is a chain of
+    # messages (the latency-bound regime of short actions on fast accelerators).
+    torch.manual_seed(0)
+    return nn.Sequential(*[_block(32, 32) for _ in range(8)], nn.Linear(32, 16))
+
+
+def _small_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 32, generator=g), torch.randn(64, 16, generator=g)
 
 
 def _tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +183,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("unbalanced", "6 x [Linear(512,512)+GELU] + 3 x [Linear(512,2048)+GELU+"
                   "Linear(2048,512)] + Linear(512,16), batch 64, MSE", _unbalanced,
                   _unbalanced_batch, nn.MSELoss, 64, ("uniform", "time")),
+        ModelSpec("small", "8 x [Linear(32,32)+GELU] + Linear(32,16), batch 64, MSE "
+                  "(latency-bound)", _small, _small_batch, nn.MSELoss, 64),
         ModelSpec("tiny", "4 x [Linear(32,32)+GELU] + Linear(32,4), batch 16, MSE (CI)",
                   _tiny, _tiny_batch, nn.MSELoss, 16),
     )

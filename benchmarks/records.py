@@ -9,6 +9,7 @@ from benchmarks.config import Group, stages_per_rank
 from benchmarks.harness import Measured, Sample, bound_key
 from benchmarks.models import get_model
 from benchmarks.stats import (
+    comm_latency,
     costs_to_dict,
     idle_not_waiting,
     merge_events,
@@ -90,6 +91,7 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
         "bubble_fraction": summarize(tl.bubble_fraction for tl in timelines).to_dict(),
         "peak_stashed_bytes": memory.get("peak_stashed_bytes", []),
         "peak_stashed_microbatches": memory.get("peak_stashed_microbatches", []),
+        "peak_activation_bytes": memory.get("peak_activation_bytes", []),
         "simulator": {"predicted_step_s": predicted.makespan,
                       "predicted_bubble_fraction": predicted.bubble_fraction,
                       "error": predicted.makespan / step.median - 1,
@@ -99,6 +101,10 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
         # input at hand (runtime and transfer overhead), and before/after the first/last action.
         "overhead_s": {"idle_with_input_ready": summarize(
                            idle_not_waiting(tl) for tl in timelines).to_dict(),
+                       # Producer's end to consumer's start on another rank, where the
+                       # consumer was idle waiting: what a message costs the step.
+                       "message_wait": summarize(
+                           comm_latency([tl]) for tl in timelines).to_dict(),
                        "outside_timeline": summarize(
                            t - tl.makespan for t, tl in zip(ours_t, timelines, strict=True)
                        ).to_dict()},
@@ -106,7 +112,8 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
                   "skipped": measured.skipped.get(torch_key),
                   # Counted as ours is (TorchPipeline.memory_step); None where torch did not run.
                   "peak_stashed_bytes": torch_memory.get("peak_stashed_bytes"),
-                  "peak_stashed_microbatches": torch_memory.get("peak_stashed_microbatches")},
+                  "peak_stashed_microbatches": torch_memory.get("peak_stashed_microbatches"),
+                  "peak_activation_bytes": torch_memory.get("peak_activation_bytes")},
         "baselines": {"plain_1_thread_s": _summary(plain1),
                       "plain_all_threads_s": _summary(plain_all),
                       "hardware_bound_s": _summary(bound_t)},

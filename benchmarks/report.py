@@ -133,6 +133,19 @@ def _per_rank_bytes(values: Sequence[int]) -> str:
     return " / ".join(format_bytes(v) for v in values) or "-"
 
 
+def _message_wait(r: Record) -> str:
+    wait = r["overhead_s"].get("message_wait")
+    return "-" if wait is None else f"{wait['median'] * 1e6:.0f}"
+
+
+def _activations(r: Record) -> str:
+    ours = r.get("peak_activation_bytes") or []
+    theirs = r["torch"].get("peak_activation_bytes") or []
+    if not ours:
+        return "-"
+    return _per_rank_bytes(ours) + (f" ({_per_rank_bytes(theirs)})" if theirs else "")
+
+
 _COLUMNS: list[tuple[str, Callable[[Record], str]]] = [
     ("transport", lambda r: r["config"]["transport"]),
     ("p", lambda r: str(r["config"]["num_ranks"])),
@@ -144,6 +157,8 @@ _COLUMNS: list[tuple[str, Callable[[Record], str]]] = [
     ("peak stash per rank", lambda r: _per_rank_bytes(r["peak_stashed_bytes"])),
     ("sim ms (error)", lambda r: f"{r['simulator']['predicted_step_s'] * 1e3:.1f} "
                                  f"({r['simulator']['error']:+.0%})"),
+    ("msg wait µs", lambda r: _message_wait(r)),
+    ("peak activations per rank (torch's)", lambda r: _activations(r)),
     ("torch ms", lambda r: format_ms(r["torch"]["step_time_s"])),
     ("torch peak stash", lambda r: _per_rank_bytes(r["torch"].get("peak_stashed_bytes") or [])),
     ("ours/torch", lambda r: _num(r["ratios"]["ours_over_torch"])),
@@ -200,16 +215,54 @@ def _environment(env: dict[str, Any]) -> list[str]:
             f"- git commit: {env.get('git_commit')}", ""]
 
 
+def latency_targets(records: Sequence[Record]) -> list[Target]:
+    """The latency suite's targets: ours / torch per schedule and m on the latency-bound model
+    (`small`) and on the reference MLP, their medians, and peak activation bytes against
+    torch's on the MLP (processes, p=2)."""
+    out: list[Target] = []
+    for model, median_goal in (("small", 0.85), ("mlp", 0.85)):
+        cells = sorted((r for r in records if r["config"]["model"] == model
+                        and r["config"]["transport"] == "processes"
+                        and r["config"]["num_ranks"] == 2), key=_order)
+        values = []
+        for r in cells:
+            c = r["config"]
+            value = r["ratios"]["ours_over_torch"]
+            out.append(Target(f"`{model}` ours / torch, {c['schedule']}, "
+                              f"m={c['num_microbatches']}", value, 1.0, True))
+            if value is not None:
+                values.append(value)
+        if cells:
+            out.append(Target(f"`{model}` ours / torch, median of the cells above",
+                              statistics.median(values) if values else None, median_goal,
+                              True))
+        if model == "mlp":
+            for r in cells:
+                ours = r.get("peak_activation_bytes") or []
+                theirs = r["torch"].get("peak_activation_bytes") or []
+                c = r["config"]
+                value = (max(a / b for a, b in zip(ours, theirs, strict=True) if b)
+                         if ours and theirs and len(ours) == len(theirs) else None)
+                out.append(Target(f"`mlp` peak activations / torch's (worst rank), "
+                                  f"{c['schedule']}, m={c['num_microbatches']}", value, 1.0,
+                                  True))
+    return out
+
+
 def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
                     suite: str, command: str, failures: Sequence[str] = (),
                     notes: Sequence[str] = ()) -> str:
     """The whole report: environment, targets, then per model its results and baselines."""
     out = [f"# Benchmark results: suite `{suite}`", "", f"`{command}`", "",
            *_environment(environment)]
-    targets = evaluate_targets(records)
+    if suite == "latency":
+        targets = latency_targets(records)
+        where = "On `small` (latency-bound) and `mlp` (the anchor), two processes on one host"
+    else:
+        targets = evaluate_targets(records)
+        where = f"On `{_reference_model(records)}`, multi-process (gloo)"
     if targets:
-        model = _reference_model(records)
-        out += ["## Targets", "", f"On `{model}`, multi-process (gloo), ours and torch's "
+        out += ["## Targets", "", f"{where}, ours and torch's "
                 "steps taken in turn on the same processes.", "",
                 "| target | goal | measured | status |", "|---|---|---|---|",
                 *(t.row() for t in targets), ""]

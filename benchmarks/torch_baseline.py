@@ -118,7 +118,8 @@ class TorchPipeline:
                 for name in _StashCounter.WRAPPED:
                     vars(stage).pop(name, None)
         return {"peak_stashed_bytes": [counter.peak_bytes],
-                "peak_stashed_microbatches": [counter.peak]}
+                "peak_stashed_microbatches": [counter.peak],
+                "peak_activation_bytes": [counter.peak_activation_bytes]}
 
 
 class _StashCounter:
@@ -129,7 +130,8 @@ class _StashCounter:
 
     def __init__(self) -> None:
         self.alive: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes
-        self.peak = self.peak_bytes = 0
+        self.held: dict[tuple[int, int], int] = {}  # the same, with the outputs kept
+        self.peak = self.peak_bytes = self.peak_activation_bytes = 0
 
     def watch(self, stage: Any) -> None:
         forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
@@ -138,22 +140,29 @@ class _StashCounter:
         def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
             with SavedBytes() as saved:
                 out = forward(chunk, *args, **kwargs)
-            inputs = stage.fwd_cache[chunk][1]
-            self.alive[(stage.stage_index, chunk)] = saved.bytes + sum(
+            outputs, inputs = stage.fwd_cache[chunk]
+            stashed = saved.bytes + sum(
                 t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+            # The stage keeps its outputs (in fwd_cache) until their backward.
+            held = sum(t.numel() * t.element_size() for t in outputs
+                       if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+            self.alive[(stage.stage_index, chunk)] = stashed
+            self.held[(stage.stage_index, chunk)] = stashed + held
             self.peak = max(self.peak, len(self.alive))
             self.peak_bytes = max(self.peak_bytes, sum(self.alive.values()))
+            self.peak_activation_bytes = max(self.peak_activation_bytes,
+                                             sum(self.held.values()))
             return out
 
         def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
             out = backward(chunk, *args, **kwargs)
             if kwargs.get("full_backward", True):
-                del self.alive[(stage.stage_index, chunk)]
+                del self.alive[(stage.stage_index, chunk)], self.held[(stage.stage_index, chunk)]
             return out
 
         def backward_weight_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
             out = weight(chunk, *args, **kwargs)
-            del self.alive[(stage.stage_index, chunk)]
+            del self.alive[(stage.stage_index, chunk)], self.held[(stage.stage_index, chunk)]
             return out
 
         stage.forward_one_chunk = forward_one_chunk

@@ -26,21 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.microbatch import Packed
+from pipeline.local_link import LinkBroken, SocketLink, connect
 from pipeline.transport import PeerTimeout, PipelineAborted, describe_message, move
 from pipeline.waiting import Waiter, poll
+from pipeline.wire import HEADER, Meta, buffer_size, describe, flag_word, meta_length, pack, unpack
 from schedules import Op, Schedule
 from schedules.lower import Message, message, source_stage
 
 __all__ = ["DistributedTransport", "PeerFailure"]
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
-# int64 slots: [packed, entries, (code, dtype, requires_grad, ndim, *shape) per entry]; packed
-# is 1 when the value was itself a tuple (see microbatch.Packed), so a 1-tuple stays one.
-_HEADER = 64
-_FLAG = 8  # bytes of the flag that opens every message
-_ALIGN = 16
 # A failing rank r takes a ticket from _FAILURES and writes "ticket\nnote" under
 # _FAILED + its global rank: a key only it writes, so a report names its writer, and the
 # lowest ticket is the first failure. Anything else in the store is ignored.
@@ -48,78 +42,10 @@ _FAILURES = "pipeline/failures"
 _FAILED = "pipeline/failed/"
 _RESULT: Message = ("S", 0, 0)  # messages outside the schedule (results, checkpoints)
 
-Meta = tuple[int, ...]
 
 
 class PeerFailure(RuntimeError):
     """A peer rank died or its connection broke."""
-
-
-def _describe(values: tuple[Any, ...]) -> Meta:
-    meta = [int(isinstance(values, Packed)), len(values)]
-    for i, v in enumerate(values):
-        if v is None:
-            meta += [0]
-        elif isinstance(v, torch.Tensor):
-            if v.dtype not in _DTYPES:
-                raise TypeError(f"cannot send a {v.dtype} tensor between processes "
-                                f"(entry {i}); supported: {[str(d) for d in _DTYPES]}")
-            meta += [1, _DTYPES.index(v.dtype), int(v.requires_grad), v.dim(), *v.shape]
-        else:
-            raise TypeError(
-                f"a stage output crossing processes must be tensors or None; entry {i} is a "
-                f"{type(v).__name__}. Pass non-tensor settings to the layers that need them "
-                f"another way (constructor arguments), or keep those layers in one stage"
-            )
-    if len(meta) > _HEADER:
-        raise ValueError(f"a message of {len(values)} entries with these shapes needs a "
-                         f"{len(meta)}-slot header; at most {_HEADER} fit")
-    return tuple(meta)
-
-
-def _parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
-    out: list[tuple[torch.dtype, bool, tuple[int, ...]] | None] = []
-    i = 2
-    for _ in range(meta[1]):
-        if meta[i] == 0:
-            out.append(None)
-            i += 1
-            continue
-        dtype, grad, ndim = _DTYPES[meta[i + 1]], bool(meta[i + 2]), meta[i + 3]
-        out.append((dtype, grad, tuple(meta[i + 4:i + 4 + ndim])))
-        i += 4 + ndim
-    return out
-
-
-def _raw_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """Bytes a tensor takes in a message, padded so the next one stays aligned."""
-    return -(-_raw_bytes(dtype, shape) // _ALIGN) * _ALIGN
-
-
-def _size(meta: Meta | None) -> int:
-    """Bytes of a message with these shapes (a bare flag while none were agreed)."""
-    if meta is None:
-        return _FLAG
-    return _ALIGN + sum(_nbytes(e[0], e[2]) for e in _parse(meta) if e is not None)
-
-
-def _wire(dtype: torch.dtype) -> torch.dtype:
-    return torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool: send the bytes
-
-
-def _flag(buf: torch.Tensor, value: int | None = None) -> int:
-    view = buf[:_FLAG].view(torch.int64)
-    if value is not None:
-        view.fill_(value)
-        return value
-    return int(view.item())
 
 
 class DistributedTransport:
@@ -155,6 +81,11 @@ class DistributedTransport:
         self._polls = dist.get_backend(group) == "nccl"
         self._waiter = Waiter()
         self._last_check = [0.0]
+        # Peers on this host, by group rank: their messages go over a Unix socket instead
+        # (see local_link; CPU tensors only: CUDA keeps NCCL's stream-ordered path).
+        self._links: dict[int, SocketLink] = (
+            connect(self._store, self._global, rank, timeout)
+            if self._comm_device.type == "cpu" else {})
 
     def begin(self, schedule: Schedule) -> None:
         """Read this step's order of messages with each peer from the lowered schedule and
@@ -176,9 +107,12 @@ class DistributedTransport:
     def _p2p(self, op: Any, tensor: torch.Tensor, peer: int) -> Any:
         """`dist.isend` or `dist.irecv` with `peer`; a broken connection (a peer that died,
         possibly before this step began) becomes a PeerFailure naming it."""
+        link = self._links.get(peer)
         try:
+            if link is not None:
+                return link.send(tensor) if op is dist.isend else (link, tensor)
             return op(tensor, self._global[peer], group=self.group)
-        except RuntimeError as exc:
+        except (RuntimeError, LinkBroken) as exc:
             self._check_failed()
             raise PeerFailure(f"{self.name(peer)} is gone (its process died or its connection "
                               f"broke); rank {self.rank} could not reach it: {exc}") from exc
@@ -189,42 +123,29 @@ class DistributedTransport:
 
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
         self._tick(time.monotonic())  # a failed step computes and sends nothing more
-        meta = _describe(values)
+        meta = describe(values)
         key = (dst_rank, msg)
         agreed = self._sent_meta.get(key)
         if agreed != meta:
             # The receiver posted a buffer shaped as agreed: say "changed" in it, then send
             # the new shapes and the message.
-            notice = torch.zeros(_size(agreed), dtype=torch.uint8, device=self._comm_device)
-            _flag(notice, 1)
+            notice = torch.zeros(buffer_size(agreed), dtype=torch.uint8, device=self._comm_device)
+            flag_word(notice, 1)
             self._isend(notice, dst_rank)
-            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header = torch.zeros(HEADER, dtype=torch.int64)
             header[:len(meta)] = torch.tensor(meta, dtype=torch.int64)
             self._isend(header.to(self._comm_device), dst_rank)
             self._sent_meta[key] = meta
-        self._isend(self._pack(values, meta), dst_rank)
+        self._isend(pack(values, meta, self._comm_device), dst_rank)
         plan = self._to_send.get(dst_rank)
         if plan and plan[0] == msg:
             plan.popleft()
         self._reap()
-        if not self._polls:
+        if not self._polls and dst_rank not in self._links:
             # gloo writes from its own I/O thread; with every core busy computing, that thread
             # can wait a whole scheduler slice (milliseconds) before the data leaves. Offer it
             # the core now: the peer is likely waiting for exactly this message.
             os.sched_yield()
-
-    def _pack(self, values: tuple[Any, ...], meta: Meta) -> torch.Tensor:
-        buf = torch.empty(_size(meta), dtype=torch.uint8, device=self._comm_device)
-        _flag(buf, 0)
-        offset = _ALIGN
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                size = _nbytes(v.dtype, tuple(v.shape))
-                n = v.numel() * v.element_size()
-                wire = v.detach().view(torch.uint8) if v.dtype == torch.bool else v.detach()
-                buf[offset:offset + n].view(wire.dtype).view(v.shape).copy_(wire)
-                offset += size
-        return buf
 
     def _reap(self) -> None:
         # Only pollable work can be reaped early; gloo sends finish in the background and are
@@ -235,13 +156,27 @@ class DistributedTransport:
 
     def finish(self) -> None:
         """Wait for every send of the step (they complete as peers receive them)."""
-        if self._pending and not self._polls:
+        deadline = time.monotonic() + self.timeout
+        works = []
+        for work, _ in self._pending:
+            if not hasattr(work, "tensor"):  # a link's send: done, or its writer finishes it
+                works.append(work)
+                continue
+            try:
+                work.wait(deadline, self._tick)
+            except TimeoutError:
+                raise TimeoutError(f"rank {self.rank} waited {self.timeout:g}s for a send to "
+                                   f"finish") from None
+            except LinkBroken as exc:
+                self._check_failed()
+                raise PeerFailure(f"a peer of rank {self.rank} is gone (its process died or "
+                                  f"its connection broke) while it sent to it: {exc}") from exc
+        if works and not self._polls:
             # gloo: one hand-off to the waiter thread for all of them, not one per send (each
             # costs two thread switches; by now nearly every send has long completed).
-            self._wait(_All([work for work, _ in self._pending]), "the step's sends to finish",
-                       None)
+            self._wait(_All(works), "the step's sends to finish", None)
         else:
-            for work, _ in self._pending:
+            for work in works:
                 self._wait(work, "a send to finish", None)
         self._pending.clear()
 
@@ -268,7 +203,7 @@ class DistributedTransport:
         if not expected or src in self._posted:
             return
         msg = expected.popleft()
-        buf = torch.empty(_size(self._recv_meta.get((src, msg))), dtype=torch.uint8,
+        buf = torch.empty(buffer_size(self._recv_meta.get((src, msg))), dtype=torch.uint8,
                           device=self._comm_device)
         self._posted[src] = (msg, buf, self._p2p(dist.irecv, buf, src))
 
@@ -282,36 +217,34 @@ class DistributedTransport:
         msg, buf, work = self._posted.pop(src)
         what = describe_message(msg) if msg[0] in "FB" else "a result"
         self._finish_recv(work, what, src)
-        flag = _flag(buf)
+        flag = flag_word(buf)
         if flag < 0:  # poison: a rank failed (see `abort`)
             failed = -flag - 1
             self._check_failed()
             raise PipelineAborted(failed, f"{self.name(failed)} failed (told rank {self.rank} "
                                           f"through {self.name(src)})")
         if flag == 1:  # new shapes: the header, then the message itself
-            header = self._recv_now(_HEADER, torch.int64, src, what).tolist()
-            meta = tuple(header[:_meta_length(header)])
+            header = self._recv_now(HEADER, torch.int64, src, what).tolist()
+            meta = tuple(header[:meta_length(header)])
             self._recv_meta[(src, msg)] = meta
-            buf = self._recv_now(_size(meta), torch.uint8, src, what)
+            buf = self._recv_now(buffer_size(meta), torch.uint8, src, what)
         self._post_next(src)  # the next message's receive goes out before anything else
-        values: list[Any] = []
-        flags: list[bool] = []
-        offset = _ALIGN
-        for entry in _parse(self._recv_meta[(src, msg)]):
-            if entry is None:
-                values.append(None)
-                flags.append(False)
-                continue
-            dtype, grad, shape = entry
-            n = _raw_bytes(dtype, shape)
-            t = buf[offset:offset + n].view(_wire(dtype)).view(shape)
-            values.append(t.view(torch.bool) if dtype == torch.bool else t)
-            flags.append(grad)
-            offset += _nbytes(dtype, shape)
-        packed = self._recv_meta[(src, msg)][0]
-        return (Packed(values) if packed else tuple(values)), flags
+        return unpack(buf, self._recv_meta[(src, msg)])
 
     def _finish_recv(self, work: Any, what: str, src: int) -> None:
+        if isinstance(work, tuple):  # a link: read the bytes now, in this thread
+            link, buf = work
+            try:
+                link.recv_into(buf, time.monotonic() + self.timeout, self._tick)
+            except TimeoutError:
+                self._check_failed()
+                raise PeerTimeout(self.rank, src, what, self.timeout) from None
+            except LinkBroken as exc:
+                self._check_failed()
+                raise PeerFailure(f"{self.name(src)} is gone (its process died or its "
+                                  f"connection broke) while rank {self.rank} waited for {what} "
+                                  f"from it: {exc}") from exc
+            return
         if self._polls:
             self._wait(work, what, src)
             return
@@ -429,10 +362,14 @@ class DistributedTransport:
                 continue
             plan = self._to_send.get(peer)
             meta = self._sent_meta.get((peer, plan[0])) if plan else None
-            poison = torch.zeros(_size(meta), dtype=torch.uint8, device=self._comm_device)
-            _flag(poison, -1 - rank)
+            poison = torch.zeros(buffer_size(meta), dtype=torch.uint8, device=self._comm_device)
+            flag_word(poison, -1 - rank)
             with contextlib.suppress(Exception):
-                dist.isend(poison, self._global[peer], group=self.group)
+                link = self._links.get(peer)
+                if link is not None:
+                    link.send(poison)
+                else:
+                    dist.isend(poison, self._global[peer], group=self.group)
 
 
 class _All:
@@ -455,14 +392,6 @@ def _parse_report(raw: bytes, rank: int) -> tuple[int, int, str] | None:
         return int(ticket), rank, note
     except UnicodeDecodeError:
         return None
-
-
-def _meta_length(header: list[int]) -> int:
-    """How many slots of a zero-padded header `_describe` wrote."""
-    i = 2
-    for _ in range(header[1]):
-        i += 1 if header[i] == 0 else 4 + header[i + 3]
-    return i
 
 
 def _default_store() -> Any:

@@ -87,6 +87,7 @@ class Executor:
              "devices": [str(d) for d in self.devices], "checkpoint": checkpoint})
         stats = [{"peak_stashed_microbatches": rt.peak_stashed,
                   "peak_stashed_bytes": rt.peak_stashed_bytes,
+                  "peak_activation_bytes": rt.peak_activation_bytes,
                   "released_output_bytes": rt.released_bytes} for rt in self.runtimes]
         return timeline, stats
 

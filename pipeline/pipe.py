@@ -366,8 +366,10 @@ class Pipe(nn.Module):
         return self._timeline
 
     def memory_stats(self) -> list[dict[str, int]]:
-        """Per rank, for the last step: the most micro-batches stashed at once, and the most
-        bytes stashed (stage inputs, plus what autograd saved if `track_memory=True`)."""
+        """Per rank, for the last step: the most micro-batches stashed at once, the most
+        bytes stashed (stage inputs, plus what autograd saved if `track_memory=True`), the most
+        activation bytes held (the stash plus stage outputs not yet released after their
+        SEND), and the output bytes released."""
         return [dict(s) for s in self._stats]
 
     def data_parallel_stats(self) -> dict[str, float]:

@@ -98,8 +98,12 @@ class StageRuntime:
         self.released_bytes = 0
         self.stashed_bytes = 0
         self.peak_stashed_bytes = 0
+        # The stash plus the stage outputs whose storage is still held (until released after
+        # their SEND, or until their backward): what a step's activations occupy at most.
+        self.activation_bytes = self.peak_activation_bytes = 0
         self._stash: dict[tuple[int, int], _Stash] = {}
-        self._bytes: dict[tuple[int, int], int] = {}  # what each stash entry holds
+        # What each stash entry holds: (stashed bytes, bytes of outputs not yet released).
+        self._bytes: dict[tuple[int, int], tuple[int, int]] = {}
         self._local: dict[Message, tuple[Any, ...]] = {}  # between stages of this rank
         self._outbox: dict[Message, tuple[Any, ...]] = {}  # produced, waiting for its SEND
         self.current: Action | None = None  # for error reports
@@ -116,7 +120,7 @@ class StageRuntime:
         """Execute this rank's lowered actions for one step."""
         self.events = []
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
-        self.released_bytes = 0
+        self.released_bytes = self.activation_bytes = self.peak_activation_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox):
             store.clear()
         self._modes = {s: mode_key(s, module) for s, module in self.stages.items()}
@@ -149,7 +153,11 @@ class StageRuntime:
         if stash is not None and stash.outputs is not None and self.transport.copies:
             # The next stage has its copy of the activations; the backward needs only their
             # graph (and the incoming gradient's shape).
-            self.released_bytes += release(stash.outputs)
+            released = release(stash.outputs)
+            self.released_bytes += released
+            stashed, held = self._bytes[msg[1] - 1, msg[2]]
+            self._bytes[msg[1] - 1, msg[2]] = (stashed, held - released)
+            self.activation_bytes -= released
 
     def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
         msg = message(action)
@@ -252,7 +260,12 @@ class StageRuntime:
         self.peak_stashed = max(self.peak_stashed, len(self._stash))
         self.stashed_bytes += input_bytes + saved.bytes
         self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
-        self._bytes[(s, m)] = input_bytes + saved.bytes
+        held = 0 if not keep_graph else sum(
+            o.numel() * o.element_size() for o in outputs
+            if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+        self.activation_bytes += input_bytes + saved.bytes + held
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self._bytes[(s, m)] = (input_bytes + saved.bytes, held)
 
     def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
         assert step.loss_fn is not None and step.targets is not None
@@ -325,7 +338,9 @@ class StageRuntime:
 
     def _free(self, s: int, m: int) -> None:
         del self._stash[(s, m)]
-        self.stashed_bytes -= self._bytes.pop((s, m))
+        stashed, held = self._bytes.pop((s, m))
+        self.stashed_bytes -= stashed
+        self.activation_bytes -= stashed + held
 
     def _update(self, action: Action, step: StepInputs, result: StepResult) -> None:
         assert step.versions is not None, f"{action} needs weight versions"

@@ -153,27 +153,26 @@ def meta_and_checkpoint(rank: int) -> Any:
 
 
 def one_message_per_transfer(rank: int) -> tuple[int, int]:
-    """(isend calls, SEND actions + result messages) on this rank in a step whose shapes
-    were already agreed by an earlier step."""
-    import torch.distributed as dist
-
+    """(messages sent, SEND actions + result messages) on this rank in a step whose shapes
+    were already agreed by an earlier step (over a same-host link or the process group)."""
     model = _model()
     pipe = Pipe(model, [4, 4], chunks=4, schedule="1f1b")
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     args = (x if rank == 0 else None, y if rank == 1 else None, nn.MSELoss())
     pipe.step(*args)  # first step: shapes travel once
+    transport = pipe._executor.transport
     calls = []
-    real = dist.isend
+    real = transport._isend
 
-    def counting(tensor: torch.Tensor, dst: int, *rest: Any, **kw: Any) -> Any:
+    def counting(tensor: torch.Tensor, dst: int) -> None:
         calls.append(dst)
-        return real(tensor, dst, *rest, **kw)
+        real(tensor, dst)
 
-    dist.isend = counting  # type: ignore[assignment]
+    transport._isend = counting  # type: ignore[method-assign]
     try:
         pipe.step(*args)
     finally:
-        dist.isend = real  # type: ignore[assignment]
+        transport._isend = real  # type: ignore[method-assign]
     sends = sum(not a.is_compute and a.op.value.startswith("SEND")
                 for a in pipe._schedule(4, 1).actions[rank])
     results = 1 if rank == 1 else 0  # the last stage shares the loss with rank 0
@@ -498,13 +497,23 @@ def batch_norm_statistics(rank: int, deferred: bool) -> int:
     return checked
 
 
-def released_outputs(rank: int, schedule: str) -> int:
+def released_outputs(rank: int, schedule: str) -> tuple[int, int]:
     """Stage outputs sent to the next process are freed after the send (their graph stays);
-    the gradients are still exactly one device's."""
+    the gradients are still exactly one device's. Returns the bytes released, and how many
+    more activation bytes than stashed bytes the rank held at its peak (outputs kept)."""
     model, reference = _model(), _model()
     pipe = Pipe(model, [3, 5], chunks=2, schedule=schedule, checkpoint="never")
     x, y = torch.randn(8, 6), torch.randn(8, 3)
+    pipe.track_memory = True
     pipe.step(x, y, nn.MSELoss())
     nn.MSELoss()(reference(x), y).backward()
     _local_grads_match(pipe, reference, schedule)
-    return pipe.memory_stats()[0]["released_output_bytes"]
+    stats = pipe.memory_stats()[0]
+    return (stats["released_output_bytes"],
+            stats["peak_activation_bytes"] - stats["peak_stashed_bytes"])
+
+
+def linked_peers(rank: int) -> list[int]:
+    """The group ranks this rank's pipeline reaches over a same-host link."""
+    pipe = Pipe(_model(), [3, 3, 2], chunks=2)
+    return sorted(pipe._executor.transport._links)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import schedules
 from pipeline.launch import RankFailed, spawn
@@ -41,6 +42,17 @@ def test_three_and_four_ranks() -> None:
     combos = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never"),
               ("zb-v", "always"), ("dualpipe-v", "never")]
     assert spawn(dist_workers.equivalence, 4, combos, four, timeout=SPAWN_TIMEOUT) == [10] * 4
+
+
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # three spawns
+def test_ranks_on_one_host_link_and_the_backend_path_still_trains(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert spawn(dist_workers.linked_peers, 3, timeout=SPAWN_TIMEOUT) == [[1, 2], [0, 2], [0, 1]]
+    monkeypatch.setenv("PIPELINE_LOCAL_P2P", "0")  # the spawned ranks inherit it
+    assert spawn(dist_workers.linked_peers, 3, timeout=SPAWN_TIMEOUT) == [[]] * 3
+    combos = [("1f1b", "never"), ("zb-h1", "always"), ("interleaved", "except_last")]
+    assert spawn(dist_workers.equivalence, 2, combos, _balances([4, 4]),
+                 timeout=SPAWN_TIMEOUT) == [2 * len(combos)] * 2
 
 
 def test_integer_inputs() -> None:
@@ -167,7 +179,28 @@ def test_batch_norm_statistics_across_processes(deferred: bool) -> None:
     assert spawn(dist_workers.batch_norm_statistics, 2, deferred, timeout=SPAWN_TIMEOUT) == [6, 3]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_sent_activations_are_released_and_gradients_stay_exact(schedule: str) -> None:
-    # Rank 0 sends two micro-batches of 4 x 16 fp32 (a Linear's output): 512 bytes freed.
-    assert spawn(dist_workers.released_outputs, 2, schedule, timeout=SPAWN_TIMEOUT) == [512, 0]
+@pytest.mark.parametrize(("schedule", "last_held"), [("1f1b", 48), ("zb-h1", 96)])
+def test_sent_activations_are_released_and_gradients_stay_exact(schedule: str,
+                                                                 last_held: int) -> None:
+    # Rank 0 sends two micro-batches of 4 x 16 fp32 (a Linear's output): 512 bytes freed, so
+    # at its peak it holds one output (256 bytes, before its SEND) beyond the stash. Rank 1
+    # holds its last Linear's 4 x 3 outputs (48 bytes each) until their stash is freed: one
+    # at a time under 1F1B, both under ZB-H1 (its W's come after both I's).
+    assert spawn(dist_workers.released_outputs, 2, schedule,
+                 timeout=SPAWN_TIMEOUT) == [(512, 256), (0, last_held)]
+
+
+def test_without_release_a_rank_holds_every_output_until_its_backward() -> None:
+    # Threads share memory (nothing is copied, so nothing can be released): under 1F1B with
+    # m = 2 rank 0 runs both forwards before a backward and holds both outputs at its peak.
+    from torch import nn
+
+    from pipeline import Pipe
+
+    pipe = Pipe(dist_workers._model(), [3, 5], chunks=2, devices=["cpu", "cpu"],
+                checkpoint="never")
+    pipe.track_memory = True
+    pipe.step(torch.randn(8, 6), torch.randn(8, 3), nn.MSELoss())
+    stats = pipe.memory_stats()
+    assert [s["released_output_bytes"] for s in stats] == [0, 0]
+    assert [s["peak_activation_bytes"] - s["peak_stashed_bytes"] for s in stats] == [512, 48]
