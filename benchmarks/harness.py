@@ -211,11 +211,14 @@ def _concurrently(works: Sequence[Callable[[], None]]) -> Callable[[], object]:
 
 
 def _events(pipe: Pipe, rank: int | None) -> Callable[[float], list[RawEvent]]:
-    # The timeline's times count from the step's start inside Pipe, a few microseconds after
-    # the call: taken as the call's start (Pipe does not expose its own).
+    # The timeline's times count from the step's start inside Pipe (its meta's "t0", on the
+    # same clock in every process of a host), after the call's own checks: events of two
+    # processes are placed on one time axis by it, not by each call's start.
     def collect(start: float) -> list[RawEvent]:
-        return [(e.rank if rank is None else rank, str(e.action), start + e.start,
-                 start + e.end) for e in pipe.last_timeline().events]
+        timeline = pipe.last_timeline()
+        t0 = float(timeline.meta.get("t0", start))
+        return [(e.rank if rank is None else rank, str(e.action), t0 + e.start,
+                 t0 + e.end) for e in timeline.events]
     return collect
 
 
@@ -233,7 +236,7 @@ def _memory(pipes: dict[str, Pipe], step: Callable[[Pipe], object],
         out[name] = {"peak_stashed_bytes": [s["peak_stashed_bytes"] for s in stats],
                      "peak_stashed_microbatches": [s["peak_stashed_microbatches"]
                                                    for s in stats],
-                     "peak_activation_bytes": [s["peak_activation_bytes"] for s in stats]}
+                     "peak_activation_bytes": [s.get("peak_activation_bytes", 0) for s in stats]}
     return out
 
 

@@ -84,7 +84,8 @@ class Executor:
             schedule.num_ranks, tuple(e for rt in self.runtimes for e in rt.events), "s",
             {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
              "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
-             "devices": [str(d) for d in self.devices], "checkpoint": checkpoint})
+             "devices": [str(d) for d in self.devices], "checkpoint": checkpoint,
+             "t0": step.t0})  # time.perf_counter() at the step's start: events count from it
         stats = [{"peak_stashed_microbatches": rt.peak_stashed,
                   "peak_stashed_bytes": rt.peak_stashed_bytes,
                   "peak_activation_bytes": rt.peak_activation_bytes,
