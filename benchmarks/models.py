@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -32,37 +33,23 @@ def _block(width_in: int, width_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width_in, width_out), nn.GELU())
 
 
-def _mlp() -> nn.Sequential:
-    # The reference point against torch: keep it exactly. 9 layers, each a Linear(+GELU).
+def _stack(width: int, blocks: int, out: int) -> nn.Sequential:
+    """`blocks` x [Linear(width, width) + GELU] + Linear(width, out), seeded."""
     torch.manual_seed(0)
-    return nn.Sequential(*[_block(1024, 1024) for _ in range(8)], nn.Linear(1024, 16))
+    return nn.Sequential(*[_block(width, width) for _ in range(blocks)], nn.Linear(width, out))
 
 
-def _mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(rows: int, width: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(64, 1024, generator=g), torch.randn(64, 16, generator=g)
+    return torch.randn(rows, width, generator=g), torch.randn(rows, out, generator=g)
 
 
-def _tiny() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[_block(32, 32) for _ in range(4)], nn.Linear(32, 4))
-
-
-def _small() -> nn.Sequential:
-    # The reference MLP's shape at width 32: compute is negligible, so a step is a chain of
-    # messages (the latency-bound regime of short actions on fast accelerators).
-    torch.manual_seed(0)
-    return nn.Sequential(*[_block(32, 32) for _ in range(8)], nn.Linear(32, 16))
-
-
-def _small_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(64, 32, generator=g), torch.randn(64, 16, generator=g)
-
-
-def _tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+# The reference point against torch: keep it exactly. 9 layers, each a Linear(+GELU).
+_mlp, _mlp_batch = partial(_stack, 1024, 8, 16), partial(_rows, 64, 1024, 16)
+# The same shape at width 32: compute is negligible, so a step is a chain of messages (the
+# latency-bound regime of short actions on fast accelerators).
+_small, _small_batch = partial(_stack, 32, 8, 16), partial(_rows, 64, 32, 16)
+_tiny, _tiny_batch = partial(_stack, 32, 4, 4), partial(_rows, 16, 32, 4)
 
 
 class _Wide(nn.Module):
