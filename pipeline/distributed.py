@@ -298,6 +298,12 @@ class DistributedTransport:
         self.finish()
         return out
 
+    def close(self) -> None:
+        """Close the same-host links (a peer still talking over one hears that this rank is
+        gone); the process group is the caller's."""
+        for link in self._links.values():
+            link.close()
+
     # -- waiting and failing ------------------------------------------------------------------
     def wait_work(self, work: Any, what: str) -> None:
         """Wait for any torch.distributed work (a collective too) with the failure-aware

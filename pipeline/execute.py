@@ -67,6 +67,8 @@ class Executor:
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
+        if isinstance(self.transport, DistributedTransport):
+            self.transport.close()
 
     def run(self, schedule: Schedule, step: StepInputs, result: StepResult, checkpoint: str
             ) -> tuple[Timeline, list[dict[str, int]]]:
