@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from pipeline.local_link import SocketLink, connect
 from pipeline.transport import LocalTransport
 
 __all__ = ["TRANSPORTS", "Link", "measure_link"]
@@ -29,13 +31,19 @@ class Link:
     transport: str
     latency: float
     per_byte: float
+    # The process group's own send and receive, where a pipeline's messages take another way
+    # (same-host links): collectives (the dp all-reduce) still go through the group. None:
+    # the same as `latency` and `per_byte`.
+    collective_latency: float | None = None
+    collective_per_byte: float | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} (got {self.transport!r})")
-        if not (self.latency >= 0 and self.per_byte >= 0):
-            raise ValueError(f"latency and per_byte must be >= 0 (got {self.latency}, "
-                             f"{self.per_byte})")
+        for name in ("latency", "per_byte", "collective_latency", "collective_per_byte"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0 (got {value})")
 
     @classmethod
     def free(cls, transport: str = "threads") -> Link:
@@ -50,16 +58,25 @@ class Link:
         steps, each sending 1/n of the data (derived from the point-to-point measurement)."""
         if ranks <= 1:
             return 0.0
-        return 2 * (ranks - 1) * self.time(nbytes / ranks)
+        latency = self.latency if self.collective_latency is None else self.collective_latency
+        per_byte = (self.per_byte if self.collective_per_byte is None
+                    else self.collective_per_byte)
+        return 2 * (ranks - 1) * (latency + nbytes / ranks * per_byte)
 
 
 def _fit(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares of seconds = latency + bytes * per_byte, both clamped at >= 0."""
-    n = len(samples)
-    mx = sum(x for x, _ in samples) / n
-    my = sum(y for _, y in samples) / n
-    var = sum((x - mx) ** 2 for x, _ in samples)
-    slope = sum((x - mx) * (y - my) for x, y in samples) / var if var > 0 else 0.0
+    """seconds = latency + bytes * per_byte, fitted by relative error (each sample weighted by
+    1 / seconds^2, so that 1 KiB counts as much as 8 MiB and the latency is not lost in the
+    large sizes' noise); both clamped at >= 0."""
+    weights = [1.0 / y ** 2 if y > 0 else 0.0 for _, y in samples]
+    total = sum(weights)
+    if total == 0:
+        return 0.0, 0.0
+    mx = sum(w * x for w, (x, _) in zip(weights, samples, strict=True)) / total
+    my = sum(w * y for w, (_, y) in zip(weights, samples, strict=True)) / total
+    var = sum(w * (x - mx) ** 2 for w, (x, _) in zip(weights, samples, strict=True))
+    slope = (sum(w * (x - mx) * (y - my) for w, (x, y) in zip(weights, samples, strict=True))
+             / var if var > 0 else 0.0)
     slope = max(slope, 0.0)
     return max(my - slope * mx, 0.0), slope
 
@@ -101,8 +118,6 @@ def _free_port() -> int:
 
 def _process(rank: int, backend: str, port: int, sizes: Sequence[int], repeats: int,
              queue: Any) -> None:
-    import torch.distributed as dist
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -110,33 +125,59 @@ def _process(rank: int, backend: str, port: int, sizes: Sequence[int], repeats: 
         device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        out = []
-        for size in sizes:
-            payload = torch.zeros(size // 4, device=device)
-            rounds = []
-            for i in range(repeats + 1):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                if rank == 0:
-                    dist.send(payload, 1)
-                    dist.recv(payload, 1)
-                else:
-                    dist.recv(payload, 0)
-                    dist.send(payload, 0)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i:
-                    rounds.append((time.perf_counter() - start) / 2)
-            out.append((float(size), statistics.median(rounds)))
+        # The group's send and receive; and where a pipeline would take a same-host link
+        # instead (CPU), that link too.
+        links = (connect(dist.distributed_c10d._get_default_store(), [0, 1], rank, 60.0)
+                 if device.type == "cpu" else {})
+        out = [_ping_pong(rank, device, sizes, repeats, None)]
+        if links:
+            out.append(_ping_pong(rank, device, sizes, repeats, links[1 - rank]))
         if rank == 0:
             queue.put(out)
     finally:
         dist.destroy_process_group()
 
 
-def _processes(backend: str, sizes: Sequence[int], repeats: int) -> list[tuple[float, float]]:
-    """Ping-pong between two fresh processes over `backend` on this machine (loopback)."""
+def _ping_pong(rank: int, device: torch.device, sizes: Sequence[int], repeats: int,
+               link: SocketLink | None) -> list[tuple[float, float]]:
+    """(bytes, one-way seconds) per size: the median of `repeats` round trips, halved, over
+    `link` or else the process group."""
+    out = []
+    for size in sizes:
+        payload = torch.zeros(size // 4, device=device)
+        rounds = []
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for sends in ((True, False) if rank == 0 else (False, True)):
+                if link is not None:
+                    raw = payload.view(torch.uint8)
+                    deadline = time.monotonic() + 60
+                    if sends:
+                        link.send(raw).wait(deadline, _never)
+                    else:
+                        link.recv_into(raw, deadline, _never)
+                elif sends:
+                    dist.send(payload, 1 - rank)
+                else:
+                    dist.recv(payload, 1 - rank)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                rounds.append((time.perf_counter() - start) / 2)
+        out.append((float(size), statistics.median(rounds)))
+    return out
+
+
+def _never(now: float) -> None:
+    """A measurement's waits give up only at their deadline."""
+
+
+def _processes(backend: str, sizes: Sequence[int], repeats: int
+               ) -> list[list[tuple[float, float]]]:
+    """Ping-pong between two fresh processes over `backend` on this machine (loopback), and
+    over a same-host link where the pipeline would use one (second list, if any)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -152,7 +193,7 @@ def _processes(backend: str, sizes: Sequence[int], repeats: int) -> list[tuple[f
     if failed or queue.empty():
         raise RuntimeError(f"measuring the {backend} link failed (process exit codes "
                            f"{[p.exitcode for p in procs]})")
-    result: list[tuple[float, float]] = queue.get()
+    result: list[list[tuple[float, float]]] = queue.get()
     return result
 
 
@@ -161,7 +202,10 @@ def measure_link(transport: str = "threads", *, devices: Sequence[str | torch.de
     """Measure one-way message time between two ranks over `transport` ("threads": the
     in-process transport between `devices[0]` and `devices[1]`; "gloo" or "nccl": two local
     processes, on CPU or on GPUs 0 and 1) for each size in `sizes` (bytes; median of
-    `repeats` round trips, halved) and fit `latency + bytes * per_byte`."""
+    `repeats` round trips, halved) and fit `latency + bytes * per_byte`. Two CPU processes
+    talk as a pipeline's would, over a same-host link (`pipeline.local_link`) unless links
+    are off; the group's own send and receive then give `collective_latency` and
+    `collective_per_byte`, which the dp all-reduce uses."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS} (got {transport!r})")
     if len(sizes) < 2 or repeats < 1:
@@ -170,7 +214,12 @@ def measure_link(transport: str = "threads", *, devices: Sequence[str | torch.de
     if transport == "threads":
         pair = [torch.device(d) for d in devices]
         samples = _threads(pair if len(pair) > 1 else pair * 2, sizes, repeats)
-    else:
-        samples = _processes(transport, sizes, repeats)
-    latency, per_byte = _fit(samples)
-    return Link(transport, latency, per_byte)
+        latency, per_byte = _fit(samples)
+        return Link(transport, latency, per_byte)
+    group, *linked = _processes(transport, sizes, repeats)
+    latency, per_byte = _fit(group)
+    if not linked:
+        return Link(transport, latency, per_byte)
+    # A pipeline's messages go over the link; the dp all-reduce over the group.
+    return Link(transport, *_fit(linked[0]), collective_latency=latency,
+                collective_per_byte=per_byte)

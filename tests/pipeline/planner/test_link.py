@@ -18,6 +18,22 @@ def test_link_arithmetic() -> None:
         Link("carrier-pigeon", 0.0, 0.0)
     with pytest.raises(ValueError, match=">= 0"):
         Link("threads", -1.0, 0.0)
+    # Collectives may take another way than a pipeline's messages (same-host links).
+    split = Link("gloo", 1e-5, 1e-9, collective_latency=1e-4, collective_per_byte=2e-9)
+    assert split.time(1000) == pytest.approx(1e-5 + 1e-6)
+    assert split.allreduce(4000, 4) == pytest.approx(6 * (1e-4 + 1000 * 2e-9))
+
+
+def test_the_fit_recovers_latency_and_time_per_byte() -> None:
+    from pipeline.planner.link import _fit
+
+    sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 23]
+    latency, per_byte = _fit([(float(n), 4e-5 + n * 3e-10) for n in sizes])
+    assert latency == pytest.approx(4e-5) and per_byte == pytest.approx(3e-10)
+    # 5% noise on the largest size moves the latency by far less than its own size.
+    noisy = [(float(n), (4e-5 + n * 3e-10) * (1.05 if n == sizes[-1] else 1.0))
+             for n in sizes]
+    assert _fit(noisy)[0] == pytest.approx(4e-5, rel=0.5)
 
 
 def test_threads_are_measured_through_the_pipes_own_transport() -> None:
@@ -36,6 +52,8 @@ def test_gloo_is_measured_between_two_processes() -> None:
     assert link.transport == "gloo"
     assert link.per_byte > 0  # loopback copies every byte
     assert link.time(1 << 20) > link.time(1024)
+    # The pipeline's messages take a same-host link; the group's own path is measured too.
+    assert link.collective_latency is not None and link.collective_per_byte is not None
 
 
 def test_bad_measurements_are_refused() -> None:
