@@ -104,7 +104,7 @@ class SocketLink:
             if not self._queue:  # nothing ahead of it: write now
                 try:
                     item.sent = self._sock.send(item.view)
-                except BlockingIOError:
+                except BlockingIOError:  # the socket is full: the writer takes it all
                     pass
                 except OSError as exc:
                     self._error = exc
@@ -234,7 +234,7 @@ def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, 
             conn.settimeout(timeout)
             (peer,) = struct.unpack("<q", _read(conn, 8))
             socks[peer] = conn
-    except OSError:
+    except OSError:  # a caller that never arrives keeps the backend: see the agreement below
         pass
     finally:
         listener.close()
