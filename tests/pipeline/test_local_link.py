@@ -37,12 +37,11 @@ def test_messages_arrive_whole_and_in_order() -> None:
 def test_a_message_larger_than_the_socket_buffer_never_blocks_the_sender() -> None:
     # Both ends send 32 MiB before either reads: with blocking writes this deadlocks. The part
     # the socket cannot take goes to the writer thread, in order behind nothing.
+    # (A blocking send would hang here, until the test's timeout.)
     a, b = _pair()
     big = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
-    start = time.monotonic()
     sends = [a.send(big), b.send(big.flip(0))]
-    assert time.monotonic() - start < 5  # returned before anything was read
-    assert not sends[0].done
+    assert not sends[0].done  # returned before anything was read
     small = a.send(torch.full((3,), 9, dtype=torch.uint8))  # queued behind the big one
     assert torch.equal(_recv(b, big.numel()), big)
     assert torch.equal(_recv(b, 3), torch.full((3,), 9, dtype=torch.uint8))
@@ -75,10 +74,8 @@ def test_a_wait_times_out() -> None:
 def test_a_closed_peer_breaks_the_wait_at_once() -> None:
     a, b = _pair()
     threading.Timer(0.2, b.close).start()
-    start = time.monotonic()
-    with pytest.raises(LinkBroken, match="closed"):
+    with pytest.raises(LinkBroken, match="closed"):  # not the TimeoutError of the deadline
         a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30, _never)
-    assert time.monotonic() - start < 10
     with pytest.raises(LinkBroken):
         for _ in range(100):  # the kernel reports the broken pipe on a later write
             a.send(torch.zeros(1 << 16, dtype=torch.uint8))
