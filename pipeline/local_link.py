@@ -61,9 +61,9 @@ class _Send:
         self.error: BaseException | None = None
         self.event: threading.Event | None = None  # only for sends the writer thread finishes
 
-    def wait(self, deadline: float, tick: Callable[[float], None]) -> None:
+    def wait(self, deadline: float, tick: Callable[[float], None] | None = None) -> None:
         """Until the last byte is written: raise TimeoutError after `deadline` (monotonic),
-        and call `tick(now)` every WAKE seconds (it raises to give up)."""
+        and call `tick(now)` every WAKE seconds if given (it raises to give up)."""
         while not self.done:
             assert self.event is not None
             if self.error is None:
@@ -71,7 +71,8 @@ class _Send:
             if self.error is not None:
                 raise LinkBroken(str(self.error))
             now = time.monotonic()
-            tick(now)
+            if tick is not None:
+                tick(now)
             if now > deadline and not self.done:
                 raise TimeoutError
 
@@ -154,10 +155,10 @@ class SocketLink:
             del item  # hold no finished tensor while idle
 
     def recv_into(self, tensor: torch.Tensor, deadline: float,
-                  tick: Callable[[float], None]) -> None:
+                  tick: Callable[[float], None] | None = None) -> None:
         """Fill `tensor` (contiguous, on the CPU) with the next bytes from the peer, waking as
         they arrive. Raises LinkBroken when the peer is gone, TimeoutError after `deadline`
-        (monotonic); `tick(now)` runs between reads (it raises to give up)."""
+        (monotonic); `tick(now)`, if given, runs between reads (it raises to give up)."""
         view = _bytes(tensor)
         got, size = 0, len(view)
         while got < size:
@@ -166,7 +167,8 @@ class SocketLink:
             except BlockingIOError:
                 self._readable.poll(WAKE * 1000)
                 now = time.monotonic()
-                tick(now)
+                if tick is not None:
+                    tick(now)
                 if now > deadline:
                     raise TimeoutError from None
                 continue

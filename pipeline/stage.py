@@ -155,9 +155,10 @@ class StageRuntime:
             # graph (and the incoming gradient's shape).
             released = release(stash.outputs)
             self.released_bytes += released
-            stashed, held = self._bytes[msg[1] - 1, msg[2]]
-            self._bytes[msg[1] - 1, msg[2]] = (stashed, held - released)
-            self.activation_bytes -= released
+            if step.track_memory:
+                stashed, held = self._bytes[msg[1] - 1, msg[2]]
+                self._bytes[msg[1] - 1, msg[2]] = (stashed, held - released)
+                self.activation_bytes -= released
 
     def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
         msg = message(action)
@@ -260,7 +261,7 @@ class StageRuntime:
         self.peak_stashed = max(self.peak_stashed, len(self._stash))
         self.stashed_bytes += input_bytes + saved.bytes
         self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
-        held = 0 if not keep_graph else sum(
+        held = 0 if not (step.track_memory and keep_graph) else sum(
             o.numel() * o.element_size() for o in outputs
             if isinstance(o, torch.Tensor) and o.grad_fn is not None)
         self.activation_bytes += input_bytes + saved.bytes + held

@@ -13,13 +13,9 @@ def _pair() -> tuple[SocketLink, SocketLink]:
     return SocketLink(a), SocketLink(b)
 
 
-def _never(now: float) -> None:
-    pass
-
-
 def _recv(link: SocketLink, size: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     out = torch.empty(size, dtype=dtype)
-    link.recv_into(out, time.monotonic() + 30, _never)
+    link.recv_into(out, time.monotonic() + 30)
     return out
 
 
@@ -47,7 +43,7 @@ def test_a_message_larger_than_the_socket_buffer_never_blocks_the_sender() -> No
     assert torch.equal(_recv(b, 3), torch.full((3,), 9, dtype=torch.uint8))
     assert torch.equal(_recv(a, big.numel()), big.flip(0))
     for work in (*sends, small):
-        work.wait(time.monotonic() + 30, _never)
+        work.wait(time.monotonic() + 30)
         assert work.done
 
 
@@ -68,14 +64,14 @@ def test_a_wait_checks_for_failures_while_nothing_arrives() -> None:
 def test_a_wait_times_out() -> None:
     a, _b = _pair()
     with pytest.raises(TimeoutError):
-        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 2 * WAKE, _never)
+        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 2 * WAKE)
 
 
 def test_a_closed_peer_breaks_the_wait_at_once() -> None:
     a, b = _pair()
     threading.Timer(0.2, b.close).start()
     with pytest.raises(LinkBroken, match="closed"):  # not the TimeoutError of the deadline
-        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30, _never)
+        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30)
     with pytest.raises(LinkBroken):
         for _ in range(100):  # the kernel reports the broken pipe on a later write
             a.send(torch.zeros(1 << 16, dtype=torch.uint8))
