@@ -12,11 +12,7 @@ from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.microbatch import leading_rows
 
 __all__ = ["check_balance_list", "check_batch", "check_batches", "check_devices",
-           "check_loss_fn", "check_optimizer", "check_state_dict", "check_timeout",
-           "loss_weights"]
-
-# How a loss reduces over a micro-batch -> whether micro-batch losses are weighted by rows.
-_REDUCTIONS = {"mean": True, "batchmean": True, "sum": False}
+           "check_loss_fn", "check_optimizer", "check_state_dict", "check_timeout"]
 
 
 def check_timeout(timeout: object) -> float:
@@ -166,22 +162,3 @@ def check_state_dict(own: Mapping[str, torch.Tensor], given: Mapping[str, Any],
             "load_state_dict: the state_dict does not fit this Pipe's layers: "
             + "; ".join(problems) + ". Save it from the same model (pipe.state_dict() or "
             "model.state_dict()), or pass strict=False to skip missing and unexpected keys")
-
-
-def loss_weights(rows: Sequence[int], loss_fn: object, loss_reduction: str | None, *,
-                 total: int | None = None, scale: float = 1.0) -> list[float]:
-    """Per micro-batch, the factor on its loss so that their sum is the batch's loss: its
-    share of the rows (of `total`, default their sum) for a mean, 1 for a sum; times `scale`.
-    The reduction is the loss module's `reduction` attribute, or `loss_reduction` for a plain
-    function (default "mean")."""
-    declared = getattr(loss_fn, "reduction", None)
-    if loss_reduction is not None and declared is not None and loss_reduction != declared:
-        raise PipeConfigError(f"loss_reduction={loss_reduction!r} but the loss module reduces "
-                              f"by {declared!r}: leave loss_reduction out for a loss module")
-    reduction = loss_reduction or declared or "mean"
-    if reduction not in _REDUCTIONS:
-        raise PipeConfigError(f"loss reduction must be one of {sorted(_REDUCTIONS)} (got "
-                              f"{reduction!r}): Pipe needs a 0-dim loss per micro-batch to "
-                              f"combine; reduce by 'mean' or 'sum'")
-    total = sum(rows) if total is None else total
-    return [(r / total if _REDUCTIONS[reduction] else 1.0) * scale for r in rows]

@@ -10,6 +10,7 @@ running on earlier stages, and the step waits for all of them only at its end.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -234,10 +235,12 @@ class Replicas:
                 f"shape, balance, schedule, chunks and checkpoint, and call it alike")
         self._agreed.add(mine)
 
-    def global_rows(self, rows: int) -> int:
-        """The global batch's rows: every replica's shard together."""
+    def global_total(self, total: float) -> float:
+        """The sum over every replica's shard of what the loss averages over (rows, counted
+        tokens), exchanged exactly (every replica gets the same, correctly rounded)."""
         with self._named_failures():
-            return sum(int(v) for v in self.transport.exchange(str(rows)))
+            return math.fsum(float.fromhex(v) for v in self.transport.exchange(
+                float(total).hex()))
 
     def mean(self, losses: torch.Tensor) -> torch.Tensor:
         """The replicas' losses (each weighted by the global rows, times dp) averaged."""
@@ -248,10 +251,10 @@ class Replicas:
         total = torch.tensor(parts, dtype=torch.float64).sum(0) / self.mesh.dp_size
         return total.to(losses.dtype).to(losses.device)
 
-    def weighting(self, rows: int) -> dict[str, Any]:
+    def weighting(self, total: float) -> tuple[float, float]:
         """Loss weights over the global batch, times dp: averaging the gradients over the
-        replicas then gives the global batch's (a mean over all its rows, or a sum)."""
-        return {"total": self.global_rows(rows), "scale": float(self.mesh.dp_size)}
+        replicas then gives the global batch's (a mean over all of it, or a sum)."""
+        return self.global_total(total), float(self.mesh.dp_size)
 
     def finish(self) -> None:
         with self._named_failures():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, checks, collectives, config, fingerprint, ties
+from pipeline import bootstrap, checks, collectives, config, fingerprint, ties, weighting
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.clipping import clip_grad_norm
 from pipeline.context import CallerState
@@ -18,11 +19,12 @@ from pipeline.data_parallel import Replicas
 from pipeline.distributed import DistributedTransport, PeerFailure
 from pipeline.errors import PipeConfigError
 from pipeline.execute import Executor, PipelineError
-from pipeline.microbatch import backward_inputs, batch_size, from_tuple, gather, like, scatter
+from pipeline.microbatch import backward_inputs, from_tuple, gather, like, scatter
 from pipeline.scaling import agree_on_overflow
 from pipeline.stage import LossFn, StepInputs, StepResult
 from pipeline.transport import PipelineAborted
 from pipeline.versions import WeightVersions
+from pipeline.weighting import LossWeight
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
@@ -93,6 +95,7 @@ class Pipe(nn.Module):
         self._batch_norm = (DeferredBatchNorm([self.partitions[s] for s in self.local_stages],
                                               chunks) if deferred_batch_norm else None)
         self._timeline: Timeline | None = None
+        self._warned_padding = False  # once per Pipe (see _context)
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout, self.mesh)
@@ -146,9 +149,10 @@ class Pipe(nn.Module):
         return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
 
     def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
-                 loss_reduction: str | None = None
+                 how: weighting.Weighting | None = None
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
-        """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights."""
+        """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights
+        (`how` weighs them: see pipeline/weighting.py)."""
         checks.check_batch(x, target, chunks)
         last = len(self.balance) - 1
         rank = self.world[0] if self.world else None
@@ -165,11 +169,17 @@ class Pipe(nn.Module):
             if target is None:
                 raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
                                       f"pass target (only other ranks may pass None)")
+            assert how is not None
             device = self.devices[self._probe.rank_of(last)]
             parts = scatter(target, chunks)
-            rows = [batch_size(p) for p in parts]
-            weights = checks.loss_weights(rows, loss_fn, loss_reduction, **(
-                self._replicas.weighting(sum(rows)) if self._replicas else {}))
+            values = [from_tuple(p) for p in parts]  # as loss_fn receives them
+            measures = how.measures(values)
+            total, scale = (self._replicas.weighting(sum(measures)) if self._replicas
+                            else (sum(measures), 1.0))
+            weights = how.weights(measures, total, scale)
+            if not self._warned_padding and how.looks_padded(values):
+                self._warned_padding = True  # once per Pipe
+                warnings.warn(weighting.padding_warning(loss_fn), UserWarning, stacklevel=4)
             targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
                                               for v in part))) for part in parts]
         return inputs, targets, weights
@@ -201,21 +211,28 @@ class Pipe(nn.Module):
         return gather([result.outputs[m] for m in range(self.chunks)])
 
     def step(self, x: Any, target: Any, loss_fn: LossFn, *,
-             loss_reduction: str | None = None, scaler: Any = None) -> torch.Tensor:
+             loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
+             scaler: Any = None) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the batch's loss.
 
         Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
         (accumulating onto what is there), for `loss_fn` reducing by mean or by sum: a loss
         module's `reduction` says which; for a plain function pass `loss_reduction="sum"`
-        (default "mean"). With `schedule="2bw"` the gradients are taken at the previous step's
-        weights (PipeDream-2BW). Runs under the caller's autocast. With a `torch.amp.GradScaler`,
-        each micro-batch's loss is scaled before its backward (the returned loss is not):
-        `scaler.step(optimizer)` and `scaler.update()` follow as in plain training.
+        (default "mean"). A mean is weighted by what it averages over: rows, or the counted
+        targets of a cross-entropy or NLL loss (`ignore_index`, class weights), or
+        `loss_weight(target)` for any other (e.g. `lambda t: (t != -100).sum()` for a plain
+        function averaging over tokens); see pipeline/weighting.py. With `schedule="2bw"` the
+        gradients are taken at the previous step's weights (PipeDream-2BW). Runs under the
+        caller's autocast. With a `torch.amp.GradScaler`, each micro-batch's loss is scaled
+        before its backward (the returned loss is not): `scaler.step(optimizer)` and
+        `scaler.update()` follow as in plain training.
         """
-        return self._steps([(x, target)], loss_fn, None, loss_reduction, scaler)[0]
+        return self._steps([(x, target)], loss_fn, None, loss_reduction, loss_weight,
+                           scaler)[0]
 
     def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
                   optimizer: torch.optim.Optimizer, *, loss_reduction: str | None = None,
+                  loss_weight: LossWeight | None = None,
                   scaler: Any = None) -> list[torch.Tensor]:
         """Train on several batches, calling `optimizer.step()` after each; returns the losses.
 
@@ -235,7 +252,7 @@ class Pipe(nn.Module):
             for x, target in pairs:
                 optimizer.zero_grad(set_to_none=True)
                 losses.append(self.step(x, target, loss_fn, loss_reduction=loss_reduction,
-                                        scaler=scaler))
+                                        loss_weight=loss_weight, scaler=scaler))
                 if scaler is None:
                     optimizer.step()
                 else:
@@ -249,12 +266,14 @@ class Pipe(nn.Module):
                 f"a GradScaler cannot skip a step: train it in fp32 or bf16 (no scaler), or "
                 f"use pipe.step with a flushing schedule")
         optimizer.zero_grad(set_to_none=True)
-        return self._steps(pairs, loss_fn, optimizer, loss_reduction)
+        return self._steps(pairs, loss_fn, optimizer, loss_reduction, loss_weight)
 
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
                optimizer: torch.optim.Optimizer | None,
-               loss_reduction: str | None = None, scaler: Any = None) -> list[torch.Tensor]:
+               loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
+               scaler: Any = None) -> list[torch.Tensor]:
         checks.check_loss_fn(loss_fn)
+        how = weighting.resolve(loss_fn, loss_reduction, loss_weight)
         self._agreement.check(self, pairs)
         if self._replicas is not None:
             self._replicas.agree(self, len(pairs))
@@ -264,7 +283,7 @@ class Pipe(nn.Module):
         targets: list[Any] = []
         weights: list[float] = []
         for x, target in pairs:
-            i, t, w = self._context(x, target, loss_fn, m, loss_reduction)
+            i, t, w = self._context(x, target, loss_fn, m, how)
             inputs += i
             targets += t or []
             weights += w

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pipeline.split_backward import (
 )
 from pipeline.transport import Transport, move
 from pipeline.versions import WeightVersions, call_with
+from pipeline.weighting import zero_loss
 from schedules import Action, Event, Op
 from schedules.lower import Message, message, source_stage
 
@@ -41,7 +43,7 @@ class StepInputs:
     inputs: Sequence[tuple[Any, ...]]  # micro-batches for the first stage
     targets: Sequence[Any] | None  # per micro-batch, for the loss on the last stage
     loss_fn: LossFn | None  # None: forward only
-    loss_weights: Sequence[float]  # micro-batch rows / batch rows: mean of means is the mean
+    loss_weights: Sequence[float]  # micro-batch share of the batch's mean (pipeline/weighting)
     checkpointed: Sequence[bool]  # per micro-batch
     seed: int
     versions: WeightVersions | None = None  # versioned (2BW) schedules
@@ -106,6 +108,10 @@ class StageRuntime:
         self._bytes: dict[tuple[int, int], tuple[int, int]] = {}
         self._local: dict[Message, tuple[Any, ...]] = {}  # between stages of this rank
         self._outbox: dict[Message, tuple[Any, ...]] = {}  # produced, waiting for its SEND
+        # Rows of each micro-batch's input, as split on the first stage: forwards to another
+        # rank carry them (see _give), so the last stage checks its target against the input
+        # it belongs to, whatever the layers made of the rows.
+        self._rows: dict[int, int | None] = {}
         self.current: Action | None = None  # for error reports
         # Per stage, its layers' training flags: read once per step (they cannot change
         # within one), not once per forward (a walk of every submodule).
@@ -121,7 +127,7 @@ class StageRuntime:
         self.events = []
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
         self.released_bytes = self.activation_bytes = self.peak_activation_bytes = 0
-        for store in (self._stash, self._bytes, self._local, self._outbox):
+        for store in (self._stash, self._bytes, self._local, self._outbox, self._rows):
             store.clear()
         self._modes = {s: mode_key(s, module) for s, module in self.stages.items()}
         with step.caller.step():
@@ -173,11 +179,20 @@ class StageRuntime:
                 isinstance(v, torch.Tensor) and v.requires_grad for v in values])
         values = self.transport.wait(msg, src, self.device)
         self._ready = time.perf_counter()
+        if msg[0] == "F":
+            self._rows[msg[2]] = values[-1].shape[0]
+            values = like(values, values[:-1])
         return values
 
     def _give(self, msg: Message, values: tuple[Any, ...]) -> None:
         if self.rank_of(msg[1]) == self.rank:
             self._local[msg] = values
+        elif msg[0] == "F":
+            # The input's rows ride along as the shape of an empty tensor: in the header only,
+            # sent when it changes, read without waiting on a device.
+            rows = torch.empty((self._rows.get(msg[2]) or 0, 0), dtype=torch.uint8,
+                               device=self.device)
+            self._outbox[msg] = like(values, (*values, rows))
         else:
             self._outbox[msg] = values
 
@@ -221,6 +236,7 @@ class StageRuntime:
         s, m = action.stage, action.microbatch
         if s == 0:  # inputs that require grad get theirs (microbatch.backward_inputs)
             given = step.inputs[m]
+            self._rows[m] = leading_rows(given)
             inputs = move(given, self.device, grad_flags=[
                 step.loss_fn is not None and isinstance(v, torch.Tensor) and v.requires_grad
                 for v in given])
@@ -271,14 +287,19 @@ class StageRuntime:
     def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
         assert step.loss_fn is not None and step.targets is not None
         target = step.targets[m]
-        rows, target_rows = leading_rows(from_tuple(outputs)), leading_rows(target)
+        rows, target_rows = self._rows.get(m), leading_rows(target)
         if rows is not None and target_rows is not None and rows != target_rows:
-            # A loss would broadcast one against the other and train silently wrong (a rank
-            # given another batch than its peers, or a layer that drops rows).
+            # A rank given another batch than its peers: a loss would broadcast one against
+            # the other and train silently wrong. (The output's rows are the model's business:
+            # a head may flatten tokens into rows.)
             raise PipeConfigError(
-                f"micro-batch {m}: the last stage's output has {rows} rows but its target has "
-                f"{target_rows}; every rank must pass the same batch (one target row per "
-                f"input row), and no layer may change the batch dimension")
+                f"micro-batch {m}: its target has {target_rows} rows but its input had "
+                f"{rows}; every rank must pass the same batch (one target row per input row)")
+        weight = step.loss_weights[m]
+        if weight == 0 or math.isnan(weight):
+            # Nothing counted in this micro-batch (its own mean would be 0/0), or in the whole
+            # batch (NaN, as torch's mean over nothing): add nothing, pass zero gradients.
+            return zero_loss(outputs) + weight
         with step.caller.forward():  # plain training computes the loss under autocast too
             loss = step.loss_fn(from_tuple(outputs), target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -286,7 +307,7 @@ class StageRuntime:
                 f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "
                 f"{type(loss).__name__} with shape {getattr(loss, 'shape', None)}"
             )
-        return loss * step.loss_weights[m]
+        return loss * weight
 
     # -- backward -----------------------------------------------------------------------------
     def _recompute(self, action: Action, stash: _Stash, step: StepInputs) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Head", "TokenEmbedding", "lm_loss", "small_cnn", "tiny_lm"]
+__all__ = ["ClassesFirst", "FlattenTokens", "Head", "TokenEmbedding", "lm_loss", "small_cnn",
+           "tiny_lm"]
 
 
 class TokenEmbedding(nn.Module):
@@ -59,6 +60,21 @@ def tiny_lm(vocab: int = 13, width: int = 16, depth: int = 4, context: int = 8,
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class ClassesFirst(nn.Module):
+    """(batch, tokens, vocab) -> (batch, vocab, tokens): the layout nn.CrossEntropyLoss takes
+    for a sequence, so the loss module sees the labels as they are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+class FlattenTokens(nn.Module):
+    """(batch, tokens, vocab) -> (batch * tokens, vocab), as many language-model heads end."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1)
 
 
 def small_cnn(channels: int = 4, classes: int = 5, seed: int = 0) -> nn.Sequential:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import schedules
 from schedules import Action, Op, Schedule
 
-__all__ = ["balances", "model_profiles", "mutated_schedules", "schedule_args", "schedules_any",
-           "sequential_specs", "synthetic_profile"]
+__all__ = ["balances", "model_profiles", "mutated_schedules", "padded_labels", "schedule_args",
+           "schedules_any", "sequential_specs", "synthetic_profile"]
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -137,3 +137,25 @@ def model_profiles(draw: st.DrawFn, max_layers: int = 8) -> Any:
               float(draw(st.integers(0, 1 << 16)))) for _ in range(n)]
     return synthetic_profile(costs, draw(st.sampled_from([1, 2, 4, 8])),
                              overhead=draw(st.sampled_from([0.0, 1e-5, 1e-4])))
+
+
+@st.composite
+def padded_labels(draw: st.DrawFn, vocab: int, context: int) -> Any:
+    """Token labels (rows x context) with -100 where a position is not counted: rows of
+    padding at the end of a random length (none, all, some), or ignored positions anywhere,
+    so micro-batches hold different numbers of counted tokens, sometimes none at all; at
+    least one token of the batch counts (a batch of none is a test of its own)."""
+    import torch
+
+    rows = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**16))
+    labels = torch.randint(0, vocab, (rows, context), generator=torch.Generator().manual_seed(seed))
+    for r in range(rows):
+        if draw(st.booleans()):  # right padding, as a tokenizer pads
+            labels[r, draw(st.sampled_from([0, context, *range(1, context)])):] = -100
+        else:  # scattered: masked prompts, dropped tokens
+            mask = draw(st.lists(st.booleans(), min_size=context, max_size=context))
+            labels[r, torch.tensor(mask)] = -100
+    if not (labels != -100).any():
+        labels[draw(st.integers(0, rows - 1)), draw(st.integers(0, context - 1))] = 0
+    return labels

@@ -169,7 +169,7 @@ def test_profiled_balance_is_rank_0s_on_every_rank(method: str) -> None:
 def test_a_last_stage_target_with_other_rows_fails_every_rank() -> None:
     # Before: the last rank trained silently on a loss broadcast from 4 output rows to 3.
     messages = spawn(dist_workers.target_rows_differ_later, 2, timeout=SPAWN_TIMEOUT)
-    assert all("rank 1" in m and "output has 4 rows but its target has 3" in m
+    assert all("rank 1" in m and "micro-batch 0: its target has 3 rows but its input had 4" in m
                for m in messages), messages
 
 
