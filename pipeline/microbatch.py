@@ -7,12 +7,15 @@ from typing import Any
 
 import torch
 
+from pipeline.errors import PipeConfigError
+
 __all__ = ["MicroBatchError", "Packed", "as_tuple", "backward_inputs", "batch_size", "from_tuple",
            "gather", "leading_rows", "like", "scatter"]
 
 
-class MicroBatchError(ValueError):
-    """A batch that cannot be split into the requested micro-batches."""
+class MicroBatchError(PipeConfigError):
+    """A batch that cannot be split into the requested micro-batches (bad input, as every
+    other `PipeConfigError`)."""
 
 
 class Packed(tuple):  # type: ignore[type-arg]
@@ -80,7 +83,7 @@ def scatter(value: Any, chunks: int) -> list[tuple[Any, ...]]:
     if chunks > size:
         raise MicroBatchError(
             f"cannot split a batch of {size} rows into {chunks} micro-batches: use chunks <= "
-            f"{size} or a larger batch"
+            f"{size} (for inference on a small batch, pipe(x, chunks={size})) or a larger batch"
         )
     parts = [
         torch.tensor_split(v, chunks, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0

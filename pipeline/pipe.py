@@ -194,21 +194,24 @@ class Pipe(nn.Module):
                 for row in compute.actions)))
         return self._schedules[key]
 
-    def forward(self, x: Any) -> Any:
-        """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph).
+    def forward(self, x: Any, *, chunks: int | None = None) -> Any:
+        """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph),
+        in `chunks` micro-batches (default the Pipe's; a batch smaller than that needs fewer).
 
-        Multi-process: returns the output on the last stage's rank and None on the others.
+        Multi-process: every rank passes the same `chunks`; returns the output on the last
+        stage's rank and None on the others.
         """
+        chunks = self.chunks if chunks is None else chunks
         self._agreement.check(self, [(x, None)])
-        inputs, _, _ = self._context(x, None, None, self.chunks)
-        step = StepInputs(inputs, None, None, [1.0] * self.chunks, [False] * self.chunks,
+        inputs, _, _ = self._context(x, None, None, chunks)
+        step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
                           _step_seed(), caller=CallerState.capture())
         self._tie_link.refresh()  # copies of tied weights take their owner's value
         with torch.no_grad():
-            result = self._run(self._forward_only(self.chunks), step)
+            result = self._run(self._forward_only(chunks), step)
         if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
-        return gather([result.outputs[m] for m in range(self.chunks)])
+        return gather([result.outputs[m] for m in range(chunks)])
 
     def step(self, x: Any, target: Any, loss_fn: LossFn, *,
              loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
@@ -365,8 +368,10 @@ class Pipe(nn.Module):
 
     def close(self) -> None:
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the
-        interpreter exits). A closed Pipe cannot run steps."""
+        interpreter exits). A closed Pipe cannot run steps. A weight tied across stages whose
+        owner is held here is tied again in the model (`head.weight is wte.weight`)."""
         self._executor.close()
+        self._tie_link.retie()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

@@ -168,6 +168,18 @@ class TieLink:
                     assert self.recv is not None
                     _accumulate(owner, self.recv(self.rank_of(copy.stage), owner))
 
+    def retie(self) -> None:
+        """Put each owner back where its copies held this process's uses (the Pipe closes):
+        the model shares the weight again, with its current value. Copies whose owner lives
+        on another rank stay (this rank's model is a part of the whole)."""
+        for tie in self.ties:
+            owner = self.owners.get(id(tie))
+            for copy in tie.copies:
+                if owner is not None and copy.param is not None:
+                    for module, attr in copy.places:
+                        module._parameters[attr] = owner
+                    copy.param = None
+
     def state_dict_keys(self) -> tuple[dict[str, nn.Parameter], set[str]]:
         """Multi-process keys: (keys of copies held elsewhere, which this rank reports with
         its owner's value; keys of copies held here, left out because their owner is not)."""

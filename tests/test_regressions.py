@@ -124,3 +124,63 @@ def test_torch_is_a_declared_dependency_installed_after_the_pinned_build() -> No
     # The Makefile installs its pinned CPU build first, so this range never pulls CUDA torch.
     install = (root / "Makefile").read_text()
     assert install.index("pip install -q $(TORCH_PIN)") < install.index("pip install -q -e")
+
+
+def test_an_optimizer_on_the_models_parameters_trains_a_tied_model_exactly() -> None:
+    """Was: the tie's copy is an extra Parameter of the model (53 instead of 52 here), and
+    nothing said what an optimizer holding it does. It never has a gradient when the optimizer
+    steps (its gradient is added to the owner's), so AdamW's weight decay and torch's
+    clip_grad_norm_ leave it alone and training equals the plain model's; `close()` ties the
+    weight again."""
+    from tests.models import lm_loss, tiny_lm
+    from tests.pipeline.test_ties import _batch
+
+    reference = tiny_lm(dropout=0.0)
+    model = tiny_lm(dropout=0.0)
+    count = len(list(model.parameters()))
+    pipe = Pipe(model, [3, 4], devices=["cpu", "cpu"], chunks=3)
+    assert len(list(model.parameters())) == count + 1  # the copy, documented
+    assert len(list(pipe.parameters())) == count
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for t in range(3):
+        x, y = _batch(t)
+        optimizer.zero_grad(set_to_none=False)
+        plain.zero_grad(set_to_none=False)
+        loss = pipe.step(x, y, lm_loss)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        want = nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=1e-6)
+        optimizer.step()
+        plain.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=key)
+    pipe.close()
+    assert model[-1].weight is model[0].wte.weight  # tied again, with the trained value
+    assert len(list(model.parameters())) == count
+    torch.testing.assert_close(model[-1].weight, reference[-1].weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_smaller_than_chunks_is_a_pipe_config_error_and_inference_takes_chunks() -> None:
+    """Was: MicroBatchError, a ValueError but not a PipeConfigError like every other bad input,
+    and `pipe(x)` could not run a batch smaller than the Pipe's chunks."""
+    from pipeline import PipeConfigError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    pipe = Pipe(model, [2, 1], devices=["cpu", "cpu"], chunks=4)
+    with pytest.raises(PipeConfigError, match=r"cannot split a batch of 2 rows into 4 "
+                                              r"micro-batches.*pipe\(x, chunks=2\)"):
+        pipe(torch.randn(2, 3))
+    with pytest.raises(PipeConfigError, match="cannot split a batch of 2 rows"):
+        pipe.step(torch.randn(2, 3), torch.randn(2, 2), nn.MSELoss())
+    x = torch.randn(2, 3)
+    for chunks in (1, 2):
+        torch.testing.assert_close(pipe(x, chunks=chunks), model(x))
+    with pytest.raises(PipeConfigError, match=r"chunks must be >= 1 \(got 0\)"):
+        pipe(x, chunks=0)
+    pipe.close()
