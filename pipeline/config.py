@@ -134,8 +134,7 @@ def _resolve_balance(model: nn.Sequential, balance: Sequence[int] | str | None,
             raise BalanceError(f"every stage needs at least one layer (balance: "
                                f"{list(balance)})")
         if sum(balance) != n:
-            raise BalanceError(f"model and sum of balance have different length (model: "
-                               f"{n} layers, sum of balance {list(balance)}: {sum(balance)})")
+            raise BalanceError(_misfit(model, list(balance)))
         return list(balance)
     method = balance or "uniform"
     if method not in _METHODS:
@@ -199,3 +198,22 @@ def check_sharding(data_parallel: object, layout: Layout, schedule: str | Schedu
             f"hooks of a whole backward, and this schedule splits backwards (zero-bubble) or "
             f"versions weights (2BW). Use 'gpipe', '1f1b' or 'interleaved' with FSDP2, or "
             f"data_parallel='replicate' (every schedule)")
+
+
+def _misfit(model: nn.Sequential, balance: list[int]) -> str:
+    """Why `balance` does not cover `model`: the layers left over or the excess, and a fit."""
+    n, total = len(model), sum(balance)
+    head = (f"model and sum of balance have different length (model: {n} layers, sum of "
+            f"balance {balance}: {total})")
+    if total < n:
+        kinds = [type(layer).__name__ for layer in model]
+        shown = ", ".join(kinds[total:total + 4]) + (", ..." if n - total > 4 else "")
+        what = (f"layer{'s' if n - total > 1 else ''} {total}"
+                f"{f' to {n - 1}' if n - total > 1 else ''} ({shown}) "
+                f"{'are' if n - total > 1 else 'is'} in no stage")
+    else:
+        what = f"the balance asks for {total - n} layers more than the model's {n}"
+    k = min(len(balance), n)
+    fits = [n // k + (i < n % k) for i in range(k)]
+    return (f"{head}: {what}; the counts must add up to {n}, e.g. balance={fits} "
+            f"(or stages={k}, balance='params' to have them chosen)")

@@ -6,7 +6,7 @@ import csv
 import io
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from schedules.ir import Action, Op, Schedule, ScheduleError
 
@@ -162,7 +162,7 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
             return schedule
     raise ScheduleError(
         f"no placement puts every stage on the rank of its row ({', '.join(candidates)} tried): "
-        f"each stage must appear on exactly one row"
+        f"{_misplaced(cells_read, num_ranks, num_stages, per_batch, candidates)}"
     )
 
 
@@ -196,6 +196,31 @@ def _check_indices(cells: list[tuple[str, tuple[Action, ...]]], num_actions: int
                         f"numbered 0 to {num_actions - 1} at most; number them from 0 "
                         f"without gaps"
                     )
+
+
+def _misplaced(cells: list[tuple[str, tuple[Action, ...]]], num_ranks: int, num_stages: int,
+               num_microbatches: int, candidates: Sequence[str]) -> str:
+    """The first action that sits on the wrong row, where it is, and where it belongs."""
+    first: dict[int, tuple[int, str, Action]] = {}  # stage -> (row, where, action) first seen
+    for where, actions in cells:
+        row = int(where.split()[1])
+        for a in actions:
+            seen = first.setdefault(a.stage, (row, where, a))
+            if seen[0] != row:
+                return (f"{where}: '{a}' puts stage {a.stage} on rank {row}, but row {seen[0]} "
+                        f"({seen[1].split(', ')[1]}: '{seen[2]}') puts it on rank {seen[0]}; "
+                        f"each stage runs on one rank: move '{a}' to row {seen[0]}")
+    for stage, (row, where, a) in first.items():  # in the order the CSV reads
+        homes = {p: Schedule(num_ranks, num_stages, num_microbatches, ((),) * num_ranks,
+                             p).rank_of(stage) for p in candidates}
+        if row not in homes.values():
+            said = " and ".join(f"{'placement ' if i == 0 else ''}{p!r} on rank {r}"
+                                for i, (p, r) in enumerate(homes.items()))
+            said = said.replace(" on rank", " puts it on rank", 1)
+            return (f"{where}: '{a}' puts stage {stage} on rank {row}, but {said}; move its "
+                    f"actions to that row (rows are ranks; stage s is on rank s mod p, or on "
+                    f"ranks 0..p-1 and back for 'v')")
+    return "each stage must appear on exactly one row"
 
 
 def _placed(schedule: Schedule, rows: Iterable[tuple[int, tuple[Action, ...]]]) -> bool:

@@ -36,6 +36,13 @@ def test_config_errors_say_what_to_do() -> None:
         Pipe(nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(BalanceError, match="model: 6 layers, sum of balance \\[2, 2\\]: 4"):
         Pipe(_mlp(), [2, 2])
+    # Which layers are left over or missing, and a balance that fits.
+    with pytest.raises(BalanceError, match=r"layers 4 to 5 \(Sequential, Sequential\) are in "
+                                           r"no stage.*balance=\[3, 3\]"):
+        Pipe(_mlp(), [2, 2])
+    with pytest.raises(BalanceError, match=r"asks for 3 layers more than the model's 6.*"
+                                           r"balance=\[2, 2, 2\]"):
+        Pipe(_mlp(), [3, 3, 3])
     with pytest.raises(BalanceError, match="at least one layer"):
         Pipe(_mlp(), [6, 0])
     with pytest.raises(BalanceError, match="cannot split 6 layers into 7 stages"):

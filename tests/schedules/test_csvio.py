@@ -45,6 +45,20 @@ def test_csv_errors_name_the_cell() -> None:
         schedules.loads_csv("0F0,1F0\n1F0\n")
 
 
+def test_an_action_on_the_wrong_row_is_named_with_its_row_and_a_fix() -> None:
+    """Was: "no placement puts every stage on the rank of its row", naming no action."""
+    # Stage 1 on rows 0 and 1: the second is named, with the row that holds stage 1 first.
+    with pytest.raises(ScheduleError, match=r"row 1 \(rank 1\), column 1: '1B0' puts stage 1 "
+                                            r"on rank 1, but row 0 \(column 1: '1F0'\) puts it "
+                                            r"on rank 0.*move '1B0' to row 0"):
+        schedules.loads_csv("0F0,1F0,0B0\n,1B0\n")
+    # Each stage on one row, but in an order no placement has: stage 0 on rank 1.
+    with pytest.raises(ScheduleError, match=r"row 0 \(rank 0\), column 0: '1F0' puts stage 1 on "
+                                            r"rank 0, but placement 'loop' puts it on rank 1 "
+                                            r"and 'v' on rank 1"):
+        schedules.loads_csv("1F0,1B0\n0F0,0B0\n")
+
+
 def _torch_cells(text: str) -> list[list[str]]:
     return [row for row in csv.reader(io.StringIO(text)) if row]
 
