@@ -2,6 +2,9 @@
 
 The model's output head is its token embedding (one Parameter, tied as in GPT-2), and the
 split puts the embedding on stage 0 and the head on stage 1, so the tie crosses the pipeline.
+On CPU each rank is a process of its own (threads of one process would share the GIL and one
+intra-op thread pool); the run ends with the step time beside the plain model's on one thread
+and on every core, and what the pipeline buys here and on accelerators.
 """
 
 from __future__ import annotations
@@ -9,16 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from benchmarks.gpt import gpt, lm_loss
+from pipeline.launch import spawn
 from pipeline.pipe import Pipe
 from schedules import Timeline
 
@@ -70,48 +78,149 @@ def _progress(step: int, total: int, loss: float, tokens_per_s: float, width: in
             f"{tokens_per_s:,.0f} tokens/s")
 
 
+class _Ranks:
+    """What the demo's two ranks share: thread ranks in this process (`rank` None), or one
+    process per rank over gloo, where rank 0 prints and the last rank holds the logits."""
+
+    def __init__(self, rank: int | None) -> None:
+        self.rank = rank
+
+    @property
+    def printer(self) -> bool:
+        return self.rank in (None, 0)
+
+    def say(self, *args: Any, **kwargs: Any) -> None:
+        if self.printer:
+            print(*args, **kwargs)
+            sys.stdout.flush()
+
+    def from_last(self, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """`value`, computed on the last stage's rank, on every rank."""
+        if self.rank is None:
+            assert value is not None
+            return value
+        out = value if value is not None else torch.empty_like(like)
+        dist.broadcast(out, src=1)
+        return out
+
+    def barrier(self) -> None:
+        if self.rank is not None:
+            dist.barrier()
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (one item in threads: this process holds every rank)."""
+        if self.rank is None:
+            return [value]
+        out: list[Any] = [None, None]
+        dist.all_gather_object(out, value)
+        return out
+
+
 @torch.no_grad()
-def _evaluate(pipe: Pipe, x: torch.Tensor, y: torch.Tensor) -> float:
+def _evaluate(pipe: Pipe, ranks: _Ranks, x: torch.Tensor, y: torch.Tensor) -> float:
     pipe.eval()
-    loss = lm_loss(pipe(x), y).item()
+    logits = pipe(x)  # on the last stage's rank (None on the others, over processes)
+    loss = lm_loss(logits, y).reshape(1) if logits is not None else None
     pipe.train()
-    return loss
+    return float(ranks.from_last(loss, torch.zeros(1)))
 
 
 @torch.no_grad()
-def _generate(pipe: Pipe, prompt: torch.Tensor, *, rows: int, length: int, context: int,
+def _generate(pipe: Pipe, ranks: _Ranks, prompt: torch.Tensor, *, length: int, context: int,
               temperature: float, seed: int) -> torch.Tensor:
-    """Sample `length` tokens after `prompt` for `rows` rows, each token through the pipe."""
+    """Sample `length` tokens after `prompt`, each token through the pipe (one micro-batch)."""
     pipe.eval()
     g = torch.Generator().manual_seed(seed)
-    ids = prompt.expand(rows, -1)
+    ids = prompt
     for _ in range(length):
-        logits = pipe(ids[:, -context:])[:, -1] / temperature
-        ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
+        logits = pipe(ids[:, -context:], chunks=1)
+        new = (torch.multinomial((logits[:, -1] / temperature).softmax(-1), 1, generator=g)
+               if logits is not None else None)
+        ids = torch.cat([ids, ranks.from_last(new, ids[:, :1])], dim=1)
     pipe.train()
     return ids
 
 
-def _side_by_side(pipe: Pipe, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
-                  rounds: int = 5) -> tuple[float, float]:
-    """Median step seconds of the Pipe and the plain model, alternating so noise hits both."""
+def _side_by_side(pipe: Pipe, ranks: _Ranks, plain: nn.Sequential | None, x: torch.Tensor,
+                  y: torch.Tensor, rounds: int = 5) -> dict[str, float]:
+    """Median step seconds of the Pipe and of the plain model on one thread and on every core,
+    round after round (the plain model runs on rank 0 while the other rank waits), so the
+    machine's noise hits all three alike."""
+    cores = os.cpu_count() or 1
+    times: dict[str, list[float]] = {"pipe": [], "plain, 1 thread": [],
+                                     f"plain, {cores} threads": []}
 
-    def plain() -> None:
-        model.zero_grad(set_to_none=True)
-        torch.autograd.backward(lm_loss(model(x), y))
+    def plain_step() -> None:
+        assert plain is not None
+        plain.zero_grad(set_to_none=True)
+        torch.autograd.backward(lm_loss(plain(x), y))
 
-    def piped() -> None:
+    for i in range(rounds + 1):  # the first round warms up
+        ranks.barrier()
+        start = time.perf_counter()
         pipe.zero_grad(set_to_none=True)
         pipe.step(x, y, lm_loss)
+        took = {"pipe": time.perf_counter() - start}
+        ranks.barrier()
+        if plain is not None:
+            for threads in (1, cores):
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                plain_step()
+                took[f"plain, {threads} thread{'s' if threads > 1 else ''}"] = (
+                    time.perf_counter() - start)
+            torch.set_num_threads(1)
+        ranks.barrier()
+        if i:
+            for name, seconds in took.items():
+                times[name].append(seconds)
+    return {name: statistics.median(v) for name, v in times.items() if v}
 
-    times: dict[str, list[float]] = {"pipe": [], "plain": []}
-    for i in range(rounds + 1):
-        for name, fn in (("pipe", piped), ("plain", plain)):
-            start = time.perf_counter()
-            fn()
-            if i:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
-    return statistics.median(times["pipe"]), statistics.median(times["plain"])
+
+def _merged_timeline(pipe: Pipe, ranks: _Ranks) -> Timeline:
+    """The last step's measured timeline, every rank on one clock (processes share the
+    host's `perf_counter`; each timeline counts from its own step start, its meta's t0)."""
+    timeline = pipe.last_timeline()
+    parts = ranks.gather((timeline.events, float(timeline.meta["t0"])))
+    if len(parts) == 1:
+        return timeline
+    t0 = min(start for _, start in parts)
+    events = [replace(e, start=e.start + start - t0, end=e.end + start - t0)
+              for evs, start in parts for e in evs]
+    return Timeline(len(parts), tuple(sorted(events, key=lambda e: (e.rank, e.start))), "s",
+                    {**timeline.meta, "t0": t0})
+
+
+def _explain(args: argparse.Namespace, pipe: Pipe, ranks: _Ranks, speed: dict[str, float],
+             bubble: float, x: torch.Tensor, y: torch.Tensor, total: int) -> None:
+    """Say plainly what pipelining buys on this machine and on accelerators."""
+    stage_params = [sum(p.numel() for p in part.parameters()) for part in pipe.partitions]
+    pipe.track_memory = True  # one more step, counting what autograd saved too
+    pipe.step(x, y, lm_loss)
+    pipe.track_memory = False
+    peaks = [s["peak_stashed_bytes"] for stats in ranks.gather(pipe.memory_stats())
+             for s in stats]
+    how = "2 processes (same-host links)" if args.ranks == "processes" else "2 threads"
+    lines = [f"step time, median of 5 rounds side by side: Pipe over {how}, 1f1b, "
+             f"m={args.chunks}: {speed['pipe'] * 1e3:.1f} ms"]
+    for name, seconds in speed.items():
+        if name != "pipe":
+            lines.append(f"  {name}: {seconds * 1e3:.1f} ms (the Pipe's speedup "
+                         f"{seconds / speed['pipe']:.2f}x)")
+    cores = os.cpu_count() or 1
+    lines += [
+        f"what the pipeline buys here: each rank holds one stage "
+        f"({', '.join(f'{n:,}' for n in stage_params)} of {total:,} parameters, the tied "
+        f"head's copy counted where it is held) and at most "
+        f"{', '.join(f'{b / 2**20:.1f}' for b in peaks)} MiB of saved activations; on "
+        f"this {cores}-core CPU two ranks use two cores, as the plain model does with "
+        f"{cores} threads, so the plain model on every core is the fair comparison",
+        f"on accelerators each stage has a device of its own: a model larger than one device "
+        f"trains, and 1f1b leaves {bubble:.0%} of each device idle at m={args.chunks} (in "
+        f"theory (p-1)/(m+p-1) = {1 / (args.chunks + 1):.0%}; more micro-batches shrink it). "
+        f"Thread ranks (--ranks threads) are the path for several GPUs in one process; on CPU "
+        f"they share the GIL and one intra-op pool"]
+    ranks.say("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,12 +238,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=200, help="characters to generate")
     parser.add_argument("--untied", action="store_true",
                         help="give the head its own weight instead of the embedding's")
+    parser.add_argument("--ranks", choices=("processes", "threads"), default="processes",
+                        help="one process per rank (gloo, same-host links: the CPU path), or "
+                             "one thread per rank in this process (the path for GPUs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args(argv)
     if args.depth < 2:
         parser.error(f"--depth must be >= 2 (got {args.depth}): each stage holds blocks")
-    torch.manual_seed(args.seed)
+    if args.ranks == "threads":
+        _train(None, vars(args))
+    else:
+        spawn(_train, 2, vars(args), timeout=24 * 3600.0)
+    return 0
+
+
+def _train(rank: int | None, options: dict[str, Any]) -> None:
+    """The demo on one rank (`rank` None: both ranks as threads of this process)."""
+    args = argparse.Namespace(**options)
+    ranks = _Ranks(rank)
+    torch.manual_seed(args.seed)  # the same model on every rank
     # One intra-op thread per rank: the two ranks are the parallelism (2 cores, 2 devices).
     torch.set_num_threads(1)
 
@@ -143,23 +266,26 @@ def main(argv: list[str] | None = None) -> int:
     data = tokenizer.encode(text)
     split = len(data) * 9 // 10  # the last tenth is held out
     train, held_out = data[:split], data[split:]
-    model = gpt(tokenizer.vocab, context=args.context, width=args.width, depth=args.depth,
-                heads=args.heads, dropout=args.dropout, tied=not args.untied)
+    config = {"vocab": tokenizer.vocab, "context": args.context, "width": args.width,
+              "depth": args.depth, "heads": args.heads, "tied": not args.untied}
+    model = gpt(dropout=args.dropout, **config)
+    total = sum(p.numel() for p in model.parameters())  # the tied weight once
     # Stage 0: the embedding and half the blocks; stage 1: the rest, the final norm, the head.
     half = args.depth // 2
-    pipe = Pipe(model, balance=[1 + half, args.depth - half + 2], devices=["cpu", "cpu"],
+    pipe = Pipe(model, balance=[1 + half, args.depth - half + 2],
+                devices=["cpu", "cpu"] if rank is None else None,
                 chunks=args.chunks, schedule="1f1b", checkpoint="never")
     tie = ("its own weight (--untied)" if args.untied else
            "the embedding's weight, tied across stages 0 and 1")
-    print(f"text: {len(text):,} characters, {tokenizer.vocab} distinct; GPT: "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters, width {args.width}, "
-          f"{args.depth} blocks, context {args.context}; head = {tie}")
-    print(f"Pipe {pipe.extra_repr()}")
+    ranks.say(f"text: {len(text):,} characters, {tokenizer.vocab} distinct; GPT: "
+              f"{total:,} parameters, width "
+              f"{args.width}, {args.depth} blocks, context {args.context}; head = {tie}")
+    ranks.say(f"Pipe {pipe.extra_repr()}, ranks: {args.ranks}")
 
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
     x_held, y_held = _windows(held_out, 4 * args.batch, args.context, g)
-    held_before = _evaluate(pipe, x_held, y_held)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    held_before = _evaluate(pipe, ranks, x_held, y_held)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, args.steps))
     losses: list[float] = []
     start = time.perf_counter()
@@ -171,35 +297,37 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         schedule.step()
         tokens_per_s = step * x.numel() / (time.perf_counter() - start)
-        sys.stdout.write(_progress(step, args.steps, statistics.fmean(losses[-10:]),
-                                   tokens_per_s))
-        sys.stdout.flush()
+        ranks.say(_progress(step, args.steps, statistics.fmean(losses[-10:]), tokens_per_s),
+                  end="")
     seconds = time.perf_counter() - start
     k = max(1, min(20, args.steps // 5))
-    print(f"\n{args.steps} steps in {seconds:.1f} s; training loss, mean of the first {k} "
-          f"steps {statistics.fmean(losses[:k]):.4f} -> mean of the last {k} "
-          f"{statistics.fmean(losses[-k:]):.4f}; held-out loss {held_before:.4f} -> "
-          f"{_evaluate(pipe, x_held, y_held):.4f}")
+    held_after = _evaluate(pipe, ranks, x_held, y_held)
+    ranks.say(f"\n{args.steps} steps in {seconds:.1f} s; training loss, mean of the first {k} "
+              f"steps {statistics.fmean(losses[:k]):.4f} -> mean of the last {k} "
+              f"{statistics.fmean(losses[-k:]):.4f}; held-out loss {held_before:.4f} -> "
+              f"{held_after:.4f}")
 
     if args.sample:
         prompt = tokenizer.encode("CORIOLANUS:\n")[None]
-        ids = _generate(pipe, prompt, rows=args.chunks, length=args.sample,
-                        context=args.context, temperature=0.8, seed=args.seed)
-        print(f"--- sampled through the pipe (temperature 0.8) ---\n"
-              f"{tokenizer.decode(ids[0])}\n---")
+        ids = _generate(pipe, ranks, prompt, length=args.sample, context=args.context,
+                        temperature=0.8, seed=args.seed)
+        ranks.say(f"--- sampled through the pipe (temperature 0.8) ---\n"
+                  f"{tokenizer.decode(ids[0])}\n---")
 
     x, y = _windows(train, args.batch, args.context, g)
-    pipe_s, plain_s = _side_by_side(pipe, model, x, y)
-    print(f"step time: Pipe 2 x cpu, 1f1b, m={args.chunks}: {pipe_s * 1e3:.1f} ms; "
-          f"plain model, 1 thread: {plain_s * 1e3:.1f} ms; speedup {plain_s / pipe_s:.2f}x")
-    timeline = pipe.last_timeline()
+    plain = gpt(dropout=args.dropout, **config) if ranks.printer else None
+    speed = _side_by_side(pipe, ranks, plain, x, y)
+    timeline = _merged_timeline(pipe, ranks)
+    _explain(args, pipe, ranks, speed, timeline.bubble_fraction, x, y, total)
+    pipe.close()
+    if not ranks.printer:
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo-timeline.json").write_text(timeline.to_json())
     (args.out / "demo-trace.json").write_text(json.dumps(timeline.to_chrome_trace()))
     print(f"measured bubble {timeline.bubble_fraction:.1%}; timeline written to "
           f"{args.out / 'demo-timeline.json'} (Chrome trace: {args.out / 'demo-trace.json'})")
     _draw(timeline)
-    return 0
 
 
 def _draw(timeline: Timeline) -> None:

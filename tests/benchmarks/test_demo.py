@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,22 +44,33 @@ def test_windows_are_contiguous_and_shifted_by_one() -> None:
     torch.testing.assert_close(x, again)  # seeded
 
 
-def test_demo_trains_untied_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*_SMALL, "--untied", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "head = its own weight (--untied)" in out
+def test_demo_trains_untied_with_thread_ranks(tmp_path: Path,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
+    assert main([*_SMALL, "--untied", "--ranks", "threads", "--out", str(tmp_path)]) == 0
+    out = capfd.readouterr().out
+    assert "head = its own weight (--untied)" in out and "ranks: threads" in out
     assert "training loss, mean of the first 1 steps" in out and "held-out loss" in out
     assert "sampled through the pipe" in out and "CORIOLANUS:" in out
-    assert "step time: Pipe 2 x cpu, 1f1b, m=2" in out and "measured bubble" in out
+    assert "Pipe over 2 threads, 1f1b, m=2" in out and "measured bubble" in out
     timeline = json.loads((tmp_path / "demo-timeline.json").read_text())
     assert timeline["format"] == "pipeline-timeline/1"
     assert (tmp_path / "demo-trace.json").is_file()
 
 
-def test_demo_trains_with_the_head_tied_across_stages(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*_SMALL, "--sample", "0", "--out", str(tmp_path)]) == 0
-    assert "tied across stages 0 and 1" in capsys.readouterr().out
+@pytest.mark.dist
+def test_demo_runs_its_ranks_as_processes_with_the_head_tied_across_them(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The main job on CPU: one process per rank; one rank prints, and the report holds the
+    plain model on one thread and on every core beside the Pipe."""
+    assert main([*_SMALL, "--out", str(tmp_path)]) == 0
+    out = capfd.readouterr().out
+    assert "tied across stages 0 and 1" in out and "ranks: processes" in out
+    assert out.count("held-out loss") == 1  # printed once, by rank 0
+    assert "Pipe over 2 processes (same-host links), 1f1b, m=2" in out
+    assert "plain, 1 thread:" in out and f"plain, {os.cpu_count()} threads:" in out
+    assert "what the pipeline buys here" in out and "on accelerators" in out
+    timeline = json.loads((tmp_path / "demo-timeline.json").read_text())
+    assert {e[0] for e in timeline["events"]} == {0, 1}  # both processes' actions
 
 
 def test_depth_below_two_is_refused() -> None:
