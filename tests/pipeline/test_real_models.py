@@ -140,3 +140,70 @@ def test_param_init_skip_leaves_the_tensors_to_a_load() -> None:
     with pytest.raises(PipeConfigError, match="param_init must be one of"):
         Pipe(_meta_model(), balance=[2, 2], param_init="zeros")
     pipe.close()
+
+
+def _deferred_reference(model: nn.Sequential, batches: list[torch.Tensor], chunks: int) -> None:
+    """What deferred BatchNorm promises, computed independently on one device: each batch runs
+    micro-batch by micro-batch (each normalised by its own statistics), and each BatchNorm's
+    running statistics then move once, by torch.var_mean of every row that layer saw."""
+    layers = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for batch in batches:
+        seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
+        saved = [(m.running_mean.clone(), m.running_var.clone()) for m in layers]
+        hooks = [m.register_forward_pre_hook(
+            lambda _m, args, into=seen[i]: into.append(args[0].detach()))
+            for i, m in enumerate(layers)]
+        for part in batch.chunk(chunks):
+            model(part)
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for i, m in enumerate(layers):
+                rows = torch.cat(seen[i]).transpose(0, 1).flatten(1)
+                var, mean = torch.var_mean(rows, dim=1, unbiased=True)
+                m.running_mean.copy_(saved[i][0] * (1 - m.momentum) + m.momentum * mean)
+                m.running_var.copy_(saved[i][1] * (1 - m.momentum) + m.momentum * var)
+                m.num_batches_tracked.sub_(chunks - 1)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_deferred_batch_norm_commits_the_batch_statistics_once(checkpoint: str,
+                                                               schedule: str) -> None:
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    batches = [x, 2 * x + 1]  # statistics that differ between the two steps
+    reference, full = small_cnn(), small_cnn()
+    model = copy.deepcopy(reference)
+    pipe = Pipe(model, balance=[5, 7], devices=["cpu", "cpu"], chunks=4, schedule=schedule,
+                checkpoint=checkpoint, deferred_batch_norm=True)
+    for batch in batches:
+        pipe.step(batch, y, nn.CrossEntropyLoss())
+        full(batch)  # one full-batch training forward
+    _deferred_reference(reference, batches, 4)
+    plain = reference.state_dict()
+    for key, got in model.state_dict().items():
+        if "running" in key or "num_batches" in key:
+            # float64 sums of squares against torch.var_mean: rounding only.
+            torch.testing.assert_close(got, plain[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert int(model[1].num_batches_tracked) == 2
+    # The first BatchNorm sees the same rows as in a full-batch forward: the same statistics.
+    for key in ("1.running_mean", "1.running_var"):
+        torch.testing.assert_close(model.state_dict()[key], full.state_dict()[key], rtol=1e-5,
+                                   atol=1e-6)
+    pipe.close()
+
+
+def test_deferred_batch_norm_with_cumulative_momentum_and_inference() -> None:
+    x = torch.randn(12, 3, 4, 4)
+    reference = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(4 * 2 * 2, 2))
+    model = copy.deepcopy(reference)
+    pipe = Pipe(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=3,
+                deferred_batch_norm=True)
+    for k in range(3):
+        reference(x + k)  # a cumulative average over the batches
+        pipe(x + k)  # a training-mode forward updates the statistics, as model(x) does
+    for key, got in model.state_dict().items():
+        if "running" in key or "num_batches" in key:
+            torch.testing.assert_close(got, reference.state_dict()[key], rtol=1e-5, atol=1e-6)
+    pipe.close()
