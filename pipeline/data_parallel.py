@@ -95,7 +95,7 @@ def last_gradient_actions(actions: Sequence[Action]) -> dict[int, int]:
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    flat: torch.Tensor
+    flat: torch.Tensor  # the gradients (zeros where a replica has none), then one flag each
     work: Any
     launched: float
     done: list[float]
@@ -107,6 +107,12 @@ class GradSync:
     `stage_done(s)` launches the all-reduces of stage s's gradients (flattened into buckets of
     at most `BUCKET_BYTES`); `finish()` waits for them, writes the averages back into `.grad`,
     and records how much of the reduction the pipeline hid (`stats`).
+
+    Each bucket ends with one presence flag per parameter (1 where this replica has a
+    gradient), summed with the gradients, so the replicas agree on which parameters have one:
+    a parameter no replica produced a gradient for keeps `.grad` None (an optimizer skips it,
+    as on one device and under DDP's `find_unused_parameters`); one that some replicas did not
+    use gets the average with zeros for them.
     """
 
     def __init__(self, stages: dict[int, nn.Module], group: Any,
@@ -120,12 +126,15 @@ class GradSync:
     def stage_done(self, stage: int) -> None:
         params = [p for p in self.stages[stage].parameters() if p.requires_grad]
         for chunk in _chunks(params):
-            for p in chunk:
-                if p.grad is None:  # every replica must send the same layout
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in chunk if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat.div_(dist.get_world_size(self.group))
+            numel = sum(p.numel() for p in chunk)
+            flat = chunk[0].new_zeros(numel + len(chunk))  # the same layout on every replica
+            offset = 0
+            for i, p in enumerate(chunk):
+                if p.grad is not None:
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                    flat[numel + i] = 1
+                offset += p.numel()
+            flat[:numel].div_(dist.get_world_size(self.group))
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             done: list[float] = []
             work.get_future().then(lambda _f, done=done: done.append(time.perf_counter()))
@@ -137,12 +146,18 @@ class GradSync:
         try:
             for bucket in self._buckets:
                 self._wait(bucket.work, "the gradient all-reduce over dp")
+                numel = bucket.flat.numel() - len(bucket.params)
+                present = (bucket.flat[numel:] > 0).tolist()
                 offset = 0
-                for p in bucket.params:
-                    assert p.grad is not None
-                    n = p.grad.numel()
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
-                    offset += n
+                for p, anywhere in zip(bucket.params, present, strict=True):
+                    average = bucket.flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if not anywhere:
+                        continue  # no replica has a gradient: None stays None
+                    if p.grad is None:
+                        p.grad = average.clone()
+                    else:
+                        p.grad.copy_(average)
             end = time.perf_counter()
             spans = [(b.launched, b.done[0] if b.done else end) for b in self._buckets]
             busy = _union(spans)

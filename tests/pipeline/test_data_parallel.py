@@ -113,6 +113,10 @@ def test_fsdp_without_a_dp_dimension_is_refused() -> None:
 
 
 # -- replicas that agree with one device and with DDP (tests/pipeline/replica_workers.py)
+def test_a_parameter_no_replica_used_keeps_no_gradient_and_adamw_equals_one_device() -> None:
+    assert spawn(replica_workers.unused_parameters, 4, timeout=SPAWN_TIMEOUT) == [15, 18, 15, 18]
+
+
 def test_ties_with_accumulating_steps_and_clipping_under_dp_equal_one_device() -> None:
     assert spawn(replica_workers.ties_and_clipping, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
 
