@@ -201,20 +201,25 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 class Replicas:
     """This rank's view of the other replicas of its stages (its "dp" group): agreement on the
-    configuration, the global batch's rows, the global loss, and the gradient averaging.
-    Everything but the gradients travels point to point with the transport's failure-aware
-    waits, so a replica that failed is named rather than waited for."""
+    configuration, the global batch's rows, the global loss, the gradient averaging, and the
+    buffers (dp rank 0's, at construction and after each step, as DDP's `broadcast_buffers`).
+    Everything but the gradients and buffers travels point to point; every wait is the
+    transport's failure-aware one, so a replica that failed is named rather than waited for."""
 
     def __init__(self, mesh: Mesh, stages: dict[int, nn.Module], device: torch.device,
-                 timeout: float, shard: str) -> None:
+                 timeout: float, shard: str, *, broadcast_buffers: bool = True) -> None:
         from pipeline.distributed import DistributedTransport
 
         self.mesh = mesh
         self.shard = shard
+        self.broadcast_buffers = broadcast_buffers
         self.transport = DistributedTransport(mesh.dp_rank, device, timeout=timeout,
                                               group=mesh.dp, watch=mesh.ranks,
                                               names=mesh.dp_peer)
         self.sync = GradSync(stages, mesh.dp, self.transport.wait_work)
+        self._stages = stages
+        with self._named_failures():  # replicas start alike, as DDP makes them
+            self._broadcast(self._local_buffers(), "the buffers' broadcast from dp rank 0")
         if shard == "fsdp":  # FSDP2 shards each stage and reduce-scatters its gradients
             from torch.distributed.fsdp import fully_shard
 
@@ -269,8 +274,39 @@ class Replicas:
         return {"total": self.global_rows(rows), "scale": float(self.mesh.dp_size)}
 
     def finish(self) -> None:
+        """The end of a training step: the gradients' averages, then (unless
+        `broadcast_buffers=False`) every replica takes dp rank 0's buffers."""
         with self._named_failures():
             self.sync.finish()  # (nothing to do under FSDP2: it reduced in the backward)
+            if self.broadcast_buffers:
+                self._broadcast(self._local_buffers(), "the buffers' broadcast from dp rank 0")
+
+    def all_reduce(self, flat: torch.Tensor, what: str) -> None:
+        """Sum `flat` over the replicas, in place (deferred BatchNorm's global statistics)."""
+        with self._named_failures():
+            work = dist.all_reduce(flat, group=self.mesh.dp, async_op=True)
+            self.transport.wait_work(work, what)
+
+    def _local_buffers(self) -> list[torch.Tensor]:
+        """Every buffer of this rank's stages, in the same order on every replica."""
+        return [b for s in sorted(self._stages) for b in self._stages[s].buffers()]
+
+    def _broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
+        """dp rank 0's values of `tensors` to every replica: one broadcast per dtype and
+        device, each of every such tensor flattened into one."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for same in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            work = dist.broadcast(flat, group=self.mesh.dp, group_src=0, async_op=True)
+            self.transport.wait_work(work, what)
+            if self.mesh.dp_rank != 0:
+                with torch.no_grad():
+                    offset = 0
+                    for t in same:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
 
     @contextmanager
     def _named_failures(self) -> Iterator[None]:

@@ -117,6 +117,11 @@ def test_a_parameter_no_replica_used_keeps_no_gradient_and_adamw_equals_one_devi
     assert spawn(replica_workers.unused_parameters, 4, timeout=SPAWN_TIMEOUT) == [15, 18, 15, 18]
 
 
+def test_batch_norm_buffers_agree_across_replicas_and_with_one_device() -> None:
+    # Stage 0 holds two BatchNorm layers (six buffers), stage 1 one (three); 4 modes x 2 steps.
+    assert spawn(replica_workers.batch_norm, 4, timeout=SPAWN_TIMEOUT) == [48, 24, 48, 24]
+
+
 def test_ties_with_accumulating_steps_and_clipping_under_dp_equal_one_device() -> None:
     assert spawn(replica_workers.ties_and_clipping, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
 
