@@ -12,17 +12,20 @@ forward of the whole batch would (torchgpipe's deferred batch norm).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
 
 from pipeline.checkpoint import is_recomputing
+from pipeline.errors import PipeConfigError, PipeTypeError
 
-__all__ = ["DeferredBatchNorm", "microbatch_scope"]
+__all__ = ["MODES", "DeferredBatchNorm", "check_mode", "microbatch_scope"]
 
 _state = threading.local()
 
@@ -53,32 +56,45 @@ class _Sums:
         self.count += x.numel() // x.shape[1]
 
 
+MODES = (False, True, "global")
+
+
+def check_mode(value: object) -> bool | str:
+    """`deferred_batch_norm`'s value, checked."""
+    if not isinstance(value, bool | str):
+        raise PipeTypeError(f"deferred_batch_norm must be True, False or 'global' (got "
+                            f"{type(value).__name__} {value!r})")
+    if value not in MODES:
+        raise PipeConfigError(
+            f"deferred_batch_norm must be one of {MODES} (got {value!r}): True gathers each "
+            f"replica's batch, 'global' the whole global batch over the mesh's 'dp' dimension")
+    return value
+
+
 class DeferredBatchNorm:
     """Hooks on every BatchNorm layer of `modules` that keep training forwards from updating
-    the running statistics, gather the batch's statistics instead, and `commit` them."""
+    the running statistics, gather the batch's statistics instead, and `commit` them.
 
-    def __init__(self, modules: Iterable[nn.Module], chunks: int) -> None:
+    With `reduce` (a sum over the replicas, in place), `commit` first adds up every replica's
+    sums, so each replica commits the global batch's statistics (SyncBatchNorm's running
+    statistics). The hooks live as long as this object: `remove()` (the Pipe's `close()`)
+    takes them off, and so does collecting it, since they hold it only weakly.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], chunks: int, *,
+                 reduce: Callable[[torch.Tensor, str], None] | None = None) -> None:
         self.chunks = chunks
+        self.reduce = reduce
         self.layers = [m for root in modules for m in root.modules()
                        if isinstance(m, _BatchNorm) and m.track_running_stats]
         self._sums: dict[tuple[int, int], _Sums] = {}  # (layer, batch) -> sums
+        me = weakref.ref(self)
+        handles = []
         for i, layer in enumerate(self.layers):
-            layer.register_forward_pre_hook(self._before(i))
-            layer.register_forward_hook(self._after)
-
-    def _before(self, i: int) -> Any:
-        def hook(module: _BatchNorm, args: tuple[Any, ...]) -> None:
-            if not module.training:
-                return
-            module.track_running_stats = False  # this forward: batch statistics, no update
-            if not is_recomputing():  # a replay's rows were counted by its forward
-                batch = (getattr(_state, "microbatch", None) or 0) // self.chunks
-                self._sums.setdefault((i, batch), _Sums()).add(args[0])
-        return hook
-
-    @staticmethod
-    def _after(module: _BatchNorm, args: tuple[Any, ...], output: Any) -> None:
-        module.track_running_stats = True
+            handles.append(layer.register_forward_pre_hook(_before(me, i)))
+            # always_call: a forward that raised still tracks statistics again afterwards
+            handles.append(layer.register_forward_hook(_after, always_call=True))
+        self.remove = weakref.finalize(self, _remove, handles)
 
     def begin(self) -> None:
         """Forget what a failed step gathered."""
@@ -87,7 +103,11 @@ class DeferredBatchNorm:
     @torch.no_grad()
     def commit(self) -> None:
         """Update each layer's running statistics once per batch gathered, in batch order."""
-        for (i, _), sums in sorted(self._sums.items()):
+        gathered = sorted(self._sums.items())
+        self._sums.clear()
+        if self.reduce is not None and gathered:
+            self._reduce([sums for _, sums in gathered])
+        for (i, _), sums in gathered:
             layer = self.layers[i]
             assert sums.total is not None and sums.squares is not None
             assert layer.running_mean is not None and layer.running_var is not None
@@ -100,4 +120,41 @@ class DeferredBatchNorm:
                       else 1.0 / float(layer.num_batches_tracked))
             layer.running_mean.mul_(1 - factor).add_(factor * mean.to(layer.running_mean))
             layer.running_var.mul_(1 - factor).add_(factor * var.to(layer.running_var))
-        self._sums.clear()
+
+    def _reduce(self, gathered: list[_Sums]) -> None:
+        """Every replica's sums and row counts added up: one float64 all-reduce."""
+        assert self.reduce is not None
+        parts = [t for s in gathered for t in (s.total, s.squares) if t is not None]
+        counts = torch.tensor([float(s.count) for s in gathered], dtype=torch.float64,
+                              device=parts[0].device)
+        flat = torch.cat([*parts, counts])
+        self.reduce(flat, "deferred BatchNorm's statistics over dp")
+        offset = 0
+        for s in gathered:
+            assert s.total is not None and s.squares is not None
+            for t in (s.total, s.squares):
+                t.copy_(flat[offset:offset + t.numel()])
+                offset += t.numel()
+        for s, count in zip(gathered, flat[offset:].tolist(), strict=True):
+            s.count = round(count)  # float64 holds row counts exactly
+
+
+def _before(me: weakref.ref[DeferredBatchNorm], i: int) -> Any:
+    def hook(module: _BatchNorm, args: tuple[Any, ...]) -> None:
+        deferred = me()
+        if deferred is None or not module.training:
+            return
+        module.track_running_stats = False  # this forward: batch statistics, no update
+        if not is_recomputing():  # a replay's rows were counted by its forward
+            batch = (getattr(_state, "microbatch", None) or 0) // deferred.chunks
+            deferred._sums.setdefault((i, batch), _Sums()).add(args[0])
+    return hook
+
+
+def _after(module: _BatchNorm, args: tuple[Any, ...], output: Any) -> None:
+    module.track_running_stats = True
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()

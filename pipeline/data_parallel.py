@@ -96,7 +96,7 @@ def last_gradient_actions(actions: Sequence[Action]) -> dict[int, int]:
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    flat: torch.Tensor
+    flat: torch.Tensor  # the gradients (zeros where a replica has none), then one flag each
     work: Any
     launched: float
     done: list[float]
@@ -108,6 +108,12 @@ class GradSync:
     `stage_done(s)` launches the all-reduces of stage s's gradients (flattened into buckets of
     at most `BUCKET_BYTES`); `finish()` waits for them, writes the averages back into `.grad`,
     and records how much of the reduction the pipeline hid (`stats`).
+
+    Each bucket ends with one presence flag per parameter (1 where this replica has a
+    gradient), summed with the gradients, so the replicas agree on which parameters have one:
+    a parameter no replica produced a gradient for keeps `.grad` None (an optimizer skips it,
+    as on one device and under DDP's `find_unused_parameters`); one that some replicas did not
+    use gets the average with zeros for them.
     """
 
     def __init__(self, stages: dict[int, nn.Module], group: Any,
@@ -121,12 +127,15 @@ class GradSync:
     def stage_done(self, stage: int) -> None:
         params = [p for p in self.stages[stage].parameters() if p.requires_grad]
         for chunk in _chunks(params):
-            for p in chunk:
-                if p.grad is None:  # every replica must send the same layout
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in chunk if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat.div_(dist.get_world_size(self.group))
+            numel = sum(p.numel() for p in chunk)
+            flat = chunk[0].new_zeros(numel + len(chunk))  # the same layout on every replica
+            offset = 0
+            for i, p in enumerate(chunk):
+                if p.grad is not None:
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                    flat[numel + i] = 1
+                offset += p.numel()
+            flat[:numel].div_(dist.get_world_size(self.group))
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             done: list[float] = []
             work.get_future().then(lambda _f, done=done: done.append(time.perf_counter()))
@@ -138,12 +147,18 @@ class GradSync:
         try:
             for bucket in self._buckets:
                 self._wait(bucket.work, "the gradient all-reduce over dp")
+                numel = bucket.flat.numel() - len(bucket.params)
+                present = (bucket.flat[numel:] > 0).tolist()
                 offset = 0
-                for p in bucket.params:
-                    assert p.grad is not None
-                    n = p.grad.numel()
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
-                    offset += n
+                for p, anywhere in zip(bucket.params, present, strict=True):
+                    average = bucket.flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if not anywhere:
+                        continue  # no replica has a gradient: None stays None
+                    if p.grad is None:
+                        p.grad = average.clone()
+                    else:
+                        p.grad.copy_(average)
             end = time.perf_counter()
             spans = [(b.launched, b.done[0] if b.done else end) for b in self._buckets]
             busy = _union(spans)
@@ -187,20 +202,25 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 class Replicas:
     """This rank's view of the other replicas of its stages (its "dp" group): agreement on the
-    configuration, the global batch's rows, the global loss, and the gradient averaging.
-    Everything but the gradients travels point to point with the transport's failure-aware
-    waits, so a replica that failed is named rather than waited for."""
+    configuration, the global batch's rows, the global loss, the gradient averaging, and the
+    buffers (dp rank 0's, at construction and after each step, as DDP's `broadcast_buffers`).
+    Everything but the gradients and buffers travels point to point; every wait is the
+    transport's failure-aware one, so a replica that failed is named rather than waited for."""
 
     def __init__(self, mesh: Mesh, stages: dict[int, nn.Module], device: torch.device,
-                 timeout: float, shard: str) -> None:
+                 timeout: float, shard: str, *, broadcast_buffers: bool = True) -> None:
         from pipeline.distributed import DistributedTransport
 
         self.mesh = mesh
         self.shard = shard
+        self.broadcast_buffers = broadcast_buffers
         self.transport = DistributedTransport(mesh.dp_rank, device, timeout=timeout,
                                               group=mesh.dp, watch=mesh.ranks,
                                               names=mesh.dp_peer)
         self.sync = GradSync(stages, mesh.dp, self.transport.wait_work)
+        self._stages = stages
+        with self._named_failures():  # replicas start alike, as DDP makes them
+            self._broadcast(self._local_buffers(), "the buffers' broadcast from dp rank 0")
         if shard == "fsdp":  # FSDP2 shards each stage and reduce-scatters its gradients
             from torch.distributed.fsdp import fully_shard
 
@@ -257,8 +277,39 @@ class Replicas:
         return self.global_total(total), float(self.mesh.dp_size)
 
     def finish(self) -> None:
+        """The end of a training step: the gradients' averages, then (unless
+        `broadcast_buffers=False`) every replica takes dp rank 0's buffers."""
         with self._named_failures():
             self.sync.finish()  # (nothing to do under FSDP2: it reduced in the backward)
+            if self.broadcast_buffers:
+                self._broadcast(self._local_buffers(), "the buffers' broadcast from dp rank 0")
+
+    def all_reduce(self, flat: torch.Tensor, what: str) -> None:
+        """Sum `flat` over the replicas, in place (deferred BatchNorm's global statistics)."""
+        with self._named_failures():
+            work = dist.all_reduce(flat, group=self.mesh.dp, async_op=True)
+            self.transport.wait_work(work, what)
+
+    def _local_buffers(self) -> list[torch.Tensor]:
+        """Every buffer of this rank's stages, in the same order on every replica."""
+        return [b for s in sorted(self._stages) for b in self._stages[s].buffers()]
+
+    def _broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
+        """dp rank 0's values of `tensors` to every replica: one broadcast per dtype and
+        device, each of every such tensor flattened into one."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for same in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            work = dist.broadcast(flat, group=self.mesh.dp, group_src=0, async_op=True)
+            self.transport.wait_work(work, what)
+            if self.mesh.dp_rank != 0:
+                with torch.no_grad():
+                    offset = 0
+                    for t in same:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
 
     @contextmanager
     def _named_failures(self) -> Iterator[None]:

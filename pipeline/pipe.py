@@ -12,7 +12,7 @@ from torch import nn
 
 import schedules
 from pipeline import bootstrap, checks, collectives, config, fingerprint, ties, weighting
-from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.batchnorm import DeferredBatchNorm, check_mode
 from pipeline.clipping import clip_grad_norm
 from pipeline.context import CallerState
 from pipeline.data_parallel import Replicas
@@ -54,7 +54,8 @@ class Pipe(nn.Module):
         mesh: Any = None,
         data_parallel: str = "replicate",
         param_init: str | bootstrap.ParamInit = "reset",
-        deferred_batch_norm: bool = False,
+        deferred_batch_norm: bool | str = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self.timeout = config.check_arguments(model, chunks, checkpoint, param_init, timeout,
@@ -92,17 +93,21 @@ class Pipe(nn.Module):
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._agreement = fingerprint.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
-        self._batch_norm = (DeferredBatchNorm([self.partitions[s] for s in self.local_stages],
-                                              chunks) if deferred_batch_norm else None)
         self._timeline: Timeline | None = None
         self._warned_padding = False  # once per Pipe (see _context)
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout, self.mesh)
         self._replicas = (Replicas(self.mesh, {s: self.partitions[s] for s in self.local_stages},
-                                   self.devices[self.world[0]], self.timeout, data_parallel)
+                                   self.devices[self.world[0]], self.timeout, data_parallel,
+                                   broadcast_buffers=broadcast_buffers)
                           if self.mesh is not None and self.mesh.dp_size > 1 and self.world
                           else None)
+        over_dp = self._replicas is not None and deferred_batch_norm == "global"
+        self._batch_norm = (DeferredBatchNorm(
+            [self.partitions[s] for s in self.local_stages], chunks,
+            reduce=self._replicas.all_reduce if over_dp and self._replicas else None)
+            if check_mode(deferred_batch_norm) else None)
         self._tie_link = ties.link(self._ties, dict(super().named_parameters(
                                        remove_duplicate=False)), self._probe.rank_of,
                                    self.world[0] if self.world else None,
@@ -368,10 +373,13 @@ class Pipe(nn.Module):
 
     def close(self) -> None:
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the
-        interpreter exits). A closed Pipe cannot run steps. A weight tied across stages whose
-        owner is held here is tied again in the model (`head.weight is wte.weight`)."""
+        interpreter exits), and take deferred BatchNorm's hooks off the model's layers. A
+        closed Pipe cannot run steps. A weight tied across stages whose owner is held here is
+        tied again in the model (`head.weight is wte.weight`)."""
         self._executor.close()
         self._tie_link.retie()
+        if self._batch_norm is not None:
+            self._batch_norm.remove()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

@@ -12,7 +12,7 @@ from pipeline.data_parallel import _chunks, _union, last_gradient_actions
 from pipeline.launch import RankFailed, spawn
 from schedules import Action, Op
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
-from tests.pipeline import dp_workers
+from tests.pipeline import dp_workers, replica_workers
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -110,3 +110,21 @@ def test_fsdp_without_a_dp_dimension_is_refused() -> None:
         Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], data_parallel="fsdp")
     with pytest.raises(PipeConfigError, match="data_parallel must be one of"):
         Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], data_parallel="zero3")
+
+
+# -- replicas that agree with one device and with DDP (tests/pipeline/replica_workers.py)
+def test_a_parameter_no_replica_used_keeps_no_gradient_and_adamw_equals_one_device() -> None:
+    assert spawn(replica_workers.unused_parameters, 4, timeout=SPAWN_TIMEOUT) == [15, 18, 15, 18]
+
+
+def test_batch_norm_buffers_agree_across_replicas_and_with_one_device() -> None:
+    # Stage 0 holds two BatchNorm layers (six buffers), stage 1 one (three); 4 modes x 2 steps.
+    assert spawn(replica_workers.batch_norm, 4, timeout=SPAWN_TIMEOUT) == [48, 24, 48, 24]
+
+
+def test_ties_with_accumulating_steps_and_clipping_under_dp_equal_one_device() -> None:
+    assert spawn(replica_workers.ties_and_clipping, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
+
+
+def test_zero_bubble_v_and_2bw_under_dp_equal_one_device() -> None:
+    assert spawn(replica_workers.zero_bubble_v_and_2bw, 4, timeout=SPAWN_TIMEOUT) == [3] * 4

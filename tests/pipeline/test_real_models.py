@@ -4,12 +4,14 @@ meta-device layers without initialisers, targets that disagree with the output."
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 from torch import nn
 
 from pipeline import Pipe, PipeConfigError
+from pipeline.errors import PipeTypeError
 from tests.models import small_cnn
 
 CHECKPOINTS = ["never", "except_last", "always"]
@@ -206,4 +208,48 @@ def test_deferred_batch_norm_with_cumulative_momentum_and_inference() -> None:
     for key, got in model.state_dict().items():
         if "running" in key or "num_batches" in key:
             torch.testing.assert_close(got, reference.state_dict()[key], rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+
+def _moves_its_statistics(model: nn.Sequential) -> bool:
+    """A bare training forward updates every BatchNorm's running statistics."""
+    layer = model[1]
+    before = (layer.running_mean.clone(), int(layer.num_batches_tracked))
+    model(torch.randn(8, 3, 8, 8) + 3)
+    return (int(layer.num_batches_tracked) == before[1] + 1
+            and not torch.equal(layer.running_mean, before[0]))
+
+
+def test_deferred_batch_norm_leaves_no_hooks_after_close_or_collection() -> None:
+    """Its hooks once stayed on the model: a bare model, or a later Pipe without deferral,
+    never moved its running statistics again (`num_batches_tracked` stayed 0)."""
+    model = small_cnn()
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    pipe = Pipe(model, balance=[5, 7], devices=["cpu", "cpu"], chunks=2,
+                deferred_batch_norm=True)
+    pipe.step(x, y, nn.CrossEntropyLoss())
+    pipe.close()
+    assert _moves_its_statistics(model)
+    Pipe(model, balance=[5, 7], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
+    gc.collect()  # the Pipe is gone without close()
+    assert _moves_its_statistics(model)
+    plain = Pipe(model, balance=[5, 7], devices=["cpu", "cpu"], chunks=2)
+    tracked = int(model[1].num_batches_tracked)
+    plain.step(x, y, nn.CrossEntropyLoss())
+    assert int(model[1].num_batches_tracked) == tracked + 2  # once per micro-batch
+    plain.close()
+
+
+def test_deferred_batch_norm_takes_true_false_or_global() -> None:
+    with pytest.raises(PipeConfigError, match=r"one of \(False, True, 'global'\) \(got 'sync'\)"):
+        Pipe(small_cnn(), balance=[5, 7], deferred_batch_norm="sync")
+    with pytest.raises(PipeTypeError, match="must be True, False or 'global' "
+                                            r"\(got int 1\)"):
+        Pipe(small_cnn(), balance=[5, 7], deferred_batch_norm=1)  # type: ignore[arg-type]
+    # Without a "dp" dimension the global batch is the batch: "global" is True.
+    model = small_cnn()
+    pipe = Pipe(model, balance=[5, 7], devices=["cpu", "cpu"], chunks=2,
+                deferred_batch_norm="global")
+    pipe.step(torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,)), nn.CrossEntropyLoss())
+    assert int(model[1].num_batches_tracked) == 1
     pipe.close()

@@ -191,3 +191,24 @@ def test_a_tied_model_saves_sharded_and_loads_into_the_plain_model(tmp_path: Any
         optimizer.state_dict()["state"][0]["exp_avg"])
     pipe.close()
     again.close()
+
+
+@pytest.mark.parametrize(("schedule", "balance"), [("1f1b", [3, 4]), ("zb-v", [2, 2, 1, 2])])
+def test_two_accumulating_steps_before_the_optimizer_step(schedule: str,
+                                                          balance: list[int]) -> None:
+    reference = tiny_lm(dropout=0.0)
+    model = copy.deepcopy(reference)
+    pipe = Pipe(model, balance=balance, devices=["cpu", "cpu"], chunks=2, schedule=schedule)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for t in range(3):
+        optimizer.zero_grad()
+        plain.zero_grad()
+        for k in range(2):  # the copy's gradient adds onto the owner's accumulated one
+            x, y = _batch(2 * t + k)
+            pipe.step(x, y, lm_loss)
+            lm_loss(reference(x), y).backward()
+        optimizer.step()
+        plain.step()
+    _compare(pipe, reference)
+    pipe.close()
