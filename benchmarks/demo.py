@@ -21,6 +21,7 @@ from torch import nn
 from benchmarks.gpt import gpt, lm_loss
 from pipeline.pipe import Pipe
 from schedules import Timeline
+from schedules.files import write_atomic
 
 __all__ = ["CharTokenizer", "load_text", "main"]
 
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
           f"plain model, 1 thread: {plain_s * 1e3:.1f} ms; speedup {plain_s / pipe_s:.2f}x")
     timeline = pipe.last_timeline()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "demo-timeline.json").write_text(timeline.to_json())
-    (args.out / "demo-trace.json").write_text(json.dumps(timeline.to_chrome_trace()))
+    write_atomic(args.out / "demo-timeline.json", timeline.to_json())
+    write_atomic(args.out / "demo-trace.json", json.dumps(timeline.to_chrome_trace()))
     print(f"measured bubble {timeline.bubble_fraction:.1%}; timeline written to "
           f"{args.out / 'demo-timeline.json'} (Chrome trace: {args.out / 'demo-trace.json'})")
     _draw(timeline)
