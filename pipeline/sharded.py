@@ -80,8 +80,8 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
         try:
             staging.mark_complete(staged, token)
             staging.swap_in(staged, path, token)
-        except OSError as exc:
-            swapped = [f"swapping {staged!r} in failed: {exc}"]
+        except Exception as exc:  # reported to every rank: none is left waiting below
+            swapped = [f"swapping {staged!r} in failed: {_reason(exc)}"]
     _agree(f"save: swapping the new checkpoint in at {os.fspath(path)!r} failed (a load finds "
            f"the old checkpoint or the new one, complete)", swapped, group, distributed)
 

@@ -108,3 +108,25 @@ def test_a_failed_write_leaves_the_checkpoint_and_no_staged_directory(
         _saved(path, seed=1)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert_same(_loaded(path), first, "the checkpoint before the failed save")
+
+
+def test_a_failed_swap_is_raised_and_the_old_checkpoint_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt"
+    first = _saved(path, seed=0)
+    real_rename = os.rename
+
+    def refused(source: str, destination: str) -> None:
+        if ".old-" in os.fspath(destination):  # the swap's first rename
+            raise PermissionError(13, "Permission denied")
+        real_rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.raises(PipelineError, match=r"swapping the new checkpoint in at .*ckpt' failed "
+                                             r".*PermissionError"):
+        _saved(path, seed=1)
+    monkeypatch.undo()
+    assert_same(_loaded(path), first, "the checkpoint the swap did not replace")
+    second = _saved(path, seed=1)  # the next save clears the staged one the failure left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert_same(_loaded(path), second, "the next save")
