@@ -26,6 +26,7 @@ from benchmarks.records import build_records, validate_record
 from benchmarks.report import render_data_parallel, render_markdown
 from pipeline.launch import RankFailed, spawn
 from schedules import Timeline, available
+from schedules.files import write_atomic
 
 __all__ = ["main", "run_data_parallel", "run_group", "write_outputs"]
 
@@ -116,15 +117,15 @@ def write_outputs(out: Path, records: Sequence[dict[str, Any]], timelines: dict[
         tl = timelines.get(r["id"])
         if tl is not None:
             path = out / "timelines" / (r["id"].replace("/", "_") + ".json")
-            path.write_text(tl.to_json())
+            write_atomic(path, tl.to_json())
             r["timeline"] = str(path.relative_to(out))
         validate_record(r)
     results = out / "results.jsonl"
-    results.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-    (out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
+    write_atomic(results, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    write_atomic(out / "environment.json", json.dumps(env, indent=2) + "\n")
     report = out / "report.md"
-    report.write_text(render_markdown(records, env, suite=suite, command=command,
-                                      failures=failures, notes=notes))
+    write_atomic(report, render_markdown(records, env, suite=suite, command=command,
+                                         failures=failures, notes=notes))
     written += [results, out / "environment.json", report]
     if plots and records:
         written += write_plots(out / "plots", records, timelines)
@@ -167,11 +168,11 @@ def run_data_parallel(suite: data_parallel.DpSuite, out: Path, *, command: str) 
         print(f"python -m benchmarks: the dp suite failed:\n{exc}", file=sys.stderr)
         return 1
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
-                                               for r in records))
-    (out / "environment.json").write_text(json.dumps(env, indent=2) + "\n")
-    (out / "report.md").write_text(render_data_parallel(records, env, command=command,
-                                                        notes=notes))
+    write_atomic(out / "results.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n"
+                                                for r in records))
+    write_atomic(out / "environment.json", json.dumps(env, indent=2) + "\n")
+    write_atomic(out / "report.md", render_data_parallel(records, env, command=command,
+                                                         notes=notes))
     print(f"{len(records)} configurations; report: {out / 'report.md'}, "
           f"records: {out / 'results.jsonl'}")
     return 0

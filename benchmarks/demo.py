@@ -29,6 +29,7 @@ from benchmarks.gpt import gpt, lm_loss
 from pipeline.launch import spawn
 from pipeline.pipe import Pipe
 from schedules import Timeline
+from schedules.files import write_atomic
 
 __all__ = ["CharTokenizer", "load_text", "main"]
 
@@ -323,8 +324,8 @@ def _train(rank: int | None, options: dict[str, Any]) -> None:
     if not ranks.printer:
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "demo-timeline.json").write_text(timeline.to_json())
-    (args.out / "demo-trace.json").write_text(json.dumps(timeline.to_chrome_trace()))
+    write_atomic(args.out / "demo-timeline.json", timeline.to_json())
+    write_atomic(args.out / "demo-trace.json", json.dumps(timeline.to_chrome_trace()))
     print(f"measured bubble {timeline.bubble_fraction:.1%}; timeline written to "
           f"{args.out / 'demo-timeline.json'} (Chrome trace: {args.out / 'demo-trace.json'})")
     _draw(timeline)

@@ -42,6 +42,7 @@ from pipeline.planner import (
     profile_model,
 )
 from pipeline.profile import layer_params
+from schedules.files import write_atomic
 
 __all__ = ["Config", "main", "measure"]
 
@@ -276,9 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          rounds=args.rounds, final=args.final, profile=profile)
             records.append(record)
             print(f"{name} {transport}: plan/best {record['plan_over_best']:.3f}", flush=True)
-            (args.out / "results.json").write_text(json.dumps(
+            write_atomic(args.out / "results.json", json.dumps(
                 {"environment": environment(), "records": records}, indent=1))
-    (args.out / "report.md").write_text(report(records))
+    write_atomic(args.out / "report.md", report(records))
     print(report(records))
     return 0
 

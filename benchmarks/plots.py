@@ -11,6 +11,7 @@ from xml.sax.saxutils import escape
 
 import viz
 from schedules import Timeline
+from schedules.files import write_atomic
 
 __all__ = ["Series", "best_and_worst", "line_chart_svg", "write_plots"]
 
@@ -161,7 +162,7 @@ def write_plots(out_dir: Path, records: Sequence[Record],
                      f"on 1 thread)")
             lay = viz.layout(tl, title=title)
             path = out_dir / f"{name}.svg"
-            path.write_text(viz.render_svg(lay))
+            write_atomic(path, viz.render_svg(lay))
             written.append(path)
             try:
                 viz.write_png(lay, out_dir / f"{name}.png")
@@ -178,9 +179,9 @@ def write_plots(out_dir: Path, records: Sequence[Record],
             continue
         stem = f"step_time_vs_m_{model}_{method}_{transport}_p{p}"
         path = out_dir / f"{stem}.svg"
-        path.write_text(line_chart_svg(series, title=f"{model} ({method}), {transport}, p={p}: "
-                                       f"step time against micro-batches",
-                                       x_label="micro-batches (m)", y_label="step time (ms)"))
+        write_atomic(path, line_chart_svg(series, title=f"{model} ({method}), {transport}, "
+                                          f"p={p}: step time against micro-batches",
+                                          x_label="micro-batches (m)", y_label="step time (ms)"))
         written.append(path)
         sweep = sorted((r for r in records if r["config"]["schedule"] == "1f1b"
                         and (r["config"]["model"], r["config"]["balance_method"],
@@ -191,7 +192,7 @@ def write_plots(out_dir: Path, records: Sequence[Record],
                    for r in sweep if r["id"] in timelines]
         if len(layouts) > 1:
             path = out_dir / f"timelines_vs_m_{model}_{method}_{transport}_p{p}.svg"
-            path.write_text(viz.render_svg(viz.compare(
+            write_atomic(path, viz.render_svg(viz.compare(
                 layouts, title=f"{model}, 1f1b, {transport}, p={p}: measured median steps")))
             written.append(path)
     return written

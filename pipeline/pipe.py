@@ -360,7 +360,8 @@ class Pipe(nn.Module):
 
     def save(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save a sharded checkpoint (torch.distributed.checkpoint): every rank writes its own
-        layers and optimizer state; `load` reads it under any balance, rank count or device."""
+        layers and optimizer state; `load` reads it under any balance, rank count or device.
+        `path` holds the old checkpoint or the new one, complete, whenever a rank dies."""
         from pipeline import sharded  # torch.distributed.checkpoint is slow to import
 
         sharded.save(self, path, optimizer)

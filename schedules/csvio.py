@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
+from schedules.files import write_atomic
 from schedules.ir import Action, Op, Schedule, ScheduleError
 
 __all__ = ["DIALECTS", "dump_csv", "dumps_csv", "load_csv", "loads_csv", "torch_incompatibility"]
@@ -95,9 +96,7 @@ def dumps_csv(schedule: Schedule, *, dialect: str = "torch") -> str:
 
 def dump_csv(schedule: Schedule, path: str | os.PathLike[str], *, dialect: str = "torch") -> None:
     """Write `schedule` to `path` as `dumps_csv` does."""
-    text = dumps_csv(schedule, dialect=dialect)
-    with open(path, "w", newline="") as f:
-        f.write(text)
+    write_atomic(path, dumps_csv(schedule, dialect=dialect))
 
 
 def _cell_actions(cell: str) -> tuple[Action, ...]:

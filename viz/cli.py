@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import schedules
 from schedules import Costs, Schedule, ScheduleError, Timeline
+from schedules.files import write_atomic
 from viz.compare import Comparison, compare
 from viz.layout import Layout, format_costs, layout
 from viz.limits import (
@@ -344,9 +345,6 @@ def _write(args: argparse.Namespace, content: str | bytes, *, path: Path | None 
         sys.stdout.flush()
         return
     try:
-        if isinstance(content, bytes):
-            target.write_bytes(content)
-        else:
-            target.write_text(content, encoding="utf-8")
+        write_atomic(target, content)
     except OSError as exc:
         raise _UsageError(f"cannot write {target}: {exc.strerror or exc}") from None

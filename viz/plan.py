@@ -7,8 +7,9 @@ import importlib
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
+
+from schedules.files import write_atomic
 
 __all__ = ["main", "parse_bytes", "resolve_model"]
 
@@ -169,10 +170,7 @@ def _main(args: argparse.Namespace) -> int:
         print(content, end="")
         return 0
     try:
-        if isinstance(content, bytes):
-            Path(args.output).write_bytes(content)
-        else:
-            Path(args.output).write_text(content, encoding="utf-8")
+        write_atomic(args.output, content)
     except OSError as exc:
         raise _UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     return 0

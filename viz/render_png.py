@@ -8,6 +8,7 @@ from functools import cache
 from typing import Any
 
 from schedules import Costs, Schedule, Timeline
+from schedules.files import write_atomic
 from viz.compare import Comparison
 from viz.layout import Layout, layout
 from viz.scene import IDLE_COLOR, Line, Rect, Scene, Text, build_scene
@@ -55,9 +56,7 @@ def write_png(source: Timeline | Schedule | Layout | Comparison,
               path: str | os.PathLike[str], *, costs: Costs | None = None,
               zoom: int = 2) -> None:
     """Write `render_png(source)` to `path`."""
-    data = render_png(source, costs=costs, zoom=zoom)
-    with open(path, "wb") as f:
-        f.write(data)
+    write_atomic(path, render_png(source, costs=costs, zoom=zoom))
 
 
 def scene_to_png(scene: Scene, *, zoom: int = 2) -> bytes:

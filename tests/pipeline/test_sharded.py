@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,3 +159,116 @@ def test_four_processes_to_two(tmp_path: Path) -> None:
         assert "rank 1: model keys missing ['6.bias', '6.weight']" in error, error
     assert_same(unpack([r[1] for r in results]), saved, "2 processes")
     assert_same(unpack([r[2] for r in results]), continued, "2 processes, one step later")
+
+
+# -- a checkpoint directory is not trusted ------------------------------------------------------
+def _saved_plain(path: Path) -> nn.Sequential:
+    plain = model(0)
+    optimizer = adam(plain)
+    train_step(plain, optimizer, 0)
+    sharded.save(plain, path, optimizer)
+    return plain
+
+
+def _shard(path: Path) -> Path:
+    (shard,) = path.glob("*.distcp")
+    return shard
+
+
+def test_a_directory_that_is_no_checkpoint_is_named(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(PipeConfigError, match=r"nothing to load at .*no \.metadata file"):
+        sharded.load(model(1), tmp_path)
+    with pytest.raises(PipeConfigError, match=r"nothing to load at .*no \.metadata file"):
+        sharded.load(model(1), tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize(("content", "error"), [
+    (b"", r"\.metadata cannot be read \(EOFError"),
+    (b"\x80\x04garbage", r"\.metadata cannot be read \(UnpicklingError"),
+    (pickle.dumps({"state_dict_metadata": {}}), r"\.metadata holds a dict, not DCP metadata"),
+])
+def test_an_unreadable_metadata_file_is_named(tmp_path: Path, content: bytes, error: str) -> None:
+    _saved_plain(tmp_path)
+    (tmp_path / ".metadata").write_bytes(content)
+    with pytest.raises(PipeConfigError, match=r"nothing to load at .*" + error + r".*damaged"):
+        sharded.load(model(1), tmp_path)
+
+
+class _Payload:
+    """Unpickling this would run `os.system`; the loader must refuse it."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (self.command,))
+
+
+def test_no_pickle_in_a_checkpoint_runs_code(tmp_path: Path) -> None:
+    _saved_plain(tmp_path)
+    witness = tmp_path / "ran"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(f"touch {witness}")))
+    with pytest.raises(PipeConfigError, match=r"refers to posix\.system.*refused"):
+        sharded.load(model(1), tmp_path)
+    assert not witness.exists()
+
+
+def test_a_saved_object_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    """The optimizer's hyperparameters are pickled objects in the shard: replaced by one that
+    runs code (same length, so only the reading can tell), loading raises and runs nothing."""
+    _saved_plain(tmp_path)
+    witness = tmp_path / "ran"
+    metadata = pickle.loads((tmp_path / ".metadata").read_bytes())
+    shard = _shard(tmp_path)
+    data = bytearray(shard.read_bytes())
+    (key, info), *_ = [(k, v) for k, v in metadata.storage_data.items()
+                       if k.fqn == "optim.param_groups.0.bias.lr"]
+    buffer = io.BytesIO()
+    torch.save(_Payload(f"touch {witness}"), buffer)
+    payload = buffer.getvalue()
+    info.length = len(payload)
+    info.offset = len(data)
+    shard.write_bytes(bytes(data) + payload)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+    target = model(1)
+    with pytest.raises(PipeConfigError, match=r"is damaged: reading it failed .*Weights only "
+                                              r"load failed.*GLOBAL posix.system"):
+        sharded.load(target, tmp_path, adam(target))
+    assert not witness.exists(), key
+
+
+def test_missing_and_cut_shards_are_named_before_anything_loads(tmp_path: Path) -> None:
+    _saved_plain(tmp_path)
+    target = model(1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    shard = _shard(tmp_path)
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    with pytest.raises(PipeConfigError, match=rf"'{shard.name}' is cut short \({size // 2} "
+                                              rf"bytes; its entries need \d+\).*damaged"):
+        sharded.load(target, tmp_path)
+    shard.unlink()
+    with pytest.raises(PipeConfigError, match=rf"shard file '{shard.name}' is missing"):
+        sharded.load(target, tmp_path)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+def test_a_shard_damaged_within_its_length_is_named(tmp_path: Path) -> None:
+    _saved_plain(tmp_path)
+    shard = _shard(tmp_path)
+    shard.write_bytes(bytes(shard.stat().st_size))  # zeros: torch.load finds no archive
+    with pytest.raises(PipeConfigError, match=r"load: the checkpoint at .* is damaged: reading "
+                                              r"it failed"):
+        sharded.load(model(1), tmp_path)
+
+
+def test_a_shard_named_outside_the_directory_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _saved_plain(path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../" + info.relative_path
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(PipeConfigError, match=r"names a shard file '\.\./.*' outside"):
+        sharded.load(model(1), path)
