@@ -26,26 +26,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline import failures
+from pipeline.errors import PipelineError
+from pipeline.failures import PeerFailure, default_store, first_report, guarded
 from pipeline.local_link import LinkBroken, SocketLink, connect
 from pipeline.transport import PeerTimeout, PipelineAborted, describe_message, move
 from pipeline.waiting import Waiter, poll
-from pipeline.wire import HEADER, Meta, buffer_size, describe, flag_word, meta_length, pack, unpack
+from pipeline.wire import (
+    HEADER,
+    BadHeader,
+    Meta,
+    buffer_size,
+    describe,
+    flag_word,
+    pack,
+    read_header,
+    unpack,
+)
 from schedules import Op, Schedule
 from schedules.lower import Message, message, source_stage
 
 __all__ = ["DistributedTransport", "PeerFailure"]
 
-# A failing rank r takes a ticket from _FAILURES and writes "ticket\nnote" under
-# _FAILED + its global rank: a key only it writes, so a report names its writer, and the
-# lowest ticket is the first failure. Anything else in the store is ignored.
-_FAILURES = "pipeline/failures"
-_FAILED = "pipeline/failed/"
 _RESULT: Message = ("S", 0, 0)  # messages outside the schedule (results, checkpoints)
-
-
-
-class PeerFailure(RuntimeError):
-    """A peer rank died or its connection broke."""
 
 
 class DistributedTransport:
@@ -70,7 +73,7 @@ class DistributedTransport:
         self._watch = list(watch) if watch is not None else self._global
         self.name = names or (lambda r: f"rank {r}")  # a peer in messages (with coordinates)
         self._comm_device = device if device.type == "cuda" else torch.device("cpu")
-        self._store = _default_store()
+        self._store = default_store()
         self._sent_meta: dict[tuple[int, Message], Meta] = {}
         self._recv_meta: dict[tuple[int, Message], Meta] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []  # sends in flight, with their buffers
@@ -81,12 +84,24 @@ class DistributedTransport:
         self._polls = dist.get_backend(group) == "nccl"
         self._waiter = Waiter()
         self._last_check = [0.0]
+        self._broken: str | None = None  # the first failure seen: then every call refuses
         # Peers on this host, by group rank: their messages go over a Unix socket instead
         # (see local_link; CPU tensors only: CUDA keeps NCCL's stream-ordered path).
         self._links: dict[int, SocketLink] = (
             connect(self._store, self._global, rank, timeout)
             if self._comm_device.type == "cpu" else {})
 
+    def unusable(self) -> PipelineError:
+        """The error every call raises once this transport has seen a failure."""
+        return PipelineError(
+            f"rank {self.rank}: this pipeline's process group is unusable after an earlier "
+            f"failure ({self._broken}): build a new process group and Pipe (restart the ranks)")
+
+    def check_usable(self) -> None:
+        if self._broken is not None:
+            raise self.unusable()
+
+    @guarded
     def begin(self, schedule: Schedule) -> None:
         """Read this step's order of messages with each peer from the lowered schedule and
         post the first receive from each."""
@@ -121,6 +136,7 @@ class DistributedTransport:
         work = self._p2p(dist.isend, tensor, dst)
         self._pending.append((work, tensor))  # keep the buffer alive until the send completes
 
+    @guarded
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
         self._tick(time.monotonic())  # a failed step computes and sends nothing more
         meta = describe(values)
@@ -154,6 +170,7 @@ class DistributedTransport:
             work, _ = self._pending.pop(0)
             work.wait()
 
+    @guarded
     def finish(self) -> None:
         """Wait for every send of the step (they complete as peers receive them)."""
         deadline = time.monotonic() + self.timeout
@@ -181,12 +198,14 @@ class DistributedTransport:
         self._pending.clear()
 
     # -- receiving ----------------------------------------------------------------------------
+    @guarded
     def post(self, msg: Message, src_rank: int) -> None:
         """A RECV: the receive is posted by now (usually it was, when the previous message
         from `src_rank` arrived)."""
         if src_rank not in self._posted and msg not in self._arrived:
             self._post_next(src_rank)
 
+    @guarded
     def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
         self._tick(time.monotonic())  # even when the data is here: no work for a failed step
         while msg not in self._arrived:
@@ -218,18 +237,30 @@ class DistributedTransport:
         what = describe_message(msg) if msg[0] in "FB" else "a result"
         self._finish_recv(work, what, src)
         flag = flag_word(buf)
-        if flag < 0:  # poison: a rank failed (see `abort`)
+        meta = self._recv_meta.get((src, msg))
+        if flag < 0 and -flag - 1 < self.world_size:  # poison: a rank failed (see `abort`)
             failed = -flag - 1
             self._check_failed()
             raise PipelineAborted(failed, f"{self.name(failed)} failed (told rank {self.rank} "
                                           f"through {self.name(src)})")
         if flag == 1:  # new shapes: the header, then the message itself
             header = self._recv_now(HEADER, torch.int64, src, what).tolist()
-            meta = tuple(header[:meta_length(header)])
+            try:
+                meta = read_header(header)
+                size = buffer_size(meta)
+            except BadHeader as exc:
+                raise PipelineError(f"rank {self.rank}: {self.name(src)} sent {what} with a "
+                                    f"bad header: {exc}") from None
             self._recv_meta[(src, msg)] = meta
-            buf = self._recv_now(buffer_size(meta), torch.uint8, src, what)
+            buf = self._recv_now(size, torch.uint8, src, what)
+        elif flag != 0 or meta is None:
+            expected = (f"0 (data), 1 (new shapes) or a poison -1 to -{self.world_size}"
+                        if meta is not None else "1 (new shapes) first")
+            raise PipelineError(f"rank {self.rank}: {self.name(src)} sent {what} with flag "
+                                f"{flag}{' before any header' if meta is None else ''}; "
+                                f"expected {expected}")
         self._post_next(src)  # the next message's receive goes out before anything else
-        return unpack(buf, self._recv_meta[(src, msg)])
+        return unpack(buf, meta)
 
     def _finish_recv(self, work: Any, what: str, src: int) -> None:
         if isinstance(work, tuple):  # a link: read the bytes now, in this thread
@@ -263,22 +294,29 @@ class DistributedTransport:
                               ) from exc
 
     # -- messages outside the schedule --------------------------------------------------------
+    @guarded
     def send_result(self, tensor: torch.Tensor, dst: int) -> None:
         """One tensor to `dst` outside the schedule (results, checkpoints), in order."""
         self.send(_RESULT, (tensor,), dst)
 
+    @guarded
     def recv_result(self, src: int, shape: tuple[int, ...],
                     dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The next tensor `src` sent with `send_result`."""
+        """The next tensor `src` sent with `send_result`, which must have this shape (and
+        dtype, if given)."""
         self._expected.setdefault(src, deque()).appendleft(_RESULT)
         self._post_next(src)
-        (out,), _ = self._receive(src)
-        assert isinstance(out, torch.Tensor)
-        if tuple(out.shape) != shape or dtype not in (None, out.dtype):
-            raise AssertionError(f"rank {self.rank}: expected {shape} {dtype} from rank "
-                                 f"{src}, got {tuple(out.shape)} {out.dtype}")
+        values, _ = self._receive(src)
+        out = values[0] if len(values) == 1 else None
+        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape
+                or dtype not in (None, out.dtype)):
+            got = (f"shape {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor)
+                   else f"{len(values)} entries")
+            raise PipelineError(f"rank {self.rank}: {self.name(src)} sent a result of {got}; "
+                                f"expected {shape} {dtype or ''}".rstrip())
         return out.detach().clone()
 
+    @guarded
     def exchange(self, payload: str) -> list[str]:
         """Every rank's `payload`, in rank order (the same list on every rank), point to point
         with the failure-aware waits: a peer that is already dead is named, not waited for."""
@@ -305,6 +343,7 @@ class DistributedTransport:
             link.close()
 
     # -- waiting and failing ------------------------------------------------------------------
+    @guarded
     def wait_work(self, work: Any, what: str) -> None:
         """Wait for any torch.distributed work (a collective too) with the failure-aware
         waits: a failure reported anywhere this transport watches ends it."""
@@ -335,22 +374,13 @@ class DistributedTransport:
         """Raise PipelineAborted with the first failure any rank of this pipeline reported."""
         if self._store is None:
             return
-        reports = []
         try:
-            if not self._store.check([_FAILURES]):
-                return
-            for rank, global_rank in enumerate(self._watch):
-                key = f"{_FAILED}{global_rank}"
-                if self._store.check([key]):
-                    report = _parse_report(self._store.get(key), rank)
-                    if report is not None:
-                        reports.append(report)
+            first = first_report(self._store, self._watch)
         except Exception as exc:  # outside launchers that host it, rank 0 hosts the store
             raise PeerFailure(f"rank {self.rank} lost the rendezvous store (rank 0 hosts it "
                               f"unless a launcher does; did rank 0 exit?): {exc}") from exc
-        if reports:
-            _, rank, note = min(reports)
-            raise PipelineAborted(rank, note)
+        if first is not None:
+            raise PipelineAborted(*first)
 
     def abort(self, rank: int, note: str, *, report: bool = True) -> None:
         """Tell every rank that this rank (`rank`) failed: a report in the store under a key
@@ -358,11 +388,10 @@ class DistributedTransport:
         flag in the buffer each peer posted for our next message to it, which wakes a receive
         blocked on this rank; a peer blocked on another rank hears it when that rank fails in
         turn."""
+        if self._broken is None:
+            self._broken = note
         if report and self._store is not None:
-            # Best effort: if the store is gone, peers still see a broken connection or time out.
-            with contextlib.suppress(Exception):
-                ticket = self._store.add(_FAILURES, 1)
-                self._store.set(f"{_FAILED}{self._global[self.rank]}", f"{ticket}\n{note}")
+            failures.report(self._store, self._global[self.rank], note)
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -387,21 +416,3 @@ class _All:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-
-
-def _parse_report(raw: bytes, rank: int) -> tuple[int, int, str] | None:
-    """(ticket, rank, note) from what `abort` wrote, or None for anything else."""
-    try:
-        ticket, sep, note = raw.decode("utf-8").partition("\n")
-        if not sep or not ticket.isdigit() or len(ticket) > 18:
-            return None
-        return int(ticket), rank, note
-    except UnicodeDecodeError:
-        return None
-
-
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # private API: without it, failures surface by timeout
-        return None

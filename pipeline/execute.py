@@ -75,6 +75,8 @@ class Executor:
         """Execute the lowered `schedule`; return the measured timeline and per-rank memory."""
         if self.broken is not None:
             raise PipelineError(self.broken)
+        if isinstance(self.transport, DistributedTransport):
+            self.transport.check_usable()  # after a failure, messages of it may be in flight
         if schedule.placement != self._placement:
             raise AssertionError("the executor runs lowered schedules of its own placement")
         if self.world is not None:

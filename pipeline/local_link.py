@@ -9,18 +9,19 @@ socket cannot take at once, so a send never blocks), and the receiver reads stra
 buffer from the thread that needs the data, waking the moment the bytes arrive. Between
 messages the waits check for failures every `WAKE` seconds, never per message.
 
-`connect` sets the links up through the rendezvous store, and agrees with each peer whether
-its link works (containers that share a host name but not a network namespace fall back to
-gloo, as do other platforms and `PIPELINE_LOCAL_P2P=0`).
+`connect` sets the links up through the rendezvous store, lets only the pair's own processes
+in (link_auth: peer credentials and a per-pair secret), and agrees with each peer whether its
+link works (containers that share a host name but not a network namespace fall back to gloo,
+as do other platforms and `PIPELINE_LOCAL_P2P=0`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import select
 import socket
-import struct
 import sys
 import threading
 import time
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from pipeline import link_auth
 
 __all__ = ["ENV", "WAKE", "LinkBroken", "SocketLink", "connect", "host_key"]
 
@@ -197,57 +200,118 @@ def host_key() -> str:
 def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, SocketLink]:
     """Links from rank `me` to every peer of `ranks` (global ranks, indexed by group rank) on
     this host, by group rank. Every rank of the group calls it (transport construction is
-    collective); each pair agrees through `store` whether its link works."""
-    if (os.environ.get(ENV, "1") == "0" or store is None or len(ranks) < 2
-            or not sys.platform.startswith("linux")):
+    collective); each pair agrees through `store` whether its link works, and only the pair's
+    own processes can use it (see link_auth).
+
+    Every call takes the next round of keys, whatever happens: a rank whose links are off, or
+    whose setup fails, still publishes an empty record for each step of the round, so its
+    peers finish the round without a link to it and every rank's next round is the same."""
+    if store is None or len(ranks) < 2:
         return {}
     group = "-".join(map(str, ranks))
     _instances[group, me] = number = _instances.get((group, me), 0) + 1
     prefix = f"pipeline/link/{group}/{number}/"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    name = f"pipeline-{uuid.uuid4().hex}"
-    listener.bind("\0" + name)  # the abstract namespace: no file to clean up
-    listener.listen(len(ranks))
-    here = host_key()
-    store.set(f"{prefix}host/{me}", f"{here}\n{name}")
-    peers: dict[int, str] = {}  # same-host peer -> its socket's name
-    for peer in range(len(ranks)):
-        if peer != me:
-            host, _, address = store.get(f"{prefix}host/{peer}").decode().partition("\n")
-            if host == here:
-                peers[peer] = address
+    steps = ("host", "dialed", "linked")
+    published: set[str] = set()
+
+    def publish(step: str, value: str) -> None:
+        store.set(f"{prefix}{step}/{me}", value)
+        published.add(step)
+
+    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        publish("host", "")  # links are off here: peers leave this rank to the backend
+        return {}
     socks: dict[int, socket.socket] = {}
-    for peer in (p for p in peers if p < me):  # the higher rank of a pair dials
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.connect("\0" + peers[peer])
-            sock.sendall(struct.pack("<q", me))
-            socks[peer] = sock
-        except OSError:
-            sock.close()
-    store.set(f"{prefix}dialed/{me}", ",".join(map(str, socks)))
-    callers = [p for p in peers if p > me
-               and str(me) in store.get(f"{prefix}dialed/{p}").decode().split(",")]
-    listener.settimeout(timeout)
     try:
-        for _ in callers:  # they are in the backlog already
-            conn, _ = listener.accept()
-            conn.settimeout(timeout)
-            (peer,) = struct.unpack("<q", _read(conn, 8))
-            socks[peer] = conn
-    except OSError:  # a caller that never arrives keeps the backend: see the agreement below
-        pass
+        return _connect(store, len(ranks), me, timeout, prefix, publish, socks)
+    except BaseException:
+        for sock in socks.values():
+            sock.close()
+        with contextlib.suppress(Exception):  # best effort: the store may be what failed
+            for step in steps:
+                if step not in published:
+                    publish(step, "")
+        raise
+
+
+# Abstract socket names are listed for every local user (/proc/net/unix), and anyone may
+# connect to one; a socket file in a private 0700 directory would keep other users out. We
+# keep abstract names and rely on the handshake instead: the kernel's SO_PEERCRED refuses
+# other users before a byte is read, and a same-user process must also prove the pair's
+# secret and be the pid the rank announced; the only processes it cannot keep out are ones
+# of our own user, which could ptrace us anyway. Abstract names also vanish with their
+# process (no stale files after a SIGKILL) and live in the network namespace, which is what
+# makes containers sharing a host name but not a network namespace fall back to the backend.
+def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
+             publish: Callable[[str, str], None],
+             socks: dict[int, socket.socket]) -> dict[int, SocketLink]:
+    deadline = time.monotonic() + timeout
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        name = f"pipeline-{uuid.uuid4().hex}"
+        listener.bind("\0" + name)  # the abstract namespace: see above
+        listener.listen(size)
+        secrets = {peer: link_auth.new_secret() for peer in range(me + 1, size)}
+        here = host_key()
+        publish("host", _record(here, name, os.getpid(), secrets))
+        peers: dict[int, tuple[str, int, dict[int, bytes]]] = {}  # same-host peer's record
+        for peer in range(size):
+            if peer != me:
+                raw = store.get(f"{prefix}host/{peer}").decode()
+                if raw:
+                    host, address, pid, theirs = _parse_record(raw)
+                    if host == here:
+                        peers[peer] = (address, pid, theirs)
+        nonces: dict[int, bytes] = {}
+        for peer in (p for p in peers if p < me):  # the higher rank of a pair dials
+            address, pid, theirs = peers[peer]
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect("\0" + address)
+                link_auth.check_peer(sock, pid)
+                nonces[peer] = os.urandom(link_auth.NONCE)
+                sock.sendall(link_auth.hello(theirs[me], me, peer, nonces[peer]))
+                socks[peer] = sock
+            except OSError:  # Refused too: no link with this peer
+                sock.close()
+        publish("dialed", ",".join(map(str, socks)))
+        callers = {p: (peers[p][1], secrets[p]) for p in peers if p > me
+                   and str(me) in store.get(f"{prefix}dialed/{p}").decode().split(",")}
+        # A caller that never proves itself keeps the backend: see the agreement below.
+        socks.update(link_auth.accept(listener, callers, me, deadline))
     finally:
         listener.close()
-    store.set(f"{prefix}linked/{me}", ",".join(map(str, socks)))
+    for peer in [p for p in socks if p < me]:  # the listener must prove the secret too
+        try:
+            socks[peer].settimeout(max(0.0, deadline - time.monotonic()))
+            if not hmac.compare_digest(_read(socks[peer], link_auth.ANSWER), link_auth.answer(
+                    peers[peer][2][me], peer, me, nonces[peer])):
+                raise link_auth.Refused(f"rank {peer}'s answer does not prove the secret")
+        except OSError:
+            socks.pop(peer).close()
+    publish("linked", ",".join(map(str, socks)))
     links = {}
-    for peer, sock in socks.items():
+    for peer, sock in list(socks.items()):
         if str(me) in store.get(f"{prefix}linked/{peer}").decode().split(","):
             links[peer] = SocketLink(sock)
         else:
             sock.close()
+        del socks[peer]
     return links
+
+
+def _record(host: str, name: str, pid: int, secrets: dict[int, bytes]) -> str:
+    """A rank's address for the store: host key, socket name, pid, and per higher peer the
+    secret of the pair."""
+    return "\n".join([host, name, str(pid), ",".join(f"{p}:{s.hex()}" for p, s in
+                                                     secrets.items())])
+
+
+def _parse_record(raw: str) -> tuple[str, str, int, dict[int, bytes]]:
+    host, name, pid, secrets = raw.split("\n")
+    pairs = (item.split(":") for item in secrets.split(",") if item)
+    return host, name, int(pid), {int(p): bytes.fromhex(s) for p, s in pairs}
 
 
 def _read(sock: socket.socket, size: int) -> bytes:

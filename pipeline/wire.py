@@ -1,17 +1,25 @@
-"""The byte format of a transported message: a flag, then each tensor, described by a header."""
+"""The byte format of a transported message: a flag, then each tensor, described by a header.
+
+Headers come from another process, so every field is checked before it is used (`parse`,
+`read_header`): a bad one raises `BadHeader` (a `PipelineError`) naming the field, the value
+seen and what was expected; the transport adds which peer sent it. Checks are integer
+comparisons, once per distinct header (`parse` is cached).
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from pipeline.errors import PipelineError
 from pipeline.microbatch import Packed
 
-__all__ = ["ALIGN", "FLAG", "HEADER", "Meta", "buffer_size", "describe", "flag_word", "meta_length",
-           "pack", "unpack"]
+__all__ = ["ALIGN", "FLAG", "HEADER", "MAX_MESSAGE_BYTES", "BadHeader", "Meta", "buffer_size",
+           "describe", "flag_word", "pack", "parse", "read_header", "unpack"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
@@ -21,6 +29,28 @@ HEADER = 64
 FLAG = 8  # bytes of the flag that opens every message
 ALIGN = 16
 Meta = tuple[int, ...]
+LIMIT_ENV = "PIPELINE_MAX_MESSAGE_BYTES"
+
+
+def _memory_bytes() -> int:
+    """This machine's memory: no message larger than it can ever be received."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 1 << 40
+
+
+# The largest message a receiver allocates (a header declaring more is refused, not allocated).
+MAX_MESSAGE_BYTES = int(os.environ.get(LIMIT_ENV) or _memory_bytes())
+
+
+class BadHeader(PipelineError):
+    """A message header that no sender of ours writes; the transport names the peer."""
+
+
+def _check(ok: bool, field: str, value: int, expected: str) -> None:
+    if not ok:
+        raise BadHeader(f"header field {field} is {value}; expected {expected}")
 
 
 def describe(values: tuple[Any, ...]) -> Meta:
@@ -48,18 +78,69 @@ def describe(values: tuple[Any, ...]) -> Meta:
 
 @functools.lru_cache(maxsize=1024)  # a step sends the same few shapes again and again
 def parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
-    """Per entry of a header: (dtype, requires_grad, shape), or None for a None entry."""
+    """Per entry of a header: (dtype, requires_grad, shape), or None for a None entry.
+    Raises `BadHeader` for a field out of its range, a header longer or shorter than its
+    entries, or a message above `MAX_MESSAGE_BYTES`."""
+    n = len(meta)
+    _check(2 <= n <= HEADER, "length", n, f"2 to {HEADER} slots")
+    _check(meta[0] in (0, 1), "packed", meta[0], "0 or 1")
+    _check(0 <= meta[1] <= HEADER - 2, "entries", meta[1], f"0 to {HEADER - 2}")
     out: list[tuple[torch.dtype, bool, tuple[int, ...]] | None] = []
-    i = 2
-    for _ in range(meta[1]):
+    i, total = 2, ALIGN
+    for k in range(meta[1]):
+        _check(i < n, "length", n, f"more slots: the header ends before entry {k}")
+        _check(meta[i] in (0, 1), f"entry kind (entry {k})", meta[i], "0 (None) or 1 (tensor)")
         if meta[i] == 0:
             out.append(None)
             i += 1
             continue
-        dtype, grad, ndim = _DTYPES[meta[i + 1]], bool(meta[i + 2]), meta[i + 3]
-        out.append((dtype, grad, tuple(meta[i + 4:i + 4 + ndim])))
+        _check(i + 4 <= n, "length", n, f"more slots: the header ends inside entry {k}")
+        code, grad, ndim = meta[i + 1], meta[i + 2], meta[i + 3]
+        _check(0 <= code < len(_DTYPES), f"dtype (entry {k})", code,
+               f"0 to {len(_DTYPES) - 1} ({', '.join(str(d)[6:] for d in _DTYPES)})")
+        _check(grad in (0, 1), f"requires_grad (entry {k})", grad, "0 or 1")
+        _check(0 <= ndim <= n - i - 4, f"ndim (entry {k})", ndim,
+               f"0 to {n - i - 4} (the slots left in the header)")
+        shape = meta[i + 4:i + 4 + ndim]
+        size = _DTYPES[code].itemsize
+        for d, dim in enumerate(shape):
+            _check(0 <= dim <= MAX_MESSAGE_BYTES, f"dimension {d} (entry {k})", dim,
+                   f"0 to {MAX_MESSAGE_BYTES}")
+            size *= dim
+        total += -(-size // ALIGN) * ALIGN
+        _check(total <= MAX_MESSAGE_BYTES, "bytes", total,
+               f"at most {MAX_MESSAGE_BYTES} (the bound on a message; {LIMIT_ENV} sets it)")
+        out.append((_DTYPES[code], bool(grad), tuple(shape)))
         i += 4 + ndim
+    _check(i == n, "length", n, f"{i} slots (what the entries take)")
     return out
+
+
+def read_header(header: list[int]) -> Meta:
+    """The header slots `describe` wrote, out of a received zero-padded header of `HEADER`
+    slots; checked by `parse`. Raises `BadHeader`."""
+    _check(len(header) == HEADER, "length", len(header), f"{HEADER} slots")
+    i = 2
+    entries = header[1]
+    _check(0 <= entries <= HEADER - 2, "entries", entries, f"0 to {HEADER - 2}")
+    for k in range(entries):
+        _check(i + 1 <= HEADER, "length", HEADER, f"more slots: entry {k} does not fit")
+        _check(header[i] in (0, 1), f"entry kind (entry {k})", header[i],
+               "0 (None) or 1 (tensor)")
+        if header[i] == 0:
+            i += 1
+            continue
+        _check(i + 4 <= HEADER, "length", HEADER, f"more slots: entry {k} does not fit")
+        ndim = header[i + 3]
+        _check(0 <= ndim <= HEADER - i - 4, f"ndim (entry {k})", ndim,
+               f"0 to {HEADER - i - 4} (the slots left in the header)")
+        i += 4 + ndim
+    padding = header[i:]
+    _check(not any(padding), "padding", next((v for v in padding if v), 0),
+           f"zeros after slot {i}")
+    meta = tuple(header[:i])
+    parse(meta)
+    return meta
 
 
 def _raw_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -115,14 +196,6 @@ def pack(values: tuple[Any, ...], meta: Meta, device: torch.device) -> torch.Ten
             buf[offset:offset + n].view(wire.dtype).view(v.shape).copy_(wire)
             offset += size
     return buf
-
-
-def meta_length(header: list[int]) -> int:
-    """How many slots of a zero-padded header `describe` wrote."""
-    i = 2
-    for _ in range(header[1]):
-        i += 1 if header[i] == 0 else 4 + header[i + 3]
-    return i
 
 
 def unpack(buf: torch.Tensor, meta: Meta) -> tuple[tuple[Any, ...], list[bool]]:

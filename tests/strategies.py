@@ -11,7 +11,8 @@ import schedules
 from schedules import Action, Op, Schedule
 
 __all__ = ["balances", "model_profiles", "mutated_schedules", "padded_labels", "schedule_args",
-           "schedules_any", "sequential_specs", "synthetic_profile"]
+           "schedules_any", "sequential_specs", "synthetic_profile", "wire_headers",
+           "wire_values"]
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -159,3 +160,57 @@ def padded_labels(draw: st.DrawFn, vocab: int, context: int) -> Any:
     if not (labels != -100).any():
         labels[draw(st.integers(0, rows - 1)), draw(st.integers(0, context - 1))] = 0
     return labels
+
+
+_WIRE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                "uint8", "bool", "complex64")
+
+
+@st.composite
+def wire_values(draw: st.DrawFn) -> tuple[Any, ...]:
+    """What a stage may send between processes: a tuple (or a Packed one) of 1 to 4 small
+    tensors of any supported dtype and rank (0 to 3 dimensions, empty ones too) or None."""
+    import torch
+
+    from pipeline.microbatch import Packed
+
+    values: list[Any] = []
+    for _ in range(draw(st.integers(1, 4))):
+        if draw(st.integers(0, 4)) == 0:
+            values.append(None)
+            continue
+        dtype = getattr(torch, draw(st.sampled_from(_WIRE_DTYPES)))
+        shape = draw(st.lists(st.integers(0, 3), max_size=3))
+        t = torch.randint(0, 2, shape).to(dtype)
+        values.append(t.requires_grad_() if draw(st.booleans()) and t.is_floating_point() else t)
+    return Packed(values) if draw(st.booleans()) else tuple(values)
+
+
+# Slot values a hostile or broken peer might write: out of every range, at every edge.
+_SLOTS = st.one_of(st.integers(-3, 70), st.sampled_from(
+    [-(1 << 63), (1 << 63) - 1, -(1 << 31), 1 << 31, 1 << 40, 1 << 62]))
+
+
+@st.composite
+def wire_headers(draw: st.DrawFn) -> tuple[tuple[Any, ...] | None, list[int]]:
+    """(values, header): the zero-padded int64 header slots of a message `describe` made
+    for `values`, or (None, header) for one after up to four random edits (a slot set to an
+    edge value, slots dropped or inserted) or random slots throughout."""
+    from pipeline.wire import HEADER, describe
+
+    if draw(st.integers(0, 5)) == 0:
+        return None, draw(st.lists(_SLOTS, min_size=HEADER, max_size=HEADER))
+    values = draw(wire_values())
+    slots = list(describe(values))
+    edits = draw(st.integers(0, 4))
+    for _ in range(edits):
+        at = draw(st.integers(0, len(slots) - 1))
+        edit = draw(st.sampled_from(("set", "set", "drop", "insert")))
+        if edit == "set":
+            slots[at] = draw(_SLOTS)
+        elif edit == "drop" and len(slots) > 1:
+            del slots[at]
+        elif edit == "insert":
+            slots.insert(at, draw(_SLOTS))
+    header = (slots + [0] * HEADER)[:HEADER]
+    return (values if edits == 0 else None), header

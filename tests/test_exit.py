@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -57,3 +58,54 @@ def test_interpreter_exit_is_clean_many_times(tmp_path: Path) -> None:
     bad = [(m, r.returncode, r.stderr[-300:]) for m, r in zip(modes, runs, strict=True)
            if r.returncode != 0 or "terminate called" in r.stderr]
     assert not bad, f"{len(bad)} of {len(runs)} runs did not exit cleanly: {bad[:3]}"
+
+
+# Two ranks over gloo; rank 1 SIGKILLs itself in its first forward. Rank 0 reports the
+# PipelineError and ends its script: it must then exit quietly (it printed "terminate called
+# after throwing an instance of 'gloo::IoException'" and aborted at exit, from gloo's
+# connections to the dead rank).
+PAIR = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from pipeline import Pipe, PipelineError
+
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank,
+                            world_size=2)
+
+    class Die(nn.Module):
+        def forward(self, x):
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return x
+
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Die(), nn.Linear(4, 4)), [1, 2], chunks=2,
+                timeout=120)
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+    except PipelineError as exc:
+        print(f"PipelineError: {exc}", file=sys.stderr)
+""")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("links", ["1", "0"])
+def test_a_survivor_exits_quietly_after_its_peer_was_killed(tmp_path: Path, links: str) -> None:
+    script = tmp_path / "pair.py"
+    script.write_text(PAIR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo", "PIPELINE_LOCAL_P2P": links}
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    # Hang guards, not expected durations (see tests/limits.py).
+    _, survivor = ranks[0].communicate(timeout=240)
+    ranks[1].communicate(timeout=60)
+    assert ranks[1].returncode == -9
+    assert "PipelineError: rank 1 is gone" in survivor, survivor
+    assert "terminate called" not in survivor, survivor
+    assert ranks[0].returncode == 0, survivor

@@ -517,3 +517,33 @@ def linked_peers(rank: int) -> list[int]:
     """The group ranks this rank's pipeline reaches over a same-host link."""
     pipe = Pipe(_model(), [3, 3, 2], chunks=2)
     return sorted(pipe._executor.transport._links)
+
+
+def unusable_after_failure(rank: int) -> list[str]:
+    """A tied language model fails its second step on the last rank, after rank 0 sent every
+    activation of it; then every later call on every rank must refuse with PipelineError.
+    Before, the next step's tie sync read a stale activation: a raw AssertionError."""
+    from tests.models import lm_loss, tiny_lm
+    from tests.pipeline.test_ties import _batch
+
+    pipe = Pipe(tiny_lm(dropout=0.0), [3, 4], chunks=4, schedule="gpipe", timeout=30)
+    x, y = _batch(0, rows=8)
+    pipe.step(x, y, lm_loss)
+
+    def bad_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad loss")
+
+    try:
+        pipe.step(x, y, bad_loss)
+        return ["the failing step did not fail"]
+    except PipelineError:
+        pass
+    seen = []
+    for call in (lambda: pipe.step(x, y, lm_loss), lambda: pipe(x),
+                 lambda: pipe.clip_grad_norm_(1.0), lambda: pipe.full_state_dict()):
+        try:
+            call()
+            seen.append("no error")
+        except Exception as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    return seen

@@ -146,6 +146,21 @@ def test_the_first_failure_is_named_even_after_rank_0_exits() -> None:
             rank, message)
 
 
+@pytest.mark.parametrize("links", ["1", "0"])
+def test_every_call_after_a_failure_says_the_group_is_unusable(
+        links: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: over gloo the next step's tie sync read an activation of the failed step
+    # ("AssertionError: rank 1: expected (13, 16) torch.float32 from rank 0, got ...").
+    monkeypatch.setenv("PIPELINE_LOCAL_P2P", links)  # the spawned ranks inherit it
+    for rank, seen in enumerate(spawn(dist_workers.unusable_after_failure, 2,
+                                      timeout=SPAWN_TIMEOUT)):
+        assert len(seen) == 4, (rank, seen)
+        for message in seen:
+            assert message.startswith(f"PipelineError: rank {rank}: this pipeline's process "
+                                      "group is unusable after an earlier failure ("), message
+            assert "bad loss" in message or "rank 1" in message, message
+
+
 @pytest.mark.parametrize(("field", "values"), [
     ("balance", "rank 0: [2, 6]; rank 1: [6, 2]"),
     ("schedule", 'rank 0: "gpipe"; rank 1: "1f1b"'),
