@@ -31,7 +31,7 @@ from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent, summarize
 from pipeline import Pipe
 from pipeline.launch import spawn
-from pipeline.memory import SavedBytes
+from pipeline.runtime.saved_bytes import SavedBytes
 
 __all__ = ["CONFIGS", "SCHEMA", "DpConfig", "DpSuite", "build_records", "run_rank",
            "run_suite"]

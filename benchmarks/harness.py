@@ -39,7 +39,7 @@ from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent
 from benchmarks.torch_baseline import TorchPipeline, unsupported
 from pipeline import Pipe
-from pipeline.microbatch import scatter
+from pipeline.runtime.microbatch import scatter
 
 __all__ = ["Measured", "Sample", "Variant", "alternate", "bound_key", "merge_ranks",
            "resolve_balances", "roles", "run_rank", "variant_keys"]

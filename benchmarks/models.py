@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.partition import split_sizes
-from pipeline.profile import balance_by_params, balance_by_time
+from pipeline.splitting.partition import split_sizes
+from pipeline.splitting.profile import balance_by_params, balance_by_time
 
 __all__ = ["MODELS", "ModelSpec", "TokenCrossEntropy", "balance_for", "get_model"]
 

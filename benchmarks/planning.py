@@ -29,7 +29,6 @@ from benchmarks.env import environment
 from benchmarks.models import get_model
 from pipeline import Pipe
 from pipeline.launch import spawn
-from pipeline.partition import partition
 from pipeline.planner import (
     Candidate,
     Link,
@@ -41,7 +40,8 @@ from pipeline.planner import (
     predict,
     profile_model,
 )
-from pipeline.profile import layer_params
+from pipeline.splitting.partition import partition
+from pipeline.splitting.profile import layer_params
 from schedules.files import write_atomic
 
 __all__ = ["Config", "main", "measure"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.memory import SavedBytes
+from pipeline.runtime.saved_bytes import SavedBytes
 
 __all__ = ["TORCH_PEERS", "TorchPipeline", "peer_stages", "unsupported"]
 

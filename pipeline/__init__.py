@@ -2,9 +2,10 @@
 
 import logging
 
-from pipeline.checkpoint import is_recomputing
-from pipeline.pipe import Pipe, PipeConfigError, PipelineError
+from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.pipe import Pipe
 from pipeline.planner import Plan, PlanError, plan
+from pipeline.runtime.recompute import is_recomputing
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError", "Plan", "PlanError", "is_recomputing",
            "plan"]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from pipeline.bootstrap import INIT_TIMEOUT_ENV
+from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV
 
 __all__ = ["INIT_TIMEOUT_ENV", "RankFailed", "free_port", "host_store", "main", "rank_env",
            "spawn"]

@@ -11,20 +11,24 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline import bootstrap, checks, collectives, config, fingerprint, ties, weighting
-from pipeline.batchnorm import DeferredBatchNorm, check_mode
-from pipeline.clipping import clip_grad_norm
-from pipeline.context import CallerState
-from pipeline.data_parallel import Replicas
-from pipeline.distributed import DistributedTransport, PeerFailure
-from pipeline.errors import PipeConfigError
-from pipeline.execute import Executor, PipelineError
-from pipeline.microbatch import backward_inputs, from_tuple, gather, like, scatter
-from pipeline.scaling import agree_on_overflow
-from pipeline.stage import LossFn, StepInputs, StepResult
-from pipeline.transport import PipelineAborted
-from pipeline.versions import WeightVersions
-from pipeline.weighting import LossWeight
+from pipeline.comm import bootstrap, collectives
+from pipeline.comm.process_group import PeerFailure, ProcessTransport
+from pipeline.comm.transport import PipelineAborted
+from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.parallel import agreement as fingerprint
+from pipeline.parallel import ties
+from pipeline.parallel.clipping import clip_grad_norm
+from pipeline.parallel.data_parallel import Replicas
+from pipeline.parallel.scaling import agree_on_overflow
+from pipeline.runtime import weighting
+from pipeline.runtime.batchnorm import DeferredBatchNorm, check_mode
+from pipeline.runtime.context import CallerState
+from pipeline.runtime.executor import Executor
+from pipeline.runtime.microbatch import backward_inputs, from_tuple, gather, like, scatter
+from pipeline.runtime.stage import LossFn, StepInputs, StepResult
+from pipeline.runtime.versions import WeightVersions
+from pipeline.runtime.weighting import LossWeight
+from pipeline.splitting import checks, config
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
@@ -157,7 +161,7 @@ class Pipe(nn.Module):
                  how: weighting.Weighting | None = None
                  ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
         """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights
-        (`how` weighs them: see pipeline/weighting.py)."""
+        (`how` weighs them: see pipeline/runtime/weighting.py)."""
         checks.check_batch(x, target, chunks)
         last = len(self.balance) - 1
         rank = self.world[0] if self.world else None
@@ -229,11 +233,11 @@ class Pipe(nn.Module):
         (default "mean"). A mean is weighted by what it averages over: rows, or the counted
         targets of a cross-entropy or NLL loss (`ignore_index`, class weights), or
         `loss_weight(target)` for any other (e.g. `lambda t: (t != -100).sum()` for a plain
-        function averaging over tokens); see pipeline/weighting.py. With `schedule="2bw"` the
-        gradients are taken at the previous step's weights (PipeDream-2BW). Runs under the
-        caller's autocast. With a `torch.amp.GradScaler`, each micro-batch's loss is scaled
-        before its backward (the returned loss is not): `scaler.step(optimizer)` and
-        `scaler.update()` follow as in plain training.
+        function averaging over tokens); see pipeline/runtime/weighting.py. With
+        `schedule="2bw"` the gradients are taken at the previous step's weights
+        (PipeDream-2BW). Runs under the caller's autocast. With a `torch.amp.GradScaler`, each
+        micro-batch's loss is scaled before its backward (the returned loss is not):
+        `scaler.step(optimizer)` and `scaler.update()` follow as in plain training.
         """
         return self._steps([(x, target)], loss_fn, None, loss_reduction, loss_weight,
                            scaler)[0]
@@ -350,7 +354,7 @@ class Pipe(nn.Module):
         exchange = None
         if self.world:
             transport = self._executor.transport
-            assert isinstance(transport, DistributedTransport)
+            assert isinstance(transport, ProcessTransport)
             exchange = transport.exchange
         try:
             return clip_grad_norm(self.parameters(), max_norm, norm_type,
@@ -362,13 +366,13 @@ class Pipe(nn.Module):
         """Save a sharded checkpoint (torch.distributed.checkpoint): every rank writes its own
         layers and optimizer state; `load` reads it under any balance, rank count or device.
         `path` holds the old checkpoint or the new one, complete, whenever a rank dies."""
-        from pipeline import sharded  # torch.distributed.checkpoint is slow to import
+        from pipeline.state import sharded  # torch.distributed.checkpoint is slow to import
 
         sharded.save(self, path, optimizer)
 
     def load(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load what `save` wrote (from any balance, rank count, or a plain model)."""
-        from pipeline import sharded
+        from pipeline.state import sharded
 
         sharded.load(self, path, optimizer)
 
@@ -433,7 +437,7 @@ class Pipe(nn.Module):
             owner.update({k: self._probe.rank_of(tie.stage) for c in tie.copies for k in c.keys})
         try:
             transport = self._executor.transport
-            assert isinstance(transport, DistributedTransport)
+            assert isinstance(transport, ProcessTransport)
             return collectives.gather_state_dict(model, dict(self.state_dict()), owner,
                                                  transport, dst)
         except (PipelineAborted, PeerFailure) as exc:

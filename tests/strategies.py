@@ -172,7 +172,7 @@ def wire_values(draw: st.DrawFn) -> tuple[Any, ...]:
     tensors of any supported dtype and rank (0 to 3 dimensions, empty ones too) or None."""
     import torch
 
-    from pipeline.microbatch import Packed
+    from pipeline.runtime.microbatch import Packed
 
     values: list[Any] = []
     for _ in range(draw(st.integers(1, 4))):
@@ -196,7 +196,7 @@ def wire_headers(draw: st.DrawFn) -> tuple[tuple[Any, ...] | None, list[int]]:
     """(values, header): the zero-padded int64 header slots of a message `describe` made
     for `values`, or (None, header) for one after up to four random edits (a slot set to an
     edge value, slots dropped or inserted) or random slots throughout."""
-    from pipeline.wire import HEADER, describe
+    from pipeline.comm.wire import HEADER, describe
 
     if draw(st.integers(0, 5)) == 0:
         return None, draw(st.lists(_SLOTS, min_size=HEADER, max_size=HEADER))

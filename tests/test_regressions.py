@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pipeline import Pipe
-from pipeline.profile import layer_sizes, layer_times
+from pipeline.splitting.profile import layer_sizes, layer_times
 
 
 def test_profiling_hands_a_layers_tuple_to_the_next_layer_as_one_argument() -> None:
@@ -133,7 +133,7 @@ def test_an_optimizer_on_the_models_parameters_trains_a_tied_model_exactly() -> 
     clip_grad_norm_ leave it alone and training equals the plain model's; `close()` ties the
     weight again."""
     from tests.models import lm_loss, tiny_lm
-    from tests.pipeline.test_ties import _batch
+    from tests.pipeline.parallel.test_ties import _batch
 
     reference = tiny_lm(dropout=0.0)
     model = tiny_lm(dropout=0.0)

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from pipeline.memory import SavedBytes
-from pipeline.microbatch import leading_rows
-from pipeline.profile import _detached, _fresh_inputs, _sync, _untouched
-from pipeline.split_backward import backward_input, backward_weight
+from pipeline.runtime.microbatch import leading_rows
+from pipeline.runtime.saved_bytes import SavedBytes
+from pipeline.runtime.split_backward import backward_input, backward_weight
+from pipeline.splitting.profile import detached, fresh_inputs, sync, untouched
 
 __all__ = ["LayerCosts", "ModelProfile", "measure_contention", "profile_model"]
 
@@ -103,11 +103,11 @@ class _Clock:
         self._t = 0.0
 
     def start(self, values: Any) -> None:
-        _sync(values)
+        sync(values)
         self._t = time.perf_counter()
 
     def stop(self, values: Any) -> float:
-        _sync(values)
+        sync(values)
         return time.perf_counter() - self._t
 
 
@@ -118,7 +118,7 @@ def _layer(layer: nn.Module, value: Any, first: bool, loss: Callable[[Any], torc
 
     def inputs() -> Any:
         # The first stage's input is the user's batch: it needs no gradient.
-        return _detached(value) if first else _fresh_inputs(value)
+        return detached(value) if first else fresh_inputs(value)
 
     def forward(x: Any) -> Any:
         out = layer(x)
@@ -175,7 +175,7 @@ def profile_model(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossF
         raise ValueError(f"rows must lie in 1..{batch}, the sample's batch (got {sizes})")
     layers = list(model)
     by_rows: dict[int, LayerCosts] = {}
-    with _untouched(model, (sample, target)):
+    with untouched(model, (sample, target)):
         for r in sizes:
             value, goal = _rows(sample, r), _rows(target, r)
             table: list[list[float]] = []
@@ -184,7 +184,7 @@ def profile_model(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossF
                     else None
                 figures, out = _layer(layer, value, i == 0, loss, repeats, warmup)
                 table.append(figures)
-                value = _detached(out)  # the next layer's input (the loss, after the last)
+                value = detached(out)  # the next layer's input (the loss, after the last)
             columns = [tuple(c) for c in zip(*table, strict=True)]
             by_rows[r] = LayerCosts(r, *columns)
     keys: dict[int, int] = {}
@@ -212,24 +212,24 @@ def measure_contention(model: nn.Sequential, sample: Any, *, ranks: int,
     layers = list(model)
     if ranks == 1 or len(layers) < ranks:
         return 1.0
-    from pipeline.partition import partition
-    from pipeline.profile import layer_params
+    from pipeline.splitting.partition import partition
+    from pipeline.splitting.profile import layer_params
 
     bounds = [0]
     for size in partition(layer_params(model), ranks):
         bounds.append(bounds[-1] + size)
-    with _untouched(model, sample):
+    with untouched(model, sample):
         value = sample
         jobs = []
         for r in range(ranks):
             part = nn.Sequential(*layers[bounds[r]:bounds[r + 1]])
             jobs.append((part, value, r == 0))
             with torch.no_grad():
-                value = part(_detached(value))
+                value = part(detached(value))
 
         def once(job: tuple[nn.Module, Any, bool]) -> None:
             part, given, first = job
-            roots, grads = _roots(part(_detached(given) if first else _fresh_inputs(given)))
+            roots, grads = _roots(part(detached(given) if first else fresh_inputs(given)))
             if roots:
                 torch.autograd.backward(roots, grads)
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.local_link import SocketLink, connect
-from pipeline.transport import LocalTransport
+from pipeline.comm.same_host import SocketLink, connect
+from pipeline.comm.transport import ThreadTransport
 
 __all__ = ["TRANSPORTS", "Link", "measure_link"]
 
@@ -84,7 +84,7 @@ def _fit(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def _threads(devices: Sequence[torch.device], sizes: Sequence[int],
              repeats: int) -> list[tuple[float, float]]:
     """Ping-pong between two threads through the in-process transport the Pipe uses."""
-    transport = LocalTransport(timeout=60.0)
+    transport = ThreadTransport(timeout=60.0)
     out: list[tuple[float, float]] = []
     for size in sizes:
         payload = torch.zeros(size // 4, device=devices[0])
@@ -199,7 +199,7 @@ def measure_link(transport: str = "threads", *, devices: Sequence[str | torch.de
     in-process transport between `devices[0]` and `devices[1]`; "gloo" or "nccl": two local
     processes, on CPU or on GPUs 0 and 1) for each size in `sizes` (bytes; median of
     `repeats` round trips, halved) and fit `latency + bytes * per_byte`. Two CPU processes
-    talk as a pipeline's would, over a same-host link (`pipeline.local_link`) unless links
+    talk as a pipeline's would, over a same-host link (`pipeline.comm.same_host`) unless links
     are off; the group's own send and receive then give `collective_latency` and
     `collective_per_byte`, which the dp all-reduce uses."""
     if transport not in TRANSPORTS:

@@ -295,7 +295,7 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
 
 
 def _batch_rows(sample: Any) -> int:
-    from pipeline.microbatch import leading_rows
+    from pipeline.runtime.microbatch import leading_rows
 
     rows = leading_rows(sample)
     if rows is None:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import schedules
-from pipeline.partition import BalanceError, min_max_split, partition
 from pipeline.planner.costs import LayerCosts, ModelProfile
 from pipeline.planner.link import Link
 from pipeline.planner.memory import checkpointed, rank_peaks, stash_profile
 from pipeline.planner.space import Candidate, Space
+from pipeline.splitting.partition import BalanceError, min_max_split, partition
 from schedules import Costs, Op, Schedule, Timeline
 
 __all__ = ["predict", "search"]

@@ -1,5 +1,6 @@
-"""Spawned ranks for tests/pipeline/test_sharded_crash.py: save checkpoint A, then die part-way
-through saving checkpoint B at a chosen point (a test-only patch inside the rank process)."""
+"""Spawned ranks for tests/pipeline/state/test_sharded_crash.py: save checkpoint A, then die
+part-way through saving checkpoint B at a chosen point (a test-only patch inside the rank
+process)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from pipeline import Pipe, sharded
+from pipeline import Pipe
+from pipeline.state import sharded
 from tests.pipeline.sharded_workers import adam, model, pack, snapshot, train_step
 
 __all__ = ["POINTS", "save_twice"]

@@ -401,7 +401,7 @@ def disagreeing_ranks(rank: int, field: str) -> str:
 def profiled_balance(rank: int, method: str) -> list[int]:
     """Each rank's profiler sees different costs (as timings do); all must end with rank 0's
     balance. Only rank 0 is given a sample: the others do not profile."""
-    from pipeline import config as pipe_module
+    from pipeline.splitting import config as pipe_module
 
     costs = [[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0], [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
     name = "layer_times" if method == "time" else "layer_sizes"
@@ -416,7 +416,7 @@ def tied_language_model(rank: int, combos: list[tuple[str, str, list[int]]]) -> 
     """A language model whose head shares the embedding's weight across the first and last
     stage: three AdamW steps with global clipping equal the plain model's, on every rank."""
     from tests.models import lm_loss, tiny_lm
-    from tests.pipeline.test_ties import _batch
+    from tests.pipeline.parallel.test_ties import _batch
 
     checked = 0
     for i, (schedule, checkpoint, balance) in enumerate(combos):
@@ -524,7 +524,7 @@ def unusable_after_failure(rank: int) -> list[str]:
     activation of it; then every later call on every rank must refuse with PipelineError.
     Before, the next step's tie sync read a stale activation: a raw AssertionError."""
     from tests.models import lm_loss, tiny_lm
-    from tests.pipeline.test_ties import _batch
+    from tests.pipeline.parallel.test_ties import _batch
 
     pipe = Pipe(tiny_lm(dropout=0.0), [3, 4], chunks=4, schedule="gpipe", timeout=30)
     x, y = _batch(0, rows=8)

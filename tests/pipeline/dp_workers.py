@@ -1,5 +1,5 @@
-"""Functions run on spawned gloo ranks by tests/pipeline/test_data_parallel.py (importable by
-child processes, so they live in a module of their own)."""
+"""Functions run on spawned gloo ranks by tests/pipeline/parallel/test_data_parallel.py
+(importable by child processes, so they live in a module of their own)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Functions and scripts run on ranks started by tests/pipeline/test_launch.py."""
+"""Functions and scripts run on ranks started by tests/pipeline/comm/test_launch.py."""
 
 from __future__ import annotations
 

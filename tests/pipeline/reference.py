@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.checkpoint import stage_seed
+from pipeline.runtime.recompute import stage_seed
 
 __all__ = ["build", "seeded_microbatch_step"]
 

@@ -1,5 +1,6 @@
-"""Functions run on spawned gloo ranks by tests/pipeline/test_data_parallel.py: replicas that
-agree with one device and with DDP (unused parameters, buffers, ties, clipping, zb-v, 2BW)."""
+"""Functions run on spawned gloo ranks by tests/pipeline/parallel/test_data_parallel.py:
+replicas that agree with one device and with DDP (unused parameters, buffers, ties, clipping,
+zb-v, 2BW)."""
 
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def ties_and_clipping(rank: int) -> bool:
     accumulating `step` calls per optimizer step, global clipping, three AdamW steps, against
     one device."""
     from tests.models import lm_loss, tiny_lm
-    from tests.pipeline.test_ties import _batch
+    from tests.pipeline.parallel.test_ties import _batch
 
     mesh, dp_rank = _mesh_2x2()
     checked = 0
@@ -223,7 +224,7 @@ def ties_and_clipping(rank: int) -> bool:
         if rank == 0:
             assert full is not None
             for key, value in reference.state_dict().items():
-                # As in tests/pipeline/test_ties.py: three AdamW steps, 1e-5 relative.
+                # As in tests/pipeline/parallel/test_ties.py: three AdamW steps, 1e-5 relative.
                 torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-5,
                                            msg=lambda m, k=f"{schedule}: {key}": f"{k}: {m}")
         pipe.close()

@@ -1,4 +1,4 @@
-"""Models, snapshots and spawned-rank functions for tests/pipeline/test_sharded.py (importable
+"""Models, snapshots and spawned-rank functions for tests/pipeline/state/test_sharded.py (importable
 by child processes, so they live in a module of their own)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline import Pipe, PipeConfigError, sharded
+from pipeline import Pipe, PipeConfigError
+from pipeline.state import sharded
 
 
 def model(seed: int, *, extra: bool = False) -> nn.Sequential:

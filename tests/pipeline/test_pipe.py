@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.config as pipe_module
+import pipeline.splitting.config as pipe_module
 import schedules
 from pipeline import Pipe, PipeConfigError, PipelineError, is_recomputing
-from pipeline.microbatch import MicroBatchError
-from pipeline.partition import BalanceError
+from pipeline.runtime.microbatch import MicroBatchError
+from pipeline.splitting.partition import BalanceError
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (see test_transparency)
 
@@ -268,7 +268,7 @@ def test_loss_must_be_a_scalar() -> None:
     pipe = Pipe(_mlp(2), [1, 1], chunks=2)
     with pytest.raises(PipelineError, match="loss_fn must return a 0-dim tensor"):
         # (a loss module with reduction="none" is refused before the step: see
-        # tests/pipeline/test_loss_reduction.py)
+        # tests/pipeline/runtime/test_loss_reduction.py)
         pipe.step(torch.randn(4, 8), torch.randn(4, 8), lambda out, target: (out - target) ** 2)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.memory import SavedBytes
 from pipeline.planner import profile_model
+from pipeline.runtime.saved_bytes import SavedBytes
 from tests.models import lm_loss, small_cnn, tiny_lm
 
 

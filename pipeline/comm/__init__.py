@@ -1,0 +1,1 @@
+"""Communication between ranks: transports (threads, processes, same-host links), wire, failures."""

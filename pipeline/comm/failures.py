@@ -1,0 +1,92 @@
+"""How ranks of a pipeline tell each other of a failure: reports in the store, and what follows."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from pipeline.comm.transport import PipelineAborted
+from pipeline.errors import PipelineError
+
+__all__ = ["PeerFailure", "default_store", "first_report", "guarded", "report"]
+
+# A failing rank r takes a ticket from _FAILURES and writes "ticket\nnote" under
+# _FAILED + its global rank: a key only it writes, so a report names its writer, and the
+# lowest ticket is the first failure. Anything else in the store is ignored.
+_FAILURES = "pipeline/failures"
+_FAILED = "pipeline/failed/"
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class PeerFailure(RuntimeError):
+    """A peer rank died or its connection broke."""
+
+
+def report(store: Any, global_rank: int, note: str) -> None:
+    """Write this rank's failure report (best effort: if the store is gone, peers still see a
+    broken connection or time out)."""
+    with contextlib.suppress(Exception):
+        ticket = store.add(_FAILURES, 1)
+        store.set(f"{_FAILED}{global_rank}", f"{ticket}\n{note}")
+
+
+def first_report(store: Any, watch: list[int]) -> tuple[int, str] | None:
+    """(rank, note) of the first failure reported by a rank of `watch` (global ranks; the
+    rank returned is its index there), or None. Raises what the store raises."""
+    if not store.check([_FAILURES]):
+        return None
+    reports = []
+    for rank, global_rank in enumerate(watch):
+        key = f"{_FAILED}{global_rank}"
+        if store.check([key]):
+            parsed = _parse_report(store.get(key), rank)
+            if parsed is not None:
+                reports.append(parsed)
+    if not reports:
+        return None
+    _, rank, note = min(reports)
+    return rank, note
+
+
+def _parse_report(raw: bytes, rank: int) -> tuple[int, int, str] | None:
+    """(ticket, rank, note) from what `report` wrote, or None for anything else."""
+    try:
+        ticket, sep, note = raw.decode("utf-8").partition("\n")
+        if not sep or not ticket.isdigit() or len(ticket) > 18:
+            return None
+        return int(ticket), rank, note
+    except UnicodeDecodeError:
+        return None
+
+
+def guarded(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
+    """A transport call that refuses to run once the transport has failed (its `_broken`
+    holds the first failure; `unusable()` makes the error), and that remembers the first
+    failure it raises. After one, messages of the failed step may still be in flight: read
+    next, they would pass for the tie sync's or the next step's."""
+
+    def run(self: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if self._broken is not None:
+            raise self.unusable()
+        try:
+            return method(self, *args, **kwargs)
+        except (PipelineAborted, PeerFailure, TimeoutError, PipelineError) as exc:
+            if self._broken is None:
+                self._broken = str(exc)
+            raise
+
+    functools.update_wrapper(run, method)
+    return run
+
+
+def default_store() -> Any:
+    """The default process group's store, or None."""
+    try:
+        import torch.distributed as dist
+
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # private API: without it, failures surface by timeout
+        return None

@@ -1,0 +1,324 @@
+"""Same-host links: ordered bytes between two process ranks of one machine over a Unix socket.
+
+gloo moves every point-to-point message through a rendezvous (the receiver announces its
+buffer, the sender announces its data, then the data moves) and through an I/O thread that
+wakes the waiting one: on loopback a 1 KiB round trip costs several hundred microseconds. When
+two ranks share a host, a connected Unix stream socket does the same job with one write and
+one read: the sender writes from its own thread (a writer thread takes over only a message the
+socket cannot take at once, so a send never blocks), and the receiver reads straight into its
+buffer from the thread that needs the data, waking the moment the bytes arrive. Between
+messages the waits check for failures every `WAKE` seconds, never per message.
+
+`connect` sets the links up through the rendezvous store, lets only the pair's own processes
+in (link_auth: peer credentials and a per-pair secret), and agrees with each peer whether its
+link works (containers that share a host name but not a network namespace fall back to gloo,
+as do other platforms and `PIPELINE_LOCAL_P2P=0`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeline.comm import link_auth
+
+__all__ = ["ENV", "WAKE", "LinkBroken", "SocketLink", "connect", "host_key"]
+
+ENV = "PIPELINE_LOCAL_P2P"  # "0": same-host ranks talk over the process group's backend too
+WAKE = 0.05  # seconds between failure checks while a wait has nothing to read or write
+# Per (group, rank): links set up so far, the same count on every rank of a group.
+_instances: dict[tuple[str, int], int] = {}
+
+
+class LinkBroken(ConnectionError):
+    """The peer closed its end (its process died) or the socket failed."""
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, as bytes (shared, not copied)."""
+    return tensor.numpy().data.cast("B")
+
+
+class _Send:
+    """One send: done once every byte is in the socket (`tensor` lives until then)."""
+
+    __slots__ = ("done", "error", "event", "sent", "tensor", "view")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.view = _bytes(tensor)
+        self.sent = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.event: threading.Event | None = None  # only for sends the writer thread finishes
+
+    def wait(self, deadline: float, tick: Callable[[float], None] | None = None) -> None:
+        """Until the last byte is written: raise TimeoutError after `deadline` (monotonic),
+        and call `tick(now)` every WAKE seconds if given (it raises to give up)."""
+        while not self.done:
+            assert self.event is not None
+            if self.error is None:
+                self.event.wait(WAKE)
+            if self.error is not None:
+                raise LinkBroken(str(self.error))
+            now = time.monotonic()
+            if tick is not None:
+                tick(now)
+            if now > deadline and not self.done:
+                raise TimeoutError
+
+
+class SocketLink:
+    """A connected Unix stream socket to one peer: ordered messages both ways.
+
+    Sends are written in the caller's thread when the socket takes them whole (the usual case:
+    the kernel buffers a message until the peer reads it); what it cannot take waits, in
+    order, for the link's writer thread. Receives read in the caller's thread.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._readable = select.poll()
+        self._readable.register(sock.fileno(), select.POLLIN)
+        self._lock = threading.Condition()
+        self._queue: deque[_Send] = deque()  # sends not yet written whole, oldest first
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def send(self, tensor: torch.Tensor) -> _Send:
+        """Start sending `tensor`'s bytes (contiguous, on the CPU); never blocks."""
+        item = _Send(tensor)
+        with self._lock:
+            if self._error is not None:
+                raise LinkBroken(str(self._error))
+            if not self._queue:  # nothing ahead of it: write now
+                try:
+                    item.sent = self._sock.send(item.view)
+                except BlockingIOError:  # the socket is full: the writer takes it all
+                    pass
+                except OSError as exc:
+                    self._error = exc
+                    raise LinkBroken(str(exc)) from exc
+                if item.sent == len(item.view):
+                    item.done = True
+                    return item
+            item.event = threading.Event()
+            self._queue.append(item)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                                name="pipeline-link-writer")
+                self._writer.start()
+            self._lock.notify()
+        return item
+
+    def _write_loop(self) -> None:
+        writable = select.poll()
+        writable.register(self._sock.fileno(), select.POLLOUT)
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                item = self._queue[0]
+            writable.poll(WAKE * 1000)
+            try:
+                item.sent += self._sock.send(item.view[item.sent:])
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                with self._lock:
+                    self._error = exc
+                    for waiting in self._queue:
+                        waiting.error = exc
+                        assert waiting.event is not None
+                        waiting.event.set()
+                    self._queue.clear()
+                return
+            if item.sent == len(item.view):
+                with self._lock:
+                    self._queue.popleft()
+                item.done = True
+                assert item.event is not None
+                item.event.set()
+            del item  # hold no finished tensor while idle
+
+    def recv_into(self, tensor: torch.Tensor, deadline: float,
+                  tick: Callable[[float], None] | None = None) -> None:
+        """Fill `tensor` (contiguous, on the CPU) with the next bytes from the peer, waking as
+        they arrive. Raises LinkBroken when the peer is gone, TimeoutError after `deadline`
+        (monotonic); `tick(now)`, if given, runs between reads (it raises to give up)."""
+        view = _bytes(tensor)
+        got, size = 0, len(view)
+        while got < size:
+            try:
+                n = self._sock.recv_into(view[got:])
+            except BlockingIOError:
+                self._readable.poll(WAKE * 1000)
+                now = time.monotonic()
+                if tick is not None:
+                    tick(now)
+                if now > deadline:
+                    raise TimeoutError from None
+                continue
+            except OSError as exc:
+                raise LinkBroken(str(exc)) from exc
+            if n == 0:
+                raise LinkBroken("the peer closed the connection")
+            got += n
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+def host_key() -> str:
+    """What two processes on one machine (booted once) share and others do not."""
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return f"{socket.gethostname()}/{boot}"
+
+
+def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, SocketLink]:
+    """Links from rank `me` to every peer of `ranks` (global ranks, indexed by group rank) on
+    this host, by group rank. Every rank of the group calls it (transport construction is
+    collective); each pair agrees through `store` whether its link works, and only the pair's
+    own processes can use it (see link_auth).
+
+    Every call takes the next round of keys, whatever happens: a rank whose links are off, or
+    whose setup fails, still publishes an empty record for each step of the round, so its
+    peers finish the round without a link to it and every rank's next round is the same."""
+    if store is None or len(ranks) < 2:
+        return {}
+    group = "-".join(map(str, ranks))
+    _instances[group, me] = number = _instances.get((group, me), 0) + 1
+    prefix = f"pipeline/link/{group}/{number}/"
+    steps = ("host", "dialed", "linked")
+    published: set[str] = set()
+
+    def publish(step: str, value: str) -> None:
+        store.set(f"{prefix}{step}/{me}", value)
+        published.add(step)
+
+    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        publish("host", "")  # links are off here: peers leave this rank to the backend
+        return {}
+    socks: dict[int, socket.socket] = {}
+    try:
+        return _connect(store, len(ranks), me, timeout, prefix, publish, socks)
+    except BaseException:
+        for sock in socks.values():
+            sock.close()
+        with contextlib.suppress(Exception):  # best effort: the store may be what failed
+            for step in steps:
+                if step not in published:
+                    publish(step, "")
+        raise
+
+
+# Abstract socket names are listed for every local user (/proc/net/unix), and anyone may
+# connect to one; a socket file in a private 0700 directory would keep other users out. We
+# keep abstract names and rely on the handshake instead: the kernel's SO_PEERCRED refuses
+# other users before a byte is read, and a same-user process must also prove the pair's
+# secret and be the pid the rank announced; the only processes it cannot keep out are ones
+# of our own user, which could ptrace us anyway. Abstract names also vanish with their
+# process (no stale files after a SIGKILL) and live in the network namespace, which is what
+# makes containers sharing a host name but not a network namespace fall back to the backend.
+def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
+             publish: Callable[[str, str], None],
+             socks: dict[int, socket.socket]) -> dict[int, SocketLink]:
+    deadline = time.monotonic() + timeout
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        name = f"pipeline-{uuid.uuid4().hex}"
+        listener.bind("\0" + name)  # the abstract namespace: see above
+        listener.listen(size)
+        secrets = {peer: link_auth.new_secret() for peer in range(me + 1, size)}
+        here = host_key()
+        publish("host", _record(here, name, os.getpid(), secrets))
+        peers: dict[int, tuple[str, int, dict[int, bytes]]] = {}  # same-host peer's record
+        for peer in range(size):
+            if peer != me:
+                raw = store.get(f"{prefix}host/{peer}").decode()
+                if raw:
+                    host, address, pid, theirs = _parse_record(raw)
+                    if host == here:
+                        peers[peer] = (address, pid, theirs)
+        nonces: dict[int, bytes] = {}
+        for peer in (p for p in peers if p < me):  # the higher rank of a pair dials
+            address, pid, theirs = peers[peer]
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect("\0" + address)
+                link_auth.check_peer(sock, pid)
+                nonces[peer] = os.urandom(link_auth.NONCE)
+                sock.sendall(link_auth.hello(theirs[me], me, peer, nonces[peer]))
+                socks[peer] = sock
+            except OSError:  # Refused too: no link with this peer
+                sock.close()
+        publish("dialed", ",".join(map(str, socks)))
+        callers = {p: (peers[p][1], secrets[p]) for p in peers if p > me
+                   and str(me) in store.get(f"{prefix}dialed/{p}").decode().split(",")}
+        # A caller that never proves itself keeps the backend: see the agreement below.
+        socks.update(link_auth.accept(listener, callers, me, deadline))
+    finally:
+        listener.close()
+    for peer in [p for p in socks if p < me]:  # the listener must prove the secret too
+        try:
+            socks[peer].settimeout(max(0.0, deadline - time.monotonic()))
+            if not hmac.compare_digest(_read(socks[peer], link_auth.ANSWER), link_auth.answer(
+                    peers[peer][2][me], peer, me, nonces[peer])):
+                raise link_auth.Refused(f"rank {peer}'s answer does not prove the secret")
+        except OSError:
+            socks.pop(peer).close()
+    publish("linked", ",".join(map(str, socks)))
+    links = {}
+    for peer, sock in list(socks.items()):
+        if str(me) in store.get(f"{prefix}linked/{peer}").decode().split(","):
+            links[peer] = SocketLink(sock)
+        else:
+            sock.close()
+        del socks[peer]
+    return links
+
+
+def _record(host: str, name: str, pid: int, secrets: dict[int, bytes]) -> str:
+    """A rank's address for the store: host key, socket name, pid, and per higher peer the
+    secret of the pair."""
+    return "\n".join([host, name, str(pid), ",".join(f"{p}:{s.hex()}" for p, s in
+                                                     secrets.items())])
+
+
+def _parse_record(raw: str) -> tuple[str, str, int, dict[int, bytes]]:
+    host, name, pid, secrets = raw.split("\n")
+    pairs = (item.split(":") for item in secrets.split(",") if item)
+    return host, name, int(pid), {int(p): bytes.fromhex(s) for p, s in pairs}
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        data += chunk
+    return data

@@ -1,0 +1,218 @@
+"""The byte format of a transported message: a flag, then each tensor, described by a header.
+
+Headers come from another process, so every field is checked before it is used (`parse`,
+`read_header`): a bad one raises `BadHeader` (a `PipelineError`) naming the field, the value
+seen and what was expected; the transport adds which peer sent it. Checks are integer
+comparisons, once per distinct header (`parse` is cached).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.runtime.microbatch import Packed
+
+__all__ = ["ALIGN", "FLAG", "HEADER", "MAX_MESSAGE_BYTES", "BadHeader", "Meta", "buffer_size",
+           "describe", "flag_word", "pack", "parse", "read_header", "unpack"]
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
+# int64 slots: [packed, entries, (code, dtype, requires_grad, ndim, *shape) per entry]; packed
+# is 1 when the value was itself a tuple (see microbatch.Packed), so a 1-tuple stays one.
+HEADER = 64
+FLAG = 8  # bytes of the flag that opens every message
+ALIGN = 16
+Meta = tuple[int, ...]
+LIMIT_ENV = "PIPELINE_MAX_MESSAGE_BYTES"
+
+
+def _memory_bytes() -> int:
+    """This machine's memory: no message larger than it can ever be received."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 1 << 40
+
+
+# The largest message a receiver allocates (a header declaring more is refused, not allocated).
+MAX_MESSAGE_BYTES = int(os.environ.get(LIMIT_ENV) or _memory_bytes())
+
+
+class BadHeader(PipelineError):
+    """A message header that no sender of ours writes; the transport names the peer."""
+
+
+def _check(ok: bool, field: str, value: int, expected: str) -> None:
+    if not ok:
+        raise BadHeader(f"header field {field} is {value}; expected {expected}")
+
+
+def describe(values: tuple[Any, ...]) -> Meta:
+    """The header slots of a message carrying `values` (tensors or None)."""
+    meta = [int(isinstance(values, Packed)), len(values)]
+    for i, v in enumerate(values):
+        if v is None:
+            meta += [0]
+        elif isinstance(v, torch.Tensor):
+            if v.dtype not in _DTYPES:
+                raise TypeError(f"cannot send a {v.dtype} tensor between processes "
+                                f"(entry {i}); supported: {[str(d) for d in _DTYPES]}")
+            meta += [1, _DTYPES.index(v.dtype), int(v.requires_grad), v.dim(), *v.shape]
+        else:
+            raise TypeError(
+                f"a stage output crossing processes must be tensors or None; entry {i} is a "
+                f"{type(v).__name__}. Pass non-tensor settings to the layers that need them "
+                f"another way (constructor arguments), or keep those layers in one stage"
+            )
+    if len(meta) > HEADER:
+        raise ValueError(f"a message of {len(values)} entries with these shapes needs a "
+                         f"{len(meta)}-slot header; at most {HEADER} fit")
+    return tuple(meta)
+
+
+@functools.lru_cache(maxsize=1024)  # a step sends the same few shapes again and again
+def parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
+    """Per entry of a header: (dtype, requires_grad, shape), or None for a None entry.
+    Raises `BadHeader` for a field out of its range, a header longer or shorter than its
+    entries, or a message above `MAX_MESSAGE_BYTES`."""
+    n = len(meta)
+    _check(2 <= n <= HEADER, "length", n, f"2 to {HEADER} slots")
+    _check(meta[0] in (0, 1), "packed", meta[0], "0 or 1")
+    _check(0 <= meta[1] <= HEADER - 2, "entries", meta[1], f"0 to {HEADER - 2}")
+    out: list[tuple[torch.dtype, bool, tuple[int, ...]] | None] = []
+    i, total = 2, ALIGN
+    for k in range(meta[1]):
+        _check(i < n, "length", n, f"more slots: the header ends before entry {k}")
+        _check(meta[i] in (0, 1), f"entry kind (entry {k})", meta[i], "0 (None) or 1 (tensor)")
+        if meta[i] == 0:
+            out.append(None)
+            i += 1
+            continue
+        _check(i + 4 <= n, "length", n, f"more slots: the header ends inside entry {k}")
+        code, grad, ndim = meta[i + 1], meta[i + 2], meta[i + 3]
+        _check(0 <= code < len(_DTYPES), f"dtype (entry {k})", code,
+               f"0 to {len(_DTYPES) - 1} ({', '.join(str(d)[6:] for d in _DTYPES)})")
+        _check(grad in (0, 1), f"requires_grad (entry {k})", grad, "0 or 1")
+        _check(0 <= ndim <= n - i - 4, f"ndim (entry {k})", ndim,
+               f"0 to {n - i - 4} (the slots left in the header)")
+        shape = meta[i + 4:i + 4 + ndim]
+        size = _DTYPES[code].itemsize
+        for d, dim in enumerate(shape):
+            _check(0 <= dim <= MAX_MESSAGE_BYTES, f"dimension {d} (entry {k})", dim,
+                   f"0 to {MAX_MESSAGE_BYTES}")
+            size *= dim
+        total += -(-size // ALIGN) * ALIGN
+        _check(total <= MAX_MESSAGE_BYTES, "bytes", total,
+               f"at most {MAX_MESSAGE_BYTES} (the bound on a message; {LIMIT_ENV} sets it)")
+        out.append((_DTYPES[code], bool(grad), tuple(shape)))
+        i += 4 + ndim
+    _check(i == n, "length", n, f"{i} slots (what the entries take)")
+    return out
+
+
+def read_header(header: list[int]) -> Meta:
+    """The header slots `describe` wrote, out of a received zero-padded header of `HEADER`
+    slots; checked by `parse`. Raises `BadHeader`."""
+    _check(len(header) == HEADER, "length", len(header), f"{HEADER} slots")
+    i = 2
+    entries = header[1]
+    _check(0 <= entries <= HEADER - 2, "entries", entries, f"0 to {HEADER - 2}")
+    for k in range(entries):
+        _check(i + 1 <= HEADER, "length", HEADER, f"more slots: entry {k} does not fit")
+        _check(header[i] in (0, 1), f"entry kind (entry {k})", header[i],
+               "0 (None) or 1 (tensor)")
+        if header[i] == 0:
+            i += 1
+            continue
+        _check(i + 4 <= HEADER, "length", HEADER, f"more slots: entry {k} does not fit")
+        ndim = header[i + 3]
+        _check(0 <= ndim <= HEADER - i - 4, f"ndim (entry {k})", ndim,
+               f"0 to {HEADER - i - 4} (the slots left in the header)")
+        i += 4 + ndim
+    padding = header[i:]
+    _check(not any(padding), "padding", next((v for v in padding if v), 0),
+           f"zeros after slot {i}")
+    meta = tuple(header[:i])
+    parse(meta)
+    return meta
+
+
+def _raw_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor takes in a message, padded so the next one stays aligned."""
+    return -(-_raw_bytes(dtype, shape) // ALIGN) * ALIGN
+
+
+@functools.lru_cache(maxsize=1024)
+def buffer_size(meta: Meta | None) -> int:
+    """Bytes of a message with these shapes (a bare flag while none were agreed)."""
+    if meta is None:
+        return FLAG
+    return ALIGN + sum(_nbytes(e[0], e[2]) for e in parse(meta) if e is not None)
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool: send the bytes
+
+
+def flag_word(buf: torch.Tensor, value: int | None = None) -> int:
+    """The flag that opens a message buffer (0 data, 1 new shapes follow, < 0 poison): read,
+    or set to `value`."""
+    if buf.device.type == "cpu":  # through numpy: a tenth of the cost of torch's indexing
+        word = buf.numpy()[:FLAG].view(np.int64)
+        if value is not None:
+            word[0] = value
+            return value
+        return int(word[0])
+    view = buf[:FLAG].view(torch.int64)
+    if value is not None:
+        view.fill_(value)
+        return value
+    return int(view.item())
+
+
+def pack(values: tuple[Any, ...], meta: Meta, device: torch.device) -> torch.Tensor:
+    """One buffer on `device` holding the flag 0 and every tensor of `values` (as `meta`)."""
+    buf = torch.empty(buffer_size(meta), dtype=torch.uint8, device=device)
+    flag_word(buf, 0)
+    offset = ALIGN
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            size = _nbytes(v.dtype, tuple(v.shape))
+            n = v.numel() * v.element_size()
+            wire = v.detach().view(torch.uint8) if v.dtype == torch.bool else v.detach()
+            buf[offset:offset + n].view(wire.dtype).view(v.shape).copy_(wire)
+            offset += size
+    return buf
+
+
+def unpack(buf: torch.Tensor, meta: Meta) -> tuple[tuple[Any, ...], list[bool]]:
+    """The values a buffer of `meta` carries (views into it) and their requires-grad flags."""
+    values: list[Any] = []
+    flags: list[bool] = []
+    offset = ALIGN
+    for entry in parse(meta):
+        if entry is None:
+            values.append(None)
+            flags.append(False)
+            continue
+        dtype, grad, shape = entry
+        n = _raw_bytes(dtype, shape)
+        t = buf[offset:offset + n].view(_wire(dtype)).view(shape)
+        values.append(t.view(torch.bool) if dtype == torch.bool else t)
+        flags.append(grad)
+        offset += _nbytes(dtype, shape)
+    packed = meta[0]
+    return (Packed(values) if packed else tuple(values)), flags

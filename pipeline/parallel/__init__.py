@@ -1,0 +1,1 @@
+"""Beside the pipeline: data parallelism, tied weights, clipping, loss scaling, agreement."""

@@ -1,0 +1,251 @@
+"""Weights shared across stages (a language model's embedding and head): one owner, synced copies.
+
+A `Parameter` used by several stages belongs to the lowest of them (its owner). Every other
+stage that uses it holds a copy: a `Parameter` registered where the model had the shared one, so
+the model's structure and `state_dict()` keys are what the user wrote, but left out of
+`Pipe.parameters()`, so optimizers, clipping and counts see the weight once. Before each run the
+copies take the owner's value (a copy on another process receives it); after a training step
+each copy's gradient is added to the owner's and cleared. So the owner's `.grad` is the sum over
+every use, as autograd leaves it on one device, and an optimizer steps the weight once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.errors import PipeConfigError
+
+__all__ = ["Copy", "Tie", "TieLink", "find_ties", "link", "register_hooks", "untie"]
+
+
+@dataclass
+class Copy:
+    """One non-owner stage's use of a tied weight."""
+
+    stage: int
+    keys: list[str]  # the model's keys of this stage's uses (usually one)
+    places: list[tuple[nn.Module, str]]  # (module, attribute) holding it in the stage
+    param: nn.Parameter | None = None  # set by `untie` where the stage is held
+
+
+@dataclass
+class Tie:
+    """A weight shared by several stages: its owner and the other stages' copies."""
+
+    key: str  # the model's key of the owner's first use
+    stage: int  # the owner stage (the lowest that uses it)
+    param: nn.Parameter  # the shared object (on whatever device the model was built)
+    copies: list[Copy] = field(default_factory=list)
+
+
+def _uses(model: nn.Sequential) -> Iterator[tuple[int, str, nn.Module, str, nn.Parameter]]:
+    """(layer index, model key, module, attribute, parameter) for every use of a parameter."""
+    for i, name in enumerate(model._modules):
+        layer = model._modules[name]
+        assert layer is not None
+        for path, module in layer.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    key = ".".join(part for part in (name, path, attr) if part)
+                    yield i, key, module, attr, p
+
+
+def find_ties(model: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
+    """The parameters of `model` used by more than one stage of `balance`, in model order."""
+    stage_of = [s for s, size in enumerate(balance) for _ in range(size)]
+    ties: dict[int, Tie] = {}
+    stages_seen: dict[int, dict[int, Copy | None]] = {}
+    holders: dict[int, tuple[int, str]] = {}  # id(module) -> (stage, key) of its first use
+    for i, key, module, attr, p in _uses(model):
+        s = stage_of[i]
+        first = holders.setdefault(id(module), (s, key))
+        if first[0] != s:
+            raise PipeConfigError(
+                f"{key!r} (stage {s}) and {first[1]!r} (stage {first[0]}) are the same "
+                f"{type(module).__name__} object, used by two stages: Pipe ties Parameters "
+                f"across stages, not whole modules. Build a second module that shares the "
+                f"weight (e.g. head.weight = embedding.weight), or keep both uses in one stage "
+                f"(adjust balance)")
+        seen = stages_seen.setdefault(id(p), {})
+        if not seen:
+            seen[s] = None
+            ties[id(p)] = Tie(key, s, p)
+            continue
+        tie = ties[id(p)]
+        if s == tie.stage:
+            continue  # a second use inside the owner stage: autograd sums it as it is
+        copy = seen.get(s)
+        if copy is None:
+            copy = seen[s] = Copy(s, [], [])
+            tie.copies.append(copy)
+        copy.keys.append(key)
+        copy.places.append((module, attr))
+    return [t for t in ties.values() if t.copies]
+
+
+def untie(ties: Sequence[Tie], local_stages: Sequence[int]) -> None:
+    """Give each held non-owner stage its own copy `Parameter` in place of the shared one."""
+    for tie in ties:
+        for copy in tie.copies:
+            if copy.stage not in local_stages:
+                continue
+            copy.param = nn.Parameter(tie.param.detach().clone(),
+                                      requires_grad=tie.param.requires_grad)
+            for module, attr in copy.places:
+                module._parameters[attr] = copy.param
+
+
+@dataclass
+class TieLink:
+    """Moves tied weights and their gradients between the owner and the copies.
+
+    `rank_of(stage)` places stages; `me` is this process's rank (None: every stage is here).
+    `send(tensor, rank)` and `recv(rank, like)` carry tensors between processes, in order.
+    """
+
+    ties: Sequence[Tie]
+    owners: dict[int, nn.Parameter]  # id(tie) -> the owner's live Parameter, where held
+    rank_of: Callable[[int], int]
+    me: int | None
+    send: Callable[[torch.Tensor, int], None] | None = None
+    recv: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+
+    def copy_params(self) -> set[int]:
+        """ids of the copies held here (left out of `Pipe.parameters()`)."""
+        return {id(c.param) for t in self.ties for c in t.copies if c.param is not None}
+
+    def refresh_local(self) -> None:
+        """Copies whose owner is in this process take its value."""
+        for tie in self.ties:
+            owner = self.owners.get(id(tie))
+            for copy in tie.copies:
+                if owner is not None and copy.param is not None:
+                    with torch.no_grad():
+                        copy.param.copy_(owner)
+
+    def refresh(self) -> None:
+        """Every copy takes its owner's value (sent over when they live on other ranks), with
+        no gradient (a failed step may have left part of one)."""
+        self.refresh_local()
+        for tie in self.ties:
+            for copy in tie.copies:
+                if copy.param is not None:
+                    copy.param.grad = None
+        if self.me is None:
+            return
+        for tie in self.ties:
+            owner = self.owners.get(id(tie))
+            for copy in tie.copies:
+                if owner is not None and copy.param is None:
+                    assert self.send is not None
+                    self.send(owner.detach(), self.rank_of(copy.stage))
+                elif owner is None and copy.param is not None:
+                    assert self.recv is not None
+                    got = self.recv(self.rank_of(tie.stage), copy.param)
+                    with torch.no_grad():
+                        copy.param.copy_(got)
+
+    def reduce_grads(self) -> None:
+        """Add every copy's gradient to its owner's `.grad` and clear the copy's."""
+        for tie in self.ties:
+            owner = self.owners.get(id(tie))
+            for copy in tie.copies:
+                if copy.param is not None:
+                    grad = copy.param.grad
+                    copy.param.grad = None
+                    if owner is not None:
+                        _accumulate(owner, grad)
+                    else:  # the owner is on another rank
+                        assert self.send is not None
+                        self.send(torch.zeros_like(copy.param) if grad is None else grad,
+                                  self.rank_of(tie.stage))
+                elif owner is not None:
+                    assert self.recv is not None
+                    _accumulate(owner, self.recv(self.rank_of(copy.stage), owner))
+
+    def retie(self) -> None:
+        """Put each owner back where its copies held this process's uses (the Pipe closes):
+        the model shares the weight again, with its current value. Copies whose owner lives
+        on another rank stay (this rank's model is a part of the whole)."""
+        for tie in self.ties:
+            owner = self.owners.get(id(tie))
+            for copy in tie.copies:
+                if owner is not None and copy.param is not None:
+                    for module, attr in copy.places:
+                        module._parameters[attr] = owner
+                    copy.param = None
+
+    def state_dict_keys(self) -> tuple[dict[str, nn.Parameter], set[str]]:
+        """Multi-process keys: (keys of copies held elsewhere, which this rank reports with
+        its owner's value; keys of copies held here, left out because their owner is not)."""
+        add: dict[str, nn.Parameter] = {}
+        drop: set[str] = set()
+        for tie in self.ties:
+            owner = self.owners.get(id(tie))
+            for copy in tie.copies:
+                if owner is not None and copy.param is None:
+                    add.update({k: owner for k in copy.keys})
+                elif owner is None and copy.param is not None:
+                    drop.update(copy.keys)
+        return add, drop
+
+
+def _accumulate(owner: nn.Parameter, grad: Any) -> None:
+    if grad is None:
+        return
+    grad = grad.to(owner.device)
+    if owner.grad is None:
+        owner.grad = grad.clone()
+    else:
+        owner.grad.add_(grad)
+
+
+def link(ties: Sequence[Tie], live: dict[str, nn.Parameter], rank_of: Callable[[int], int],
+         me: int | None, transport: Any) -> TieLink:
+    """The `TieLink` of a Pipe whose held parameters are `live` (by the model's keys, after
+    materialisation, which may have replaced meta Parameters): `transport` (a
+    ProcessTransport, or None in one process) carries tensors between ranks; its failures
+    become `PipelineError`s."""
+    from pipeline.comm.process_group import PeerFailure
+    from pipeline.comm.transport import PipelineAborted
+    from pipeline.errors import PipelineError
+
+    owners = {id(t): live[t.key] for t in ties if t.key in live}
+    for tie in ties:
+        for copy in tie.copies:
+            if copy.param is not None:
+                copy.param = live[copy.keys[0]]
+    if me is None:
+        return TieLink(ties, owners, rank_of, None)
+
+    def send(tensor: torch.Tensor, rank: int) -> None:
+        try:
+            transport.send_result(tensor.detach().contiguous(), rank)
+        except (PipelineAborted, PeerFailure) as exc:
+            raise PipelineError(str(exc)) from None
+
+    def recv(rank: int, like: torch.Tensor) -> torch.Tensor:
+        try:
+            got: torch.Tensor = transport.recv_result(rank, tuple(like.shape), like.dtype)
+        except (PipelineAborted, PeerFailure) as exc:
+            raise PipelineError(str(exc)) from None
+        return got.to(like.device)
+
+    return TieLink(ties, owners, rank_of, me, send, recv)
+
+
+def register_hooks(tie_link: TieLink) -> None:
+    """Copies read through a `state_dict()` (the Pipe's or the user's model's) show their
+    owner's current value, not the one of the last run."""
+    for tie in tie_link.ties:
+        for copy in tie.copies:
+            if copy.param is None:
+                continue
+            for module in {id(m): m for m, _ in copy.places}.values():
+                module.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                    lambda *_: tie_link.refresh_local())

@@ -1,0 +1,1 @@
+"""Running a rank's actions: stage runtime, micro-batches, recomputation, weights, loss weights."""

@@ -1,0 +1,374 @@
+"""The stage runtime: one rank executes its lowered action list, whatever schedule produced it."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.comm.transport import Transport, move
+from pipeline.errors import PipeConfigError
+from pipeline.parallel.data_parallel import last_gradient_actions
+from pipeline.runtime.batchnorm import microbatch_scope
+from pipeline.runtime.context import CallerState
+from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like
+from pipeline.runtime.recompute import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
+from pipeline.runtime.saved_bytes import SavedBytes
+from pipeline.runtime.split_backward import (
+    WeightGrad,
+    backward_input,
+    backward_weight,
+    release,
+    run_backward,
+)
+from pipeline.runtime.versions import WeightVersions, call_with
+from pipeline.runtime.weighting import zero_loss
+from schedules import Action, Event, Op
+from schedules.lower import Message, message, source_stage
+
+__all__ = ["LossFn", "StageRuntime", "StepInputs", "StepResult"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step gives every rank; nobody writes to it."""
+
+    inputs: Sequence[tuple[Any, ...]]  # micro-batches for the first stage
+    targets: Sequence[Any] | None  # per micro-batch, for the loss on the last stage
+    loss_fn: LossFn | None  # None: forward only
+    loss_weights: Sequence[float]  # micro-batch share of the batch's mean (pipeline/weighting)
+    checkpointed: Sequence[bool]  # per micro-batch
+    seed: int
+    versions: WeightVersions | None = None  # versioned (2BW) schedules
+    track_memory: bool = False
+    caller: CallerState = field(default_factory=CallerState)  # autocast, inference mode
+    scaler: Any = None  # a torch.amp.GradScaler: each micro-batch's loss is scaled for backward
+    # Called with a stage once its gradients of the step are final (data parallelism).
+    grads_ready: Callable[[int], None] | None = None
+    t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class StepResult:
+    """What the ranks of one step produce: losses and outputs of the last stage, per micro-batch."""
+
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    # First stage: the gradient of each micro-batch's input entries (None where none is needed).
+    input_grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class _Stash:
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...] | None  # None while checkpointed (only the inputs are kept)
+    loss: torch.Tensor | None = None
+    weight_grad: WeightGrad | None = None
+
+
+class StageRuntime:
+    """Holds one rank's stages and runs its actions: F, B, I, W, U, SEND and RECV.
+
+    It never looks at which schedule it is running: the actions say everything. Data between
+    stages on this rank stays here; data for another rank waits in the outbox for its SEND.
+    """
+
+    def __init__(self, rank: int, stages: dict[int, nn.Module], device: torch.device,
+                 num_stages: int, rank_of: Callable[[int], int], transport: Transport) -> None:
+        self.rank = rank
+        self.stages = stages
+        self.device = device
+        self.num_stages = num_stages
+        self.rank_of = rank_of
+        self.transport = transport
+        # A stage whose first layer works in place gets a copy of its inputs: the received
+        # inputs are leaves that require grad (autograd forbids changing them in place) and a
+        # checkpointed micro-batch replays its forward from them.
+        self._copy_inputs = {s: getattr(_first_layer(m), "inplace", False) is True
+                             for s, m in stages.items()}
+        self.rng = RngReplay(device)
+        self.buffers = BufferGuard()
+        self.events: list[Event] = []
+        self.peak_stashed = 0
+        self.released_bytes = 0
+        self.stashed_bytes = 0
+        self.peak_stashed_bytes = 0
+        # The stash plus the stage outputs whose storage is still held (until released after
+        # their SEND, or until their backward): what a step's activations occupy at most.
+        self.activation_bytes = self.peak_activation_bytes = 0
+        self._stash: dict[tuple[int, int], _Stash] = {}
+        # What each stash entry holds: (stashed bytes, bytes of outputs not yet released).
+        self._bytes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._local: dict[Message, tuple[Any, ...]] = {}  # between stages of this rank
+        self._outbox: dict[Message, tuple[Any, ...]] = {}  # produced, waiting for its SEND
+        # Rows of each micro-batch's input, as split on the first stage: forwards to another
+        # rank carry them (see _give), so the last stage checks its target against the input
+        # it belongs to, whatever the layers made of the rows.
+        self._rows: dict[int, int | None] = {}
+        self.current: Action | None = None  # for error reports
+        # Per stage, its layers' training flags: read once per step (they cannot change
+        # within one), not once per forward (a walk of every submodule).
+        self._modes: dict[int, tuple[int, tuple[bool, ...]]] = {}
+        self._ready = 0.0  # when the current action had its inputs
+        self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
+                          Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
+                          Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post}
+
+    # -- driving ------------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
+        """Execute this rank's lowered actions for one step."""
+        self.events = []
+        self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
+        self.released_bytes = self.activation_bytes = self.peak_activation_bytes = 0
+        for store in (self._stash, self._bytes, self._local, self._outbox, self._rows):
+            store.clear()
+        self._modes = {s: mode_key(s, module) for s, module in self.stages.items()}
+        with step.caller.step():
+            self._run(actions, step, result)
+
+    def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
+        events, t0, clock = self.events, step.t0, time.perf_counter
+        ready = {} if step.grads_ready is None else last_gradient_actions(actions)
+        for i, action in enumerate(actions):
+            self.current = action
+            self._ready = clock()
+            self._handlers[action.op](action, step, result)
+            if action.is_compute:
+                # Compute time only: waiting for a peer's data is idle time (a bubble), so the
+                # clock starts when the handler has its inputs (see _received).
+                events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+            if i in ready:
+                assert step.grads_ready is not None
+                step.grads_ready(ready[i])
+        self.current = None
+        if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
+            raise AssertionError(f"rank {self.rank}: left {sorted(self._stash)} stashed and "
+                                 f"{sorted(self._outbox)} unsent")
+
+    def _send(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        msg = message(action)
+        self.transport.send(msg, self._outbox.pop(msg), self.rank_of(msg[1]))
+        stash = self._stash.get((msg[1] - 1, msg[2])) if msg[0] == "F" else None
+        if stash is not None and stash.outputs is not None and self.transport.copies:
+            # The next stage has its copy of the activations; the backward needs only their
+            # graph (and the incoming gradient's shape).
+            released = release(stash.outputs)
+            self.released_bytes += released
+            if step.track_memory:
+                stashed, held = self._bytes[msg[1] - 1, msg[2]]
+                self._bytes[msg[1] - 1, msg[2]] = (stashed, held - released)
+                self.activation_bytes -= released
+
+    def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        msg = message(action)
+        self.transport.post(msg, self.rank_of(source_stage(msg)))
+
+    def _take(self, msg: Message, src_stage: int) -> tuple[Any, ...]:
+        """The data `msg` carries: from this rank's own stage, or waited for from a peer."""
+        src = self.rank_of(src_stage)
+        if src == self.rank:
+            values = self._local.pop(msg)
+            return move(values, self.device, grad_flags=[
+                isinstance(v, torch.Tensor) and v.requires_grad for v in values])
+        values = self.transport.wait(msg, src, self.device)
+        self._ready = time.perf_counter()
+        if msg[0] == "F":
+            self._rows[msg[2]] = values[-1].shape[0]
+            values = like(values, values[:-1])
+        return values
+
+    def _give(self, msg: Message, values: tuple[Any, ...]) -> None:
+        if self.rank_of(msg[1]) == self.rank:
+            self._local[msg] = values
+        elif msg[0] == "F":
+            # The input's rows ride along as the shape of an empty tensor: in the header only,
+            # sent when it changes, read without waiting on a device.
+            rows = torch.empty((self._rows.get(msg[2]) or 0, 0), dtype=torch.uint8,
+                               device=self.device)
+            self._outbox[msg] = like(values, (*values, rows))
+        else:
+            self._outbox[msg] = values
+
+    # -- forward ------------------------------------------------------------------------------
+    def _call(self, action: Action, inputs: tuple[Any, ...], step: StepInputs, *,
+              replay: bool = False) -> tuple[Any, ...]:
+        module = self.stages[action.stage]
+        if self._copy_inputs[action.stage]:
+            inputs = like(inputs, (v.clone() if isinstance(v, torch.Tensor)
+                                   and v.is_floating_point() else v for v in inputs))
+        # As in nn.Sequential, a layer gets the previous output as one argument (a tuple stays
+        # a tuple, a 1-tuple too): transported tuples are unpacked for transport only.
+        arg = from_tuple(inputs)
+        if action.version is None:
+            def fn() -> Any:
+                return module(arg)
+        else:
+            assert step.versions is not None, f"{action} needs weight versions"
+            weights = step.versions.weights(action.stage, action.version)
+
+            def fn() -> Any:
+                return call_with(module, weights, arg)
+        seed = stage_seed(step.seed, action.stage, action.microbatch)
+        key = self._modes[action.stage]
+        guard = self.buffers.replay if replay else self.buffers.forward
+        try:
+            with step.caller.forward(), microbatch_scope(action.microbatch):
+                return as_tuple(guard(key, module, lambda: self.rng.run(key, seed, fn)))
+        except RuntimeError as exc:
+            if "in-place operation" not in str(exc) or "leaf Variable" not in str(exc):
+                raise
+            first = _first_layer(module)
+            raise RuntimeError(
+                f"stage {action.stage} starts with {type(first).__name__}, which changes its "
+                f"input in place; a stage's input is a leaf that requires grad, which autograd "
+                f"forbids changing in place. Give the layer an `inplace = True` attribute (Pipe "
+                f"then copies the input first, as for nn.ReLU(inplace=True)), make it out of "
+                f"place, or move the stage boundary: {exc}") from exc
+
+    def _forward(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        s, m = action.stage, action.microbatch
+        if s == 0:  # inputs that require grad get theirs (microbatch.backward_inputs)
+            given = step.inputs[m]
+            self._rows[m] = leading_rows(given)
+            inputs = move(given, self.device, grad_flags=[
+                step.loss_fn is not None and isinstance(v, torch.Tensor) and v.requires_grad
+                for v in given])
+        else:
+            inputs = self._take(("F", s, m), s - 1)
+        train = step.loss_fn is not None
+        keep_graph = train and not step.checkpointed[m]
+        saved = SavedBytes()
+        with torch.set_grad_enabled(keep_graph):
+            if step.track_memory and keep_graph:
+                with saved:
+                    outputs = self._call(action, inputs, step)
+            else:
+                outputs = self._call(action, inputs, step)
+        last = s == self.num_stages - 1
+        if not train:
+            if last:
+                result.outputs[m] = like(outputs, (o.detach() if isinstance(o, torch.Tensor)
+                                                   else o for o in outputs))
+            else:
+                self._give(("F", s + 1, m), outputs)
+            return
+        loss = None
+        if last:
+            loss = self._loss(outputs, m, step)
+            result.losses[m] = loss.detach()
+        elif keep_graph:
+            self._give(("F", s + 1, m), outputs)
+        else:
+            # Run without a graph, nothing requires grad; the replay will. Mark floating
+            # outputs so the next stage still computes (and returns) their gradients.
+            self._give(("F", s + 1, m), like(outputs, (
+                o.detach().requires_grad_(True) if isinstance(o, torch.Tensor)
+                and o.is_floating_point() else o for o in outputs)))
+        input_bytes = sum(t.numel() * t.element_size() for t in inputs
+                          if isinstance(t, torch.Tensor))
+        self._stash[(s, m)] = _Stash(inputs, outputs if keep_graph else None, loss)
+        self.peak_stashed = max(self.peak_stashed, len(self._stash))
+        self.stashed_bytes += input_bytes + saved.bytes
+        self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
+        held = 0 if not (step.track_memory and keep_graph) else sum(
+            o.numel() * o.element_size() for o in outputs
+            if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+        self.activation_bytes += input_bytes + saved.bytes + held
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self._bytes[(s, m)] = (input_bytes + saved.bytes, held)
+
+    def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
+        assert step.loss_fn is not None and step.targets is not None
+        target = step.targets[m]
+        rows, target_rows = self._rows.get(m), leading_rows(target)
+        if rows is not None and target_rows is not None and rows != target_rows:
+            # A rank given another batch than its peers: a loss would broadcast one against
+            # the other and train silently wrong. (The output's rows are the model's business:
+            # a head may flatten tokens into rows.)
+            raise PipeConfigError(
+                f"micro-batch {m}: its target has {target_rows} rows but its input had "
+                f"{rows}; every rank must pass the same batch (one target row per input row)")
+        weight = step.loss_weights[m]
+        if weight == 0 or math.isnan(weight):
+            # Nothing counted in this micro-batch (its own mean would be 0/0), or in the whole
+            # batch (NaN, as torch's mean over nothing): add nothing, pass zero gradients.
+            return zero_loss(outputs) + weight
+        with step.caller.forward():  # plain training computes the loss under autocast too
+            loss = step.loss_fn(from_tuple(outputs), target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(
+                f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "
+                f"{type(loss).__name__} with shape {getattr(loss, 'shape', None)}"
+            )
+        return loss * weight
+
+    # -- backward -----------------------------------------------------------------------------
+    def _recompute(self, action: Action, stash: _Stash, step: StepInputs) -> None:
+        with torch.enable_grad(), recomputing():
+            stash.outputs = self._call(action, stash.inputs, step, replay=True)
+        if action.stage == self.num_stages - 1:
+            stash.loss = self._loss(stash.outputs, action.microbatch, step)
+
+    def _backward(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        s, m = action.stage, action.microbatch
+        stash = self._stash[(s, m)]
+        if stash.outputs is None:
+            self._recompute(action, stash, step)
+        assert stash.outputs is not None
+        if s == self.num_stages - 1:
+            assert stash.loss is not None
+            roots: list[torch.Tensor] = [stash.loss if step.scaler is None
+                                         else step.scaler.scale(stash.loss)]
+            grads: list[torch.Tensor] = [torch.ones_like(stash.loss)]
+        else:
+            incoming = self._take(("B", s, m), s + 1)
+            pairs = [(o, g) for o, g in zip(stash.outputs, incoming, strict=True)
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if action.op is Op.B:
+            if roots:
+                run_backward(roots, grads)  # roots may be released outputs (see _send)
+            input_grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                           for t in stash.inputs]
+            self._free(s, m)
+        else:  # I: input gradients now, weight gradients at this micro-batch's W
+            params = self._params(action, step)
+            input_grads, stash.weight_grad = backward_input(roots, grads, stash.inputs, params)
+        if s > 0:
+            self._give(("B", s - 1, m), tuple(input_grads))
+        elif any(g is not None for g in input_grads):
+            result.input_grads[m] = tuple(input_grads)
+
+    def _params(self, action: Action, step: StepInputs) -> list[torch.Tensor]:
+        if action.version is None:
+            return list(self.stages[action.stage].parameters())
+        assert step.versions is not None
+        return list(step.versions.weights(action.stage, action.version).values())
+
+    def _weight(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        stash = self._stash[(action.stage, action.microbatch)]
+        assert stash.weight_grad is not None, f"{action} before its I"
+        backward_weight(stash.weight_grad)
+        self._free(action.stage, action.microbatch)
+
+    def _free(self, s: int, m: int) -> None:
+        del self._stash[(s, m)]
+        stashed, held = self._bytes.pop((s, m))
+        self.stashed_bytes -= stashed
+        self.activation_bytes -= stashed + held
+
+    def _update(self, action: Action, step: StepInputs, result: StepResult) -> None:
+        assert step.versions is not None, f"{action} needs weight versions"
+        step.versions.update(action.stage, action.microbatch)
+
+
+def _first_layer(stage: nn.Module) -> nn.Module:
+    """The layer that receives a stage's input (the stage itself if it is not a Sequential)."""
+    return stage[0] if isinstance(stage, nn.Sequential) and len(stage) else stage

@@ -1,0 +1,191 @@
+"""Loss weighting: the factor on each micro-batch's loss that makes them add up to the batch's.
+
+A loss that averages divides by what it averages over, and a micro-batch's mean is over its own
+share of that: rows for most losses, but counted targets for a cross-entropy with ignored
+positions (padding labelled -100, the Hugging Face convention) or class weights (torch divides
+by the sum of the targets' weights), and whatever a user's loss masks or weighs. Weighting each
+micro-batch by its rows there trains silently wrong (the gradient-accumulation normalisation
+bug). So each micro-batch is weighted by `measure(target) / total`, the total taken over the
+whole batch (over every replica's shard under data parallelism), and the sum of the weighted
+micro-batch losses is the batch's loss exactly:
+
+- `nn.CrossEntropyLoss`, `nn.NLLLoss`, `F.cross_entropy`, `F.nll_loss` (also as a
+  `functools.partial`): class-index targets not equal to `ignore_index`, each counted by its
+  class weight; class-probability targets by their positions (what torch divides by);
+- any loss, with `loss_weight=fn`: `fn(target)` per micro-batch, a number >= 0;
+- otherwise rows; a loss that sums (`reduction="sum"`) adds micro-batch losses unweighted.
+
+A micro-batch whose measure is 0 adds nothing (its own mean would be 0/0); a batch whose total is
+0 has a NaN loss and zero gradients, as torch's mean over nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.runtime.microbatch import leading_rows
+
+__all__ = ["LossWeight", "Weighting", "padding_warning", "resolve", "zero_loss"]
+
+LossWeight = Callable[[Any], Any]  # target -> a number >= 0 (int, float or 0-dim tensor)
+
+# How a loss reduces over a micro-batch -> whether micro-batch losses are weighted (a mean).
+_REDUCTIONS = {"mean": True, "batchmean": True, "sum": False}
+_COUNTING = (F.cross_entropy, F.nll_loss)  # the functions behind the two modules too
+PADDING = -100  # torch's default ignore_index, and Hugging Face's label for padding
+
+
+@dataclass(frozen=True)
+class Weighting:
+    """How one step weighs its micro-batch losses (see the module docstring)."""
+
+    mean: bool  # False: the loss sums, micro-batch losses add up unweighted
+    measure: Callable[[Any], Any]  # what a micro-batch's mean is over, from its target
+    by_rows: bool  # the measure is rows because nothing said otherwise (see `looks_padded`)
+
+    def measures(self, targets: Sequence[Any]) -> list[float]:
+        """Each micro-batch's measure, from its target as `loss_fn` receives it."""
+        if not self.mean:
+            return [1.0] * len(targets)
+        out = []
+        for m, target in enumerate(targets):
+            value = self.measure(target)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value < 0:
+                kind = "" if ok else f", a {type(value).__name__}"
+                raise PipeConfigError(
+                    f"loss_weight(target) must be a finite number >= 0 (got {value!r}{kind} "
+                    f"for micro-batch {m}): it is what that target's loss averages over, e.g. "
+                    f"its count of tokens not labelled -100")
+            out.append(float(value))
+        return out
+
+    def weights(self, measures: Sequence[float], total: float, scale: float = 1.0
+                ) -> list[float]:
+        """Per micro-batch, `scale` x its share of `total` (a mean) or `scale` (a sum)."""
+        if not self.mean:
+            return [scale] * len(measures)
+        if total == 0:  # torch's mean over no counted target is NaN, its gradient zero
+            return [math.nan] * len(measures)
+        return [m / total * scale for m in measures]
+
+    def looks_padded(self, targets: Sequence[Any]) -> bool:
+        """Rows weigh the micro-batches of a plain function, yet its integer targets hold the
+        padding label: the loss probably averages over tokens (worth a warning)."""
+        return self.mean and self.by_rows and any(
+            isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool
+            and bool((t == PADDING).any()) for t in targets)
+
+
+def resolve(loss_fn: object, loss_reduction: str | None,
+            loss_weight: LossWeight | None) -> Weighting:
+    """The weighting of `loss_fn`: its reduction (a loss module's `reduction`, a partial's
+    keyword, or `loss_reduction` for a plain function; default "mean") and its measure."""
+    reduction = _reduction(loss_fn, loss_reduction)
+    mean = _REDUCTIONS[reduction]
+    if loss_weight is not None:
+        if not callable(loss_weight):
+            raise PipeTypeError(f"loss_weight must be callable as loss_weight(target) -> number "
+                                f"(got {loss_weight!r}); e.g. loss_weight=lambda target: "
+                                f"(target != -100).sum() for a loss averaged over tokens")
+        if not mean:
+            raise PipeConfigError(
+                f"loss_weight= weighs micro-batch means, but the loss reduces by "
+                f"{reduction!r}: micro-batch sums add up as they are; drop loss_weight, or "
+                f"reduce by 'mean'")
+        return Weighting(True, functools.partial(_user_measure, loss_weight), False)
+    counting = _counting(loss_fn)
+    if counting is not None:
+        return Weighting(mean, functools.partial(_counted, *counting), False)
+    plain = not isinstance(loss_fn, nn.modules.loss._Loss)
+    return Weighting(mean, _rows, plain)
+
+
+def padding_warning(loss_fn: object) -> str:
+    """What to say when `Weighting.looks_padded`: the likely bug and its fix."""
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return (f"the target holds -100 (the label of padding and ignored tokens) and loss_fn "
+            f"{name} is a plain function, so Pipe weighs its micro-batches by their rows; a "
+            f"loss that averages over counted tokens then trains wrong. Pass "
+            f"loss_weight=lambda target: (target != -100).sum() (what the loss averages over), "
+            f"or use nn.CrossEntropyLoss, which Pipe weighs by its counted targets "
+            f"(README: Losses)")
+
+
+def zero_loss(outputs: Sequence[Any]) -> torch.Tensor:
+    """A 0 connected to the stage's outputs: a micro-batch that adds nothing still runs its
+    backward (the schedule's B), passing exact zero gradients back, never 0 x NaN."""
+    zero: torch.Tensor | None = None
+    for o in outputs:
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            term = o.sum() * 0.0
+            zero = term if zero is None else zero + term
+    if zero is None:  # nothing requires grad (a frozen last stage): a constant zero
+        first = next((o for o in outputs if isinstance(o, torch.Tensor)), None)
+        return torch.zeros((), device=first.device if first is not None else None)
+    return torch.nan_to_num(zero, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _reduction(loss_fn: object, loss_reduction: str | None) -> str:
+    declared = getattr(loss_fn, "reduction", None)
+    if isinstance(loss_fn, functools.partial) and loss_fn.func in _COUNTING:
+        declared = loss_fn.keywords.get("reduction", "mean")
+    if loss_reduction is not None and declared is not None and loss_reduction != declared:
+        raise PipeConfigError(f"loss_reduction={loss_reduction!r} but the loss module reduces "
+                              f"by {declared!r}: leave loss_reduction out for a loss module")
+    reduction = loss_reduction or declared or "mean"
+    if reduction not in _REDUCTIONS:
+        raise PipeConfigError(f"loss reduction must be one of {sorted(_REDUCTIONS)} (got "
+                              f"{reduction!r}): Pipe needs a 0-dim loss per micro-batch to "
+                              f"combine; reduce by 'mean' or 'sum'")
+    return str(reduction)
+
+
+def _counting(loss_fn: object) -> tuple[int, torch.Tensor | None] | None:
+    """(ignore_index, class weight) of a cross-entropy or NLL loss; None for other losses."""
+    if isinstance(loss_fn, nn.CrossEntropyLoss | nn.NLLLoss):
+        return loss_fn.ignore_index, loss_fn.weight
+    if loss_fn in _COUNTING:
+        return PADDING, None
+    if isinstance(loss_fn, functools.partial) and loss_fn.func in _COUNTING and not loss_fn.args:
+        return (int(loss_fn.keywords.get("ignore_index", PADDING)),
+                loss_fn.keywords.get("weight"))
+    return None
+
+
+def _rows(target: Any) -> float:
+    rows = leading_rows(target)
+    assert rows is not None, "scatter split the target along dim 0"
+    return float(rows)
+
+
+def _counted(ignore_index: int, weight: torch.Tensor | None, target: Any) -> float:
+    """What torch's mean divides by for this target (see the module docstring)."""
+    if not isinstance(target, torch.Tensor):
+        return _rows(target)
+    if target.is_floating_point():  # class probabilities, (N, C, d1, ...): per position
+        return float(target.numel() // target.shape[1]) if target.dim() > 1 else 1.0
+    counted = target[target != ignore_index]
+    if weight is None:
+        return float(counted.numel())
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= weight.numel()):
+        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+        raise PipeConfigError(f"the target holds class {bad}, but the loss's class weight has "
+                              f"{weight.numel()} classes: targets are class indices in "
+                              f"[0, {weight.numel()}) or ignore_index ({ignore_index})")
+    w = weight.detach().to(device=counted.device, dtype=torch.float64)
+    return float(w[counted].sum())
+
+
+def _user_measure(loss_weight: LossWeight, target: Any) -> Any:
+    value = loss_weight(target)  # checked by `Weighting.measures`, which names the micro-batch
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value

@@ -1,0 +1,1 @@
+"""Splitting a model into stages: partition, profiling, configuration and argument checks."""

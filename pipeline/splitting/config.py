@@ -1,0 +1,220 @@
+"""Pipe's configuration, resolved and checked: arguments, balance, ranks, devices, mesh."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import schedules
+from pipeline.comm import bootstrap
+from pipeline.errors import PipeConfigError
+from pipeline.parallel.data_parallel import SHARDING, Mesh, resolve_mesh
+from pipeline.runtime.recompute import CHECKPOINT_MODES
+from pipeline.splitting import checks
+from pipeline.splitting.partition import BalanceError, partition, split_sizes
+from pipeline.splitting.profile import layer_params, layer_sizes, layer_times
+from schedules import Schedule
+
+__all__ = ["Layout", "check_arguments", "check_sharding", "make_schedule", "resolve"]
+
+_METHODS = ("uniform", "params", "time", "size")
+
+
+def check_arguments(model: object, chunks: object, checkpoint: object, param_init: object,
+                    timeout: object, devices: Sequence[object] | None) -> float:
+    """The arguments that need no resolving, each checked; returns `timeout` in seconds."""
+    if not isinstance(model, nn.Sequential):
+        raise PipeConfigError(
+            f"Pipe takes an nn.Sequential (got {type(model).__name__}); flatten your model "
+            f"into nn.Sequential(layer, layer, ...) with each layer taking the previous "
+            f"one's output"
+        )
+    if len(model) == 0:
+        raise PipeConfigError("the nn.Sequential is empty: give it at least one layer")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise PipeConfigError(f"checkpoint must be one of {CHECKPOINT_MODES} "
+                              f"(got {checkpoint!r})")
+    if not callable(param_init) and param_init not in bootstrap.PARAM_INITS:
+        raise PipeConfigError(f"param_init must be one of {bootstrap.PARAM_INITS} or a "
+                              f"function of a module (got {param_init!r})")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PipeConfigError(f"chunks must be an int >= 1 (got {chunks!r})")
+    checks.check_devices(devices)
+    return checks.check_timeout(timeout)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything goes: layers per stage, ranks, this process's rank and group, devices."""
+
+    balance: list[int]
+    num_ranks: int
+    devices: list[torch.device]
+    world: tuple[int, int] | None  # (rank, size) in the pipeline's group; None: threads
+    group: Any  # the pipeline's process group (None: the default group)
+    mesh: Mesh | None  # pipeline x data parallelism
+
+    @property
+    def bounds(self) -> list[int]:
+        """Index of each stage's first layer, and the number of layers at the end."""
+        return [0, *itertools.accumulate(self.balance)]
+
+
+def resolve(model: nn.Sequential, balance: Sequence[int] | str | None, stages: int | None,
+            devices: Sequence[str | torch.device] | None, schedule: str | Schedule,
+            sample: Any, group: Any, mesh: Any) -> Layout:
+    """Resolve the Pipe's layout from its arguments (and the process group, or mesh)."""
+    placement = resolve_mesh(mesh, group)
+    if placement is not None:
+        group = placement.pp
+    # Several processes (torchrun, or our launcher): this process is one rank.
+    world = bootstrap.world(group)
+    count = len(devices) if devices is not None else (world[1] if world else None)
+    per_rank = _stages_per_rank(schedule, stages, balance, count)
+    resolved = _resolve_balance(model, balance, stages, count, per_rank, sample, group, world)
+    num_stages = len(resolved)
+    if num_stages % per_rank:
+        raise PipeConfigError(f"{num_stages} stages cannot be spread {per_rank} per rank")
+    num_ranks = num_stages // per_rank
+    if count is not None and count != num_ranks:
+        what = "processes" if devices is None else f"devices ({list(devices)})"
+        raise PipeConfigError(
+            f"{num_stages} stages at {per_rank} per rank need {num_ranks} ranks, got "
+            f"{count} {what}: pass one device per rank (one process per rank)"
+        )
+    if isinstance(schedule, Schedule):
+        schedules.validate(schedule)
+        if schedule.num_stages != num_stages:
+            raise PipeConfigError(f"the schedule has {schedule.num_stages} stages but the "
+                                  f"balance {resolved} has {num_stages}")
+    rank_devices = (bootstrap.rank_devices(devices, num_ranks, world[0]) if world
+                    else _resolve_devices(devices, num_ranks))
+    return Layout(resolved, num_ranks, rank_devices, world, group, placement)
+
+
+def _resolve_devices(devices: Sequence[str | torch.device] | None,
+                     count: int) -> list[torch.device]:
+    resolved = [torch.device(d) for d in (devices or ["cpu"] * count)]
+    for d in resolved:
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise PipeConfigError(f"device {d} was asked for but CUDA is not available; "
+                                  f"use devices=['cpu', ...]")
+    return resolved
+
+
+def _stages_per_rank(schedule: str | Schedule, stages: int | None,
+                     balance: Sequence[int] | str | None, num_ranks: int | None) -> int:
+    if isinstance(schedule, Schedule):
+        return schedule.stages_per_rank
+    if not isinstance(schedule, str) or schedule not in schedules.available():
+        raise PipeConfigError(f"unknown schedule {schedule!r}; known: "
+                              f"{', '.join(schedules.available())}, or a Schedule object")
+    gen = schedules.info(schedule)
+    if gen.stages_option is None:
+        return gen.stages_per_rank
+    count = len(balance) if isinstance(balance, list | tuple) else stages
+    if count is not None and num_ranks is not None:
+        return max(1, count // num_ranks)
+    return gen.stages_per_rank
+
+def _resolve_balance(model: nn.Sequential, balance: Sequence[int] | str | None,
+                     stages: int | None, num_ranks: int | None, per_rank: int,
+                  sample: Any, group: Any, world: tuple[int, int] | None) -> list[int]:
+    n = len(model)
+    if isinstance(balance, list | tuple):
+        if stages is not None and stages != len(balance):
+            raise PipeConfigError(f"stages={stages} disagrees with balance of "
+                                  f"{len(balance)} stages {list(balance)}")
+        checks.check_balance_list(balance)
+        if any(b < 1 for b in balance):
+            raise BalanceError(f"every stage needs at least one layer (balance: "
+                               f"{list(balance)})")
+        if sum(balance) != n:
+            raise BalanceError(_misfit(model, list(balance)))
+        return list(balance)
+    method = balance or "uniform"
+    if method not in _METHODS:
+        raise PipeConfigError(f"balance must be a list of layer counts or one of {_METHODS} "
+                              f"(got {balance!r})")
+    k = stages or (num_ranks or 2) * per_rank
+    if k > n:
+        raise BalanceError(f"cannot split {n} layers into {k} stages: every stage needs a "
+                           f"layer; use stages <= {n}")
+    if method == "uniform":
+        return split_sizes(n, k)
+    if method == "params":
+        return partition(layer_params(model), k)
+
+    def profiled() -> list[int]:
+        if sample is None:
+            raise PipeConfigError(f"balance={method!r} profiles the model: pass "
+                                  f"sample=<a batch> too")
+        costs = layer_times(model, sample) if method == "time" else layer_sizes(model, sample)
+        return partition(costs, k)
+    # Several processes: rank 0 profiles and every rank takes its balance (profiles differ).
+    return bootstrap.from_first_rank(group, profiled) if world else profiled()
+
+
+def make_schedule(arg: str | Schedule, balance: list[int], num_ranks: int, chunks: int,
+              num_batches: int) -> Schedule:
+    """The lowered, validated schedule of `chunks` micro-batches x `num_batches` batches."""
+    if isinstance(arg, Schedule):
+        if arg.num_stages != len(balance):
+            raise PipeConfigError(f"the schedule has {arg.num_stages} stages but the "
+                                  f"balance {balance} has {len(balance)}")
+        if (arg.num_microbatches, arg.num_batches) != (chunks, num_batches):
+            raise PipeConfigError(
+                f"the schedule is for {arg.num_microbatches} micro-batches x "
+                f"{arg.num_batches} batches; this call needs chunks={chunks} x {num_batches}")
+        return schedules.validate(schedules.lower(arg))
+    gen = schedules.info(arg)
+    options = gen.options_for(stages_per_rank=len(balance) // num_ranks,
+                              num_batches=num_batches)
+    built = schedules.get_schedule(arg, num_ranks, chunks, **options)
+    return schedules.validate(schedules.lower(built))
+
+
+def check_sharding(data_parallel: object, layout: Layout, schedule: str | Schedule) -> None:
+    """`data_parallel="fsdp"` needs a mesh with "dp" and a schedule FSDP2 can follow: whole
+    backwards (no I/W split: FSDP2 reduces in the backward's hooks) and one set of weights."""
+    if data_parallel not in SHARDING:
+        raise PipeConfigError(f"data_parallel must be one of {SHARDING} (got {data_parallel!r})")
+    if data_parallel == "replicate":
+        return
+    if layout.mesh is None or layout.mesh.dp is None:
+        raise PipeConfigError("data_parallel='fsdp' shards over a mesh's 'dp' dimension: pass "
+                              "mesh=init_device_mesh(..., mesh_dim_names=('dp', 'pp'))")
+    name = schedule.name if isinstance(schedule, Schedule) else schedule
+    probe = schedule if isinstance(schedule, Schedule) else make_schedule(
+        schedule, layout.balance, layout.num_ranks, 1, 1)
+    ops = {a.op for row in probe.actions for a in row}
+    if ops & {schedules.Op.I, schedules.Op.W, schedules.Op.U}:
+        raise PipeConfigError(
+            f"data_parallel='fsdp' cannot run schedule {name!r}: FSDP2 reduces gradients in "
+            f"hooks of a whole backward, and this schedule splits backwards (zero-bubble) or "
+            f"versions weights (2BW). Use 'gpipe', '1f1b' or 'interleaved' with FSDP2, or "
+            f"data_parallel='replicate' (every schedule)")
+
+
+def _misfit(model: nn.Sequential, balance: list[int]) -> str:
+    """Why `balance` does not cover `model`: the layers left over or the excess, and a fit."""
+    n, total = len(model), sum(balance)
+    head = (f"model and sum of balance have different length (model: {n} layers, sum of "
+            f"balance {balance}: {total})")
+    if total < n:
+        kinds = [type(layer).__name__ for layer in model]
+        shown = ", ".join(kinds[total:total + 4]) + (", ..." if n - total > 4 else "")
+        what = (f"layer{'s' if n - total > 1 else ''} {total}"
+                f"{f' to {n - 1}' if n - total > 1 else ''} ({shown}) "
+                f"{'are' if n - total > 1 else 'is'} in no stage")
+    else:
+        what = f"the balance asks for {total - n} layers more than the model's {n}"
+    k = min(len(balance), n)
+    fits = [n // k + (i < n % k) for i in range(k)]
+    return (f"{head}: {what}; the counts must add up to {n}, e.g. balance={fits} "
+            f"(or stages={k}, balance='params' to have them chosen)")

@@ -1,0 +1,1 @@
+"""What is saved: sharded checkpoints, their staging on disk, and untrusted reading."""

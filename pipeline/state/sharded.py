@@ -1,0 +1,317 @@
+"""Sharded checkpoints with torch.distributed.checkpoint: each rank saves and loads its own keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.state import shard_reader, staging
+from schedules.files import fsync_directory
+
+__all__ = ["load", "save"]
+
+_FORMAT = 1  # version of the layout record saved beside the state
+
+# The optimizer's state flattened per parameter name ("state.<fqn>.exp_avg",
+# "param_groups.<fqn>.lr"): every entry belongs to one parameter, so it follows that parameter
+# to whichever rank holds it on load, whatever the balance or number of ranks.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_MODEL, _OPTIM, _LAYOUT = "model", "optim", "pipeline"
+
+Path = str | os.PathLike[str]
+
+
+def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write `module.state_dict()` (the model's keys) and, if given, `optimizer`'s state keyed
+    by parameter names, as a DCP checkpoint in the directory `path`.
+
+    A Pipe over several processes: every rank calls it and writes only its own layers (one file
+    per rank, plus the shared `.metadata`). A Pipe in one process or a plain module: one process
+    calls it. An optimizer that has never stepped gets torch's initialising step (lr 0) first.
+
+    `path` always holds a complete checkpoint, the old or the new, even if a rank dies or the
+    power fails part-way: the ranks write into a staged sibling, agree that all succeeded, and
+    one rank swaps it in by renaming (see `pipeline.state.staging`). `path`, if it exists, must hold
+    nothing but a checkpoint.
+    """
+    group, distributed = _group(module)
+    problems = _foreign_parameters(module, optimizer)
+    problems += [p for p in [staging.target_problem(path)] if p is not None]
+    lines = _lines(_everyone(problems, set(), group, distributed))
+    if lines:
+        raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: " + "; ".join(lines))
+    token = _gather(staging.new_token(), group, distributed)[0]  # the first rank's
+    staged = staging.staged_path(path, token)
+    state: dict[str, Any] = {_MODEL: dict(module.state_dict()),
+                             _LAYOUT: json.dumps(_layout(module, optimizer))}
+    if optimizer is not None:
+        state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+    leader = not distributed or dist.get_rank(group) == 0
+    try:  # every rank's files fsynced (sync_files), and the directory holding them
+        _run(dcp_save, state, group, distributed,
+             storage_writer=FileSystemWriter(staged, sync_files=True))
+        fsync_directory(staged)
+        failed = []
+    except (Exception, CheckpointException) as exc:  # any rank's is every rank's, below
+        failed = [f"writing failed: {_reason(exc)}"]
+    _agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
+           distributed, cleanup=staged if leader else None)
+    swapped = []
+    if leader:
+        try:
+            staging.mark_complete(staged, token)
+            staging.swap_in(staged, path, token)
+        except Exception as exc:  # reported to every rank: none is left waiting below
+            swapped = [f"swapping {staged!r} in failed: {_reason(exc)}"]
+    _agree(f"save: swapping the new checkpoint in at {os.fspath(path)!r} failed (a load finds "
+           f"the old checkpoint or the new one, complete)", swapped, group, distributed)
+
+
+def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load what `save` wrote into `module` (a Pipe with any balance, ranks, threads or
+    processes, or a plain module) and, if given, `optimizer` (built on its parameters).
+
+    Each rank reads only its own keys. A Pipe over several processes: every rank calls it. If
+    the checkpoint does not fit, every rank raises `PipeConfigError` naming the missing,
+    unexpected and wrong-shape keys, and nothing is loaded. The directory is not trusted: no
+    pickle in it may run code, and a missing or unreadable `.metadata`, or a shard file missing
+    or cut short, raises `PipeConfigError` naming it before anything is loaded (damage within
+    a shard's length shows only while reading: the error comes then). If `path` is missing
+    because a save died between its two renames, the complete staged checkpoint beside it is
+    read (`pipeline.state.staging` has the rule).
+    """
+    group, distributed = _group(module)
+    source = staging.resolve(path)
+    own = dict(module.state_dict())
+    state: dict[str, Any] = {_MODEL: own}
+    problems = _foreign_parameters(module, optimizer)
+    saved = _read_metadata(source, problems)
+    if saved is not None:
+        problems += _misfits(own, saved, _MODEL)
+        if optimizer is not None and not problems:
+            if not any(k.startswith(_OPTIM + ".") for k in saved.state_dict_metadata):
+                problems.append("it holds no optimizer state (it was saved without "
+                                "optimizer=): load without optimizer=, or save with one")
+            else:
+                state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+                problems += _misfits(state[_OPTIM], saved, _OPTIM)
+                problems += _stranded(state[_OPTIM], saved, module)
+    _raise_unless_fits(path, source, saved, _everyone(problems, set(own), group, distributed))
+    if source != os.path.realpath(path):
+        warnings.warn(f"{os.fspath(path)!r} is missing (a save of it was cut short between its "
+                      f"two renames): loading the complete new checkpoint {source!r}; the next "
+                      f"save of {os.fspath(path)!r} tidies up", stacklevel=2)
+    try:
+        _run(dcp_load, state, group, distributed, storage_reader=shard_reader.Reader(source),
+             planner=shard_reader.Planner())
+    except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
+        raise PipeConfigError(f"load: {_describe(path, source, saved)} is damaged: reading it "
+                              f"failed ({_reason(exc)}). Load another checkpoint, or save this "
+                              f"one again") from exc
+    module.load_state_dict(own)  # tensors were filled in place; this lets the module react
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, state[_OPTIM], options=_OPTIONS)
+
+
+def _group(module: nn.Module) -> tuple[Any, bool]:
+    """(process group, True) for a Pipe running as one of several processes; else (None,
+    False): DCP then runs without a process group, in this process alone."""
+    if getattr(module, "mesh", None) is not None:  # every rank of the mesh: the default group
+        return None, True
+    if getattr(module, "world", None):
+        return getattr(module, "group", None), True
+    return None, False
+
+
+def _run(call: Callable[..., Any], state: dict[str, Any], group: Any, distributed: bool,
+         **storage: Any) -> None:
+    """DCP's save or load with `storage` (its writer, or reader and planner): over the Pipe's
+    process group, or in this process alone (DCP then warns that it assumes one process;
+    that is intended here)."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        call(state, process_group=group, no_dist=not distributed, **storage)
+
+
+def _layout(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    world = getattr(module, "world", None)
+    balance = getattr(module, "balance", None)
+    return {"format": _FORMAT, "module": type(module).__name__,
+            "balance": list(balance) if balance is not None else None,
+            "processes": world[1] if world else 1,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None}
+
+
+def _describe(path: Path, source: str, saved: Metadata | None) -> str:
+    """What the checkpoint was saved from, in words (read from its layout record)."""
+    where = f"the checkpoint at {os.fspath(path)!r}"
+    if saved is None or _LAYOUT not in saved.state_dict_metadata:
+        return where
+    record: dict[str, Any] = {_LAYOUT: ""}
+    try:
+        _run(dcp_load, record, None, False, storage_reader=shard_reader.Reader(source),
+             planner=shard_reader.Planner())
+        layout = json.loads(record[_LAYOUT])
+        shape = (f" with balance {layout['balance']}" if layout["balance"] is not None else "")
+        shape += f" over {layout['processes']} processes" if layout["processes"] > 1 else ""
+        optimizer = layout["optimizer"] or "no optimizer"
+        return f"{where} (saved from a {layout['module']}{shape}, {optimizer} state)"
+    except (Exception, CheckpointException):  # damaged: the error being raised says so
+        return where
+
+
+def _read_metadata(path: str, problems: list[str]) -> Metadata | None:
+    """The checkpoint's metadata, if it and the shard files it names are sound; else None,
+    with what is wrong among `problems`."""
+    try:
+        saved = shard_reader.read_metadata(path)
+    except (FileNotFoundError, NotADirectoryError):
+        problems.append("there is no DCP checkpoint there (no .metadata file): save one with "
+                        "pipeline.state.sharded.save(pipe, path)")
+        return None
+    except (OSError, ValueError) as exc:
+        problems.append(f"{exc}: it is damaged or no DCP checkpoint; load another, or save it "
+                        f"again")
+        return None
+    damaged = shard_reader.shard_problems(path, saved)
+    if damaged:
+        problems.append("; ".join(damaged) + ": the checkpoint is damaged (a copy or a save "
+                        "cut short?); load another, or save it again")
+        return None
+    return saved
+
+
+def _misfits(own: dict[str, Any], saved: Metadata, prefix: str) -> list[str]:
+    """This rank's keys (model or optimizer) the checkpoint lacks or holds with another shape."""
+    entries = saved.state_dict_metadata
+    what = "model" if prefix == _MODEL else "optimizer"
+    missing = sorted(k for k in own if f"{prefix}.{k}" not in entries)
+    shapes = []
+    for k, v in own.items():
+        entry = entries.get(f"{prefix}.{k}")
+        if isinstance(v, torch.Tensor) and entry is not None and (
+                not isinstance(entry, TensorStorageMetadata) or entry.size != v.shape):
+            seen = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "no tensor"
+            shapes.append(f"{k!r}: checkpoint {seen}, here {tuple(v.shape)}")
+    return ([f"{what} keys missing {missing}"] if missing else []) + (
+        [f"{what} shape mismatches " + "; ".join(shapes)] if shapes else [])
+
+
+def _stranded(template: dict[str, Any], saved: Metadata, module: nn.Module) -> list[str]:
+    """Saved optimizer state of this rank's parameters that the optimizer has no slot for
+    (another kind or options; or no state yet: torch creates it by a zero-gradient step,
+    which it skips while gradients exist)."""
+    names = {n for n, _ in module.named_parameters()}
+    head = f"{_OPTIM}.state."
+    stranded = []
+    for key in saved.state_dict_metadata:
+        if not key.startswith(head):
+            continue
+        rest = key[len(head):]  # "<parameter name>.<state name>"
+        mine = any(rest[:i] in names for i, c in enumerate(rest) if c == ".")
+        if mine and f"state.{rest}" not in template:
+            stranded.append(f"state.{rest}")
+    if stranded:
+        more = f" and {len(stranded) - 4} more" if len(stranded) > 4 else ""
+        return [f"the optimizer has no slot for the saved {sorted(stranded)[:4]}{more}: use the "
+                f"same kind and options; if it holds gradients but no state yet, call "
+                f"optimizer.zero_grad(set_to_none=True) first"]
+    return []
+
+
+def _foreign_parameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """The optimizer must step the module's own parameters (so each has a name)."""
+    if optimizer is None:
+        return []
+    mine = {id(p) for p in module.parameters()}
+    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        return [f"the optimizer holds {foreign} parameter(s) that are not the module's: build "
+                f"it on pipe.parameters() (multi-process: this rank's parameters only)"]
+    return []
+
+
+def _everyone(problems: list[str], keys: set[str], group: Any, distributed: bool
+              ) -> list[tuple[int, list[str], set[str]]]:
+    """Every rank's (rank, problems, keys): all ranks then raise together, so none is left
+    waiting in DCP's collectives for a rank that gave up."""
+    if not distributed:
+        return [(0, problems, keys)]
+    return _gather((dist.get_rank(group), problems, keys), group, distributed)
+
+
+def _gather(item: Any, group: Any, distributed: bool) -> list[Any]:
+    """Every rank's `item`, in rank order (just this one's, in one process)."""
+    if not distributed:
+        return [item]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, item, group=group)
+    return gathered
+
+
+def _agree(what: str, problems: list[str], group: Any, distributed: bool, *,
+           cleanup: str | None = None) -> None:
+    """Raise `PipelineError` on every rank alike if any rank has a problem, or if a rank does
+    not answer (it died: the exchange fails rather than waits); first remove `cleanup`."""
+    try:
+        lines = _lines(_everyone(problems, set(), group, distributed))
+    except Exception as exc:  # a rank died or hung up: its peers fail here, none waits
+        lines = [f"a rank did not answer ({type(exc).__name__}: {exc})"]
+    if lines:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise PipelineError(f"{what}: " + "; ".join(lines))
+
+
+def _raise_unless_fits(path: Path, source: str, saved: Metadata | None,
+                       everyone: list[tuple[int, list[str], set[str]]]) -> None:
+    """Raise (on every rank alike) for any rank's problem, or model keys no rank has."""
+    lines = _lines(everyone)
+    if saved is None:  # this rank has said so among its problems
+        raise PipeConfigError(f"load: nothing to load at {os.fspath(path)!r}: " + "; ".join(lines))
+    union = {f"{_MODEL}.{k}" for _, _, keys in everyone for k in keys}
+    unexpected = sorted(k[len(_MODEL) + 1:] for k in saved.state_dict_metadata
+                        if k.startswith(_MODEL + ".") and k not in union)
+    if unexpected:
+        lines.append(f"model keys unexpected {unexpected} (no layer here has them)")
+    if lines:
+        raise PipeConfigError(
+            f"load: {_describe(path, source, saved)} does not fit this model: " + "; ".join(lines)
+            + ". Load a checkpoint of the same model (balance, number of ranks, threads or "
+            "processes may differ)")
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in one line per rank (DCP's own carries every failed rank's traceback)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {_reason(e)}" for r, (e, _) in sorted(exc.failures.items()))
+    text = str(exc).strip()
+    # torch's weights_only refusal says what it refused on its last lines
+    detail = next((line for line in reversed(text.splitlines()) if "GLOBAL" in line), "")
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}" + (
+        f" ({detail.strip()})" if detail else "")
+
+
+def _lines(everyone: list[tuple[int, list[str], set[str]]]) -> list[str]:
+    many = len(everyone) > 1
+    return [(f"rank {r}: " if many else "") + p for r, ps, _ in everyone for p in ps]

@@ -1,0 +1,313 @@
+"""pipeline.comm.same_host: same-host links, their setup, and who may use them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from pipeline.comm import link_auth
+from pipeline.comm import same_host as local_link
+from pipeline.comm.same_host import ENV, WAKE, LinkBroken, SocketLink, connect, host_key
+
+
+def _pair() -> tuple[SocketLink, SocketLink]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return SocketLink(a), SocketLink(b)
+
+
+def _recv(link: SocketLink, size: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    out = torch.empty(size, dtype=dtype)
+    link.recv_into(out, time.monotonic() + 30)
+    return out
+
+
+def test_messages_arrive_whole_and_in_order() -> None:
+    a, b = _pair()
+    sent = [torch.arange(n, dtype=torch.uint8) for n in (1, 7, 200)]
+    header = torch.arange(8, dtype=torch.int64)
+    works = [a.send(t) for t in sent] + [a.send(header)]
+    assert all(w.done for w in works)  # small messages go in the caller's thread
+    for t in sent:
+        assert torch.equal(_recv(b, t.numel()), t)
+    assert torch.equal(_recv(b, 8, torch.int64), header)
+
+
+def test_a_message_larger_than_the_socket_buffer_never_blocks_the_sender() -> None:
+    # Both ends send 32 MiB before either reads: with blocking writes this deadlocks. The part
+    # the socket cannot take goes to the writer thread, in order behind nothing.
+    # (A blocking send would hang here, until the test's timeout.)
+    a, b = _pair()
+    big = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
+    sends = [a.send(big), b.send(big.flip(0))]
+    assert not sends[0].done  # returned before anything was read
+    small = a.send(torch.full((3,), 9, dtype=torch.uint8))  # queued behind the big one
+    assert torch.equal(_recv(b, big.numel()), big)
+    assert torch.equal(_recv(b, 3), torch.full((3,), 9, dtype=torch.uint8))
+    assert torch.equal(_recv(a, big.numel()), big.flip(0))
+    for work in (*sends, small):
+        work.wait(time.monotonic() + 30)
+        assert work.done
+
+
+def test_a_wait_checks_for_failures_while_nothing_arrives() -> None:
+    a, _b = _pair()
+    ticks: list[float] = []
+
+    def tick(now: float) -> None:
+        ticks.append(now)
+        if len(ticks) == 3:
+            raise RuntimeError("a failure elsewhere")
+
+    with pytest.raises(RuntimeError, match="a failure elsewhere"):
+        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30, tick)
+    assert ticks[-1] - ticks[0] >= WAKE  # one check per WAKE, not a busy loop
+
+
+def test_a_wait_times_out() -> None:
+    a, _b = _pair()
+    with pytest.raises(TimeoutError):
+        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 2 * WAKE)
+
+
+def test_a_closed_peer_breaks_the_wait_at_once() -> None:
+    a, b = _pair()
+    threading.Timer(0.2, b.close).start()
+    with pytest.raises(LinkBroken, match="closed"):  # not the TimeoutError of the deadline
+        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30)
+    with pytest.raises(LinkBroken):
+        for _ in range(100):  # the kernel reports the broken pipe on a later write
+            a.send(torch.zeros(1 << 16, dtype=torch.uint8))
+
+
+class _Store:
+    """The rendezvous store's get/set, shared by threads standing in for ranks."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self._cv:
+            self._data[key] = value.encode()
+            self._cv.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._cv:
+            assert self._cv.wait_for(lambda: key in self._data, timeout=30), key
+            return self._data[key]
+
+
+def _connect_all(store: _Store, ranks: list[int]) -> list[dict[int, SocketLink]]:
+    out: list[dict[int, SocketLink]] = [{} for _ in ranks]
+
+    def run(me: int) -> None:
+        out[me] = connect(store, ranks, me, timeout=10)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_connect_links_every_pair_on_one_host() -> None:
+    links = _connect_all(_Store(), [0, 1, 2])
+    assert [sorted(x) for x in links] == [[1, 2], [0, 2], [0, 1]]
+    msg = torch.arange(5, dtype=torch.uint8)
+    links[2][0].send(msg)
+    assert torch.equal(_recv(links[0][2], 5), msg)
+
+
+def test_connect_leaves_ranks_on_other_hosts_to_the_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _Store()
+    real = host_key()
+    # Rank 1 publishes another host's key: it links to nobody, and nobody to it.
+    monkeypatch.setattr("pipeline.comm.same_host.host_key",
+                        lambda: real + ("/other" if threading.current_thread().name == "1"
+                                        else ""))
+
+    out: list[dict[int, SocketLink]] = [{}, {}, {}]
+
+    def run(me: int) -> None:
+        out[me] = connect(store, [0, 1, 2], me, timeout=10)
+
+    threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [sorted(x) for x in out] == [[2], [], [0]]
+
+
+def test_the_environment_turns_links_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "0")
+    assert _connect_all(_Store(), [0, 1]) == [{}, {}]
+
+
+# -- who may link -------------------------------------------------------------------------------
+# An impostor is another process of this user that learns rank 0's socket name (from
+# /proc/net/unix, where abstract names are listed for everyone) and connects before rank 1.
+_IMPOSTOR = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect("\\0" + sys.argv[1])
+sock.sendall(bytes.fromhex(sys.argv[2]))
+print("connected", flush=True)
+sock.settimeout(120)  # a hang guard: the listener closes a connection it refuses
+try:
+    while sock.recv(4096):
+        pass
+    print("closed", flush=True)
+except ConnectionResetError:
+    print("closed", flush=True)
+except TimeoutError:
+    print("still open", flush=True)
+"""
+
+
+class _ImpostorFirst(_Store):
+    """Starts an impostor process, once connected to rank 0's socket, before anyone can read
+    rank 0's address: it is first in the backlog. `payload(record)` gives its bytes."""
+
+    def __init__(self, payload: Callable[[str], bytes]) -> None:
+        super().__init__()
+        self.payload = payload
+        self.impostor: subprocess.Popen[str] | None = None
+
+    def set(self, key: str, value: str) -> None:
+        if key.endswith("/host/0") and self.impostor is None:
+            name = value.split("\n")[1]
+            self.impostor = subprocess.Popen(
+                [sys.executable, "-c", _IMPOSTOR, name, self.payload(value).hex()],
+                stdout=subprocess.PIPE, text=True)
+            assert self.impostor.stdout is not None
+            assert self.impostor.stdout.readline() == "connected\n"
+        super().set(key, value)
+
+    def impostor_saw(self) -> str:
+        assert self.impostor is not None and self.impostor.stdout is not None
+        out = self.impostor.stdout.readline().strip()
+        self.impostor.wait(60)
+        return out
+
+
+def _secret_hello(record: str, claimed: int, *, wrong: bool = False) -> bytes:
+    """A hello well formed in every way (rank 1's secret with rank 0), or with a wrong key."""
+    secret = local_link._parse_record(record)[3][claimed]
+    return link_auth.hello(bytes(32) if wrong else secret, claimed, 0, os.urandom(16))
+
+
+@pytest.mark.parametrize("payload", [
+    # The old handshake, then data: it once became rank 0's "rank 1" (rank 0 read these
+    # bytes as rank 1's message; the real rank 1 got a broken pipe).
+    pytest.param(lambda _: struct.pack("<q", 1) + b"INJECTED" * 64, id="old-rank-and-data"),
+    pytest.param(lambda _: b"", id="nothing"),
+    pytest.param(lambda _: os.urandom(200), id="garbage"),
+    pytest.param(lambda record: _secret_hello(record, 1, wrong=True), id="wrong-secret"),
+    # The right secret, rank and form, but not rank 1's process: its pid gives it away.
+    pytest.param(lambda record: _secret_hello(record, 1), id="wrong-pid"),
+])
+def test_an_impostor_that_connects_first_is_refused_and_the_ranks_still_link(
+        payload: Callable[[str], bytes]) -> None:
+    store = _ImpostorFirst(payload)
+    links = _connect_all(store, [0, 1])
+    assert [sorted(x) for x in links] == [[1], [0]]
+    msg = torch.arange(16, dtype=torch.uint8)
+    links[1][0].send(msg)
+    assert torch.equal(_recv(links[0][1], 16), msg)
+    links[0][1].send(msg.flip(0))
+    assert torch.equal(_recv(links[1][0], 16), msg.flip(0))
+    assert store.impostor_saw() == "closed"
+
+
+def test_a_connector_is_checked_before_any_data() -> None:
+    # The checks themselves, one at a time, on a socket pair (its peer is this process).
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    secret, nonce = os.urandom(32), os.urandom(16)
+    pid = os.getpid()
+    expect = {1: (pid, secret)}
+    assert link_auth.check_hello(a, link_auth.hello(secret, 1, 0, nonce), expect, 0) == 1
+    for hello, expected, why in [
+        (link_auth.hello(secret, 2, 0, nonce), expect, "rank 2 is not an expected caller"),
+        (link_auth.hello(secret, 1, 0, nonce), {1: (pid + 1, secret)}, f"pid {pid}"),
+        (link_auth.hello(os.urandom(32), 1, 0, nonce), expect, "does not prove"),
+        (link_auth.hello(secret, 1, 3, nonce), expect, "does not prove"),  # for another pair
+        (b"x" * link_auth.HELLO, expect, "not a link's hello"),
+    ]:
+        with pytest.raises(link_auth.Refused, match=why):
+            link_auth.check_hello(a, hello, expected, 0)
+    a.close()
+    b.close()
+
+
+class _FailsOnce(_Store):
+    """Rank 1's first address never reaches the store (the store write fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def set(self, key: str, value: str) -> None:
+        if key.endswith("/host/1") and value and not self.failed:
+            self.failed = True
+            raise ConnectionError("the store is unreachable")
+        super().set(key, value)
+
+
+def test_a_failed_connect_on_one_rank_leaves_the_next_in_step() -> None:
+    # Before: rank 0 waited for rank 1's address under a round rank 1 never finished (until
+    # the store's timeout); then every later round waited on a counter one step apart.
+    store = _FailsOnce()
+    errors: list[str] = []
+    out: list[dict[int, SocketLink]] = [{}, {}]
+
+    def run(me: int) -> None:
+        try:
+            out[me] = connect(store, [0, 1], me, timeout=10)
+        except BaseException as exc:  # rank 0's wait for the address ended by _Store's guard
+            errors.append(f"rank {me}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == ["rank 1: ConnectionError: the store is unreachable"]
+    assert out == [{}, {}]  # rank 0 went on without a link to rank 1
+    links = _connect_all(store, [0, 1])  # the next round links both ways
+    assert [sorted(x) for x in links] == [[1], [0]]
+    links[0][1].send(torch.arange(3, dtype=torch.uint8))
+    assert torch.equal(_recv(links[1][0], 3), torch.arange(3, dtype=torch.uint8))
+
+
+def test_links_off_on_one_rank_only_keep_every_rank_in_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 has PIPELINE_LOCAL_P2P=0: rank 0 links to nobody, without waiting for it.
+    real = os.environ.get
+    monkeypatch.setattr("pipeline.comm.same_host.os.environ.get", lambda k, d=None: (
+        "0" if k == ENV and threading.current_thread().name == "1" else real(k, d)))
+    store = _Store()
+    out: list[dict[int, SocketLink]] = [{}, {}]
+
+    def run(me: int) -> None:
+        out[me] = connect(store, [0, 1], me, timeout=10)
+
+    threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [{}, {}]
+    monkeypatch.undo()
+    assert [sorted(x) for x in _connect_all(store, [0, 1])] == [[1], [0]]

@@ -1,0 +1,130 @@
+"""Pipeline x data parallelism on a DeviceMesh ("dp" x "pp"), over gloo processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline import Pipe, PipeConfigError
+from pipeline.launch import RankFailed, spawn
+from pipeline.parallel.data_parallel import _chunks, _union, last_gradient_actions
+from schedules import Action, Op
+from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.pipeline import dp_workers, replica_workers
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+COMBOS_2x2 = [("gpipe", "never", [4, 4]), ("1f1b", "always", [4, 4]),
+              ("interleaved", "never", [2, 2, 2, 2]), ("zb-h1", "always", [4, 4])]
+
+
+def test_2x2_equals_one_device_on_the_global_batch() -> None:
+    # Losses reducing by mean and by sum.
+    assert spawn(dp_workers.equivalence, 4, 2, 2, COMBOS_2x2, ("mean", "sum"),
+                 timeout=SPAWN_TIMEOUT) == [8] * 4
+
+
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
+def test_4x1_and_1x4_equal_one_device() -> None:
+    assert spawn(dp_workers.equivalence, 4, 4, 1, [("1f1b", "always", [8])],
+                 timeout=SPAWN_TIMEOUT) == [1] * 4
+    assert spawn(dp_workers.equivalence, 4, 1, 4, [("1f1b", "never", [2, 2, 2, 2]),
+                                                   ("zb-h1", "always", [2, 2, 2, 2])],
+                 timeout=SPAWN_TIMEOUT) == [2] * 4
+
+
+def test_the_pipe_reports_the_hidden_share_of_the_all_reduce() -> None:
+    for stats in spawn(dp_workers.stats, 4, timeout=SPAWN_TIMEOUT):
+        assert stats["allreduce_s"] > 0 and 0.0 <= stats["hidden_share"] <= 1.0
+        assert stats["exposed_s"] <= stats["allreduce_s"] + 1e-9
+
+
+def test_zero_redundancy_optimizer_over_dp_equals_plain_adam() -> None:
+    assert spawn(dp_workers.zero_one, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
+
+
+def test_a_killed_rank_is_named_with_its_coordinates_on_every_rank() -> None:
+    with pytest.raises(RankFailed) as info:
+        spawn(dp_workers.killed_mid_step, 4, timeout=SPAWN_TIMEOUT, grace=60)
+    results = info.value.results
+    assert sorted(results) == [0, 1, 2], str(info.value)  # rank 3 died
+    for rank, message in results.items():
+        assert "rank 3" in message or "global rank 3" in message, (rank, message)
+        assert "dp 1, pp 1" in message, (rank, message)
+        assert float(message.split("s:")[0]) < 30, (rank, message)
+
+
+def test_replicas_that_disagree_raise_pipe_config_error() -> None:
+    for message in spawn(dp_workers.disagreeing_replicas, 2, timeout=SPAWN_TIMEOUT):
+        assert message.startswith("PipeConfigError: the replicas"), message
+        assert '"chunks": 2' in message and '"chunks": 4' in message
+
+
+# -- pieces, in one process
+@pytest.mark.parametrize("mesh", [object(), "dp"])
+def test_a_mesh_that_is_not_a_named_device_mesh_is_refused(mesh: object) -> None:
+    with pytest.raises(PipeConfigError, match="DeviceMesh with named dimensions"):
+        Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], mesh=mesh)
+
+
+def test_the_last_gradient_action_of_each_stage() -> None:
+    actions = [Action(0, Op.F, 0), Action(1, Op.F, 0), Action(1, Op.B, 0), Action(0, Op.I, 0),
+               Action(1, Op.B, 1), Action(0, Op.W, 0)]
+    assert last_gradient_actions(actions) == {4: 1, 5: 0}
+
+
+def test_buckets_and_time_unions() -> None:
+    big = [torch.nn.Parameter(torch.zeros(2**21)) for _ in range(5)]  # 8 MiB each
+    assert [len(c) for c in _chunks(big)] == [3, 2]
+    assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+
+
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
+def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> None:
+    path = str(tmp_path)
+    assert spawn(dp_workers.checkpoint_moves, 4, 2, 2, path, True,
+                 timeout=SPAWN_TIMEOUT) == [True] * 4
+    # 2x2 -> 1x2: the full state_dict, and the sharded checkpoint with Adam's state.
+    assert spawn(dp_workers.checkpoint_moves, 2, 1, 2, path, False,
+                 timeout=SPAWN_TIMEOUT) == [True] * 2
+    # ... and into one device, from the sharded checkpoint.
+    from pipeline.state import sharded
+
+    model = dp_workers._model(seed=9)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sharded.load(model, f"{path}/sharded", optimizer)
+    full = torch.load(f"{path}/full.pt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, full[key]), key
+
+
+def test_fsdp2_over_dp_equals_one_device() -> None:
+    combos = [("1f1b", "never"), ("gpipe", "always")]
+    assert spawn(dp_workers.fsdp, 4, combos, timeout=SPAWN_TIMEOUT) == [2] * 4
+
+
+def test_fsdp_without_a_dp_dimension_is_refused() -> None:
+    with pytest.raises(PipeConfigError, match="shards over a mesh's 'dp' dimension"):
+        Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], data_parallel="fsdp")
+    with pytest.raises(PipeConfigError, match="data_parallel must be one of"):
+        Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], data_parallel="zero3")
+
+
+# -- replicas that agree with one device and with DDP (tests/pipeline/replica_workers.py)
+def test_a_parameter_no_replica_used_keeps_no_gradient_and_adamw_equals_one_device() -> None:
+    assert spawn(replica_workers.unused_parameters, 4, timeout=SPAWN_TIMEOUT) == [15, 18, 15, 18]
+
+
+def test_batch_norm_buffers_agree_across_replicas_and_with_one_device() -> None:
+    # Stage 0 holds two BatchNorm layers (six buffers), stage 1 one (three); 4 modes x 2 steps.
+    assert spawn(replica_workers.batch_norm, 4, timeout=SPAWN_TIMEOUT) == [48, 24, 48, 24]
+
+
+def test_ties_with_accumulating_steps_and_clipping_under_dp_equal_one_device() -> None:
+    assert spawn(replica_workers.ties_and_clipping, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
+
+
+def test_zero_bubble_v_and_2bw_under_dp_equal_one_device() -> None:
+    assert spawn(replica_workers.zero_bubble_v_and_2bw, 4, timeout=SPAWN_TIMEOUT) == [3] * 4
