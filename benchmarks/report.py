@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.planner.memory import format_bytes
+
 __all__ = ["Target", "data_parallel_table", "evaluate_targets", "format_bytes", "format_ms",
            "render_data_parallel", "render_markdown", "results_table"]
 
@@ -118,15 +120,6 @@ def format_ms(summary: dict[str, Any] | None, *, spread: bool = False) -> str:
 
 def _num(value: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if value is None else fmt.format(value)
-
-
-def format_bytes(value: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1: "512 B", "45.0 KiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _per_rank_bytes(values: Sequence[int]) -> str:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipeline.runtime.saved_bytes import SavedBytes
+from pipeline.splitting.partition import bounds
 
 __all__ = ["TORCH_PEERS", "TorchPipeline", "peer_stages", "unsupported"]
 
@@ -53,13 +54,6 @@ def peer_stages(peer: str, rank: int, num_ranks: int, num_stages: int) -> list[i
     return list(range(rank, num_stages, num_ranks))
 
 
-def _bounds(balance: Sequence[int]) -> list[int]:
-    bounds = [0]
-    for size in balance:
-        bounds.append(bounds[-1] + size)
-    return bounds
-
-
 class TorchPipeline:
     """This rank's stages (`peer_stages`: the placement our schedule uses too) and torch's
     schedule.
@@ -80,10 +74,10 @@ class TorchPipeline:
             raise ValueError(reason)
         self.name = TORCH_PEERS[schedule]
         layers = list(model)
-        bounds = _bounds(balance)
+        edges = bounds(balance)
         num_stages = len(balance)
         self.stages = [
-            PipelineStage(nn.Sequential(*layers[bounds[s]:bounds[s + 1]]), s, num_stages,
+            PipelineStage(nn.Sequential(*layers[edges[s]:edges[s + 1]]), s, num_stages,
                           device, group=group)
             for s in peer_stages(self.name, rank, num_ranks, num_stages)
         ]

@@ -15,8 +15,7 @@ from pipeline.comm import bootstrap, collectives
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel import agreement as fingerprint
-from pipeline.parallel import ties
+from pipeline.parallel import agreement, ties
 from pipeline.parallel.clipping import clip_grad_norm
 from pipeline.parallel.data_parallel import Replicas
 from pipeline.parallel.scaling import agree_on_overflow
@@ -28,7 +27,7 @@ from pipeline.runtime.microbatch import backward_inputs, from_tuple, gather, lik
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.versions import WeightVersions
 from pipeline.runtime.weighting import LossWeight
-from pipeline.splitting import checks, config
+from pipeline.splitting import checks, config, partition
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
@@ -95,7 +94,7 @@ class Pipe(nn.Module):
                 self.add_module(names[i], bootstrap.materialize(
                     layers[i], device, name=names[i], param_init=param_init, exempt=copies))
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
-        self._agreement = fingerprint.Agreement()  # ranks compare configurations (processes)
+        self._agreement = agreement.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
         self._timeline: Timeline | None = None
         self._warned_padding = False  # once per Pipe (see _context)
@@ -428,7 +427,7 @@ class Pipe(nn.Module):
             return None  # every replica holds the same weights: the first one gathers them
         owner = {}
         model: nn.Sequential = self.__dict__["_full_model"]
-        stage_of = [s for s, size in enumerate(self.balance) for _ in range(size)]
+        stage_of = partition.stage_of(self.balance)
         for i, name in enumerate(model._modules):
             rank = self._probe.rank_of(stage_of[i])
             for key in model._modules[name].state_dict():

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import PipeConfigError
+from pipeline.splitting import partition
 
 __all__ = ["Copy", "Tie", "TieLink", "find_ties", "link", "register_hooks", "untie"]
 
@@ -57,7 +58,7 @@ def _uses(model: nn.Sequential) -> Iterator[tuple[int, str, nn.Module, str, nn.P
 
 def find_ties(model: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
     """The parameters of `model` used by more than one stage of `balance`, in model order."""
-    stage_of = [s for s, size in enumerate(balance) for _ in range(size)]
+    stage_of = partition.stage_of(balance)
     ties: dict[int, Tie] = {}
     stages_seen: dict[int, dict[int, Copy | None]] = {}
     holders: dict[int, tuple[int, str]] = {}  # id(module) -> (stage, key) of its first use

@@ -12,11 +12,13 @@ when the backward is split). This is what the runtime counts with `track_memory=
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from schedules import Op, Schedule
 
-__all__ = ["OPTIMIZERS", "checkpointed", "optimizer_factor", "rank_peaks", "stash_profile"]
+__all__ = ["OPTIMIZERS", "checkpointed", "format_bytes", "optimizer_factor", "rank_peaks",
+           "stash_profile"]
 
 # Optimizer state: bytes per byte of trainable parameter (torch's implementations keep their
 # state in the parameter's dtype), and bytes per parameter tensor (Adam's and Adagrad's `step`
@@ -111,3 +113,13 @@ def rank_peaks(schedule: Schedule, recompute: Sequence[bool], inputs: Sequence[f
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def format_bytes(nbytes: float) -> str:
+    """1536 -> '1.5 KiB'; inf -> 'unbounded'."""
+    if math.isinf(nbytes):
+        return "unbounded"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"

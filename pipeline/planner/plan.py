@@ -13,7 +13,7 @@ import schedules
 from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import LossFn, ModelProfile, measure_contention, profile_model
 from pipeline.planner.link import TRANSPORTS, Link, measure_link
-from pipeline.planner.memory import optimizer_factor
+from pipeline.planner.memory import format_bytes, optimizer_factor
 from pipeline.planner.search import predict, search
 from pipeline.planner.space import CHECKPOINTS, Candidate, Space
 from schedules import Timeline
@@ -30,16 +30,6 @@ class PlanError(PipeConfigError):
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.candidates = candidates
-
-
-def format_bytes(nbytes: float) -> str:
-    """1536 -> '1.5 KiB'; inf -> 'unbounded'."""
-    if math.isinf(nbytes):
-        return "unbounded"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from typing import Any
 import schedules
 from pipeline.planner.costs import LayerCosts, ModelProfile
 from pipeline.planner.link import Link
-from pipeline.planner.memory import checkpointed, rank_peaks, stash_profile
-from pipeline.planner.space import Candidate, Space
-from pipeline.splitting.partition import BalanceError, min_max_split, partition
+from pipeline.planner.memory import checkpointed, format_bytes, rank_peaks, stash_profile
+from pipeline.planner.space import Candidate, Configuration, Space
+from pipeline.splitting.partition import BalanceError, bounds, min_max_split, partition
 from schedules import Costs, Op, Schedule, Timeline
 
 __all__ = ["predict", "search"]
@@ -36,15 +36,9 @@ _SLACK = 1 + 1e-12  # budgets are compared with this much rounding allowed
 
 @dataclass
 class _Work:
-    """A candidate being evaluated: its schedule, per-layer costs and memory model."""
+    """A configuration being evaluated: its schedule, per-layer costs and memory model."""
 
-    name: str
-    options: tuple[tuple[str, int], ...]
-    dp: int
-    pp: int
-    chunks: int
-    rows: int
-    checkpoint: str
+    config: Configuration
     costs: LayerCosts
     bound0: float
     schedule: Schedule | None = None
@@ -69,15 +63,16 @@ class _Search:
 
     # -- per candidate ---------------------------------------------------------------------------
     def schedule(self, w: _Work) -> Schedule:
-        key = (w.name, w.options, w.pp, w.chunks)
+        c = w.config
+        key = (c.schedule, c.options, c.pp, c.chunks)
         if key not in self._schedules:
-            self._schedules[key] = schedules.get_schedule(w.name, w.pp, w.chunks,
-                                                          **dict(w.options))
+            self._schedules[key] = schedules.get_schedule(c.schedule, c.pp, c.chunks,
+                                                          **dict(c.options))
         return self._schedules[key]
 
     @staticmethod
     def recompute_share(w: _Work) -> float:
-        return sum(checkpointed(w.checkpoint, w.chunks)) / w.chunks
+        return sum(checkpointed(w.config.checkpoint, w.config.chunks)) / w.config.chunks
 
     def layer_times(self, w: _Work, split: bool) -> list[float]:
         c, rc = w.costs, self.recompute_share(w)
@@ -88,7 +83,7 @@ class _Search:
     def static(self, w: _Work, start: int, stop: int, versioned: bool) -> float:
         total, trainable, tensors = self.profile.static_bytes(start, stop)
         per_byte, per_tensor = self.optimizer
-        extra = trainable * (1 + per_byte + (1 if w.dp > 1 else 0)) + tensors * per_tensor
+        extra = trainable * (1 + per_byte + (1 if w.config.dp > 1 else 0)) + tensors * per_tensor
         return total + extra + (2 * total if versioned else 0)
 
     def evaluate(self, w: _Work, balance: Sequence[int] | None = None) -> bool:
@@ -98,8 +93,9 @@ class _Search:
         k, per_rank = sched.num_stages, sched.num_stages // sched.num_ranks
         ops = {a.op for row in sched.actions for a in row}
         split, versioned = Op.I in ops, Op.U in ops
-        rec = checkpointed(w.checkpoint, w.chunks)
-        which = (w.name, w.options, w.pp, w.chunks, w.checkpoint)
+        rec = checkpointed(w.config.checkpoint, w.config.chunks)
+        c = w.config
+        which = (c.schedule, c.options, c.pp, c.chunks, c.checkpoint)
         if which not in self._stashes:
             self._stashes[which] = stash_profile(sched, rec)
         stash = self._stashes[which]
@@ -108,7 +104,7 @@ class _Search:
         for s in w.costs.saved_bytes:
             saved.append(saved[-1] + s)
         inputs = w.costs.input_bytes
-        limit = [min(self.limits[d * w.pp + sched.rank_of(s)] for d in range(w.dp)) / per_rank
+        limit = [min(self.limits[d * c.pp + sched.rank_of(s)] for d in range(c.dp)) / per_rank
                  for s in range(k)]
 
         def stage_mem(s: int, j: int, i: int) -> float:
@@ -117,12 +113,12 @@ class _Search:
                 (a * inputs[j] + b * graph for a, b in stash.get(s, ((0, 0),))), default=0.0)
 
         def peaks(balance: list[int]) -> tuple[float, ...]:
-            bounds = _bounds(balance)
-            ins = [inputs[bounds[s]] for s in range(k)]
-            graphs = [saved[bounds[s + 1]] - saved[bounds[s]] for s in range(k)]
+            edges = bounds(balance)
+            ins = [inputs[edges[s]] for s in range(k)]
+            graphs = [saved[edges[s + 1]] - saved[edges[s]] for s in range(k)]
             w.acts = rank_peaks(sched, rec, ins, graphs)
-            return tuple(w.acts[r] + sum(self.static(w, bounds[s], bounds[s + 1], versioned)
-                                         for s in sched.stages_of(r)) for r in range(w.pp))
+            return tuple(w.acts[r] + sum(self.static(w, edges[s], edges[s + 1], versioned)
+                                         for s in sched.stages_of(r)) for r in range(w.config.pp))
 
         w.extra.update(stage_mem=stage_mem, per_rank=per_rank, split=split)
         if balance is not None:
@@ -134,7 +130,7 @@ class _Search:
             self._splits[key] = partition(times, k)
         balance = self._splits[key]
         got = peaks(balance)
-        over = [r for r in range(w.pp) if got[r] > limit[sched.stages_of(r)[0]] * per_rank
+        over = [r for r in range(w.config.pp) if got[r] > limit[sched.stages_of(r)[0]] * per_rank
                 * _SLACK]
         w.reason = "the fastest split fits"
         if over:
@@ -144,8 +140,8 @@ class _Search:
             except BalanceError:
                 r = over[0]
                 budget = limit[sched.stages_of(r)[0]] * per_rank
-                w.reason = (f"rank {r} needs {_fmt(got[r])} with the fastest split "
-                            f"{balance}; no split fits {_fmt(budget)}")
+                w.reason = (f"rank {r} needs {format_bytes(got[r])} with the fastest split "
+                            f"{balance}; no split fits {format_bytes(budget)}")
                 w.balance, w.peaks = balance, got
                 return False
             got = peaks(balance)
@@ -167,7 +163,7 @@ class _Search:
             out["backward_input"].append(sum(c.backward_input[i] for i in part) + rc * f)
             out["backward_weight"].append(sum(c.backward_weight[i] for i in part))
             start += size
-        boundary = max((c.input_bytes[i] for i in _bounds(balance)[1:-1]), default=0.0)
+        boundary = max((c.input_bytes[i] for i in bounds(balance)[1:-1]), default=0.0)
         return Costs(comm=self.link.time(boundary), **out)
 
     def bound(self, w: _Work, balance: Sequence[int]) -> float:
@@ -178,12 +174,12 @@ class _Search:
         split = w.extra["split"]
         work = [costs.of(Op.F, s) + (costs.of(Op.I, s) + costs.of(Op.W, s) if split
                                      else costs.of(Op.B, s)) for s in range(len(balance))]
-        busy = max(w.chunks * sum(work[s] for s in w.schedule.stages_of(r))
-                   for r in range(w.pp))
+        busy = max(w.config.chunks * sum(work[s] for s in w.schedule.stages_of(r))
+                   for r in range(w.config.pp))
         chain = sum(costs.of(Op.F, s) + costs.of(Op.I if split else Op.B, s)
                     for s in range(len(balance)))
         # Beside replicas every rank's work is slowed by the whole contention factor.
-        return max(busy, chain) * (self.contention if w.dp > 1 else 1.0)
+        return max(busy, chain) * (self.contention if w.config.dp > 1 else 1.0)
 
     def simulate(self, w: _Work, best: float = math.inf
                  ) -> tuple[float, float, Timeline] | None:
@@ -196,13 +192,13 @@ class _Search:
         if self.contention > 1:
             slowed, factors = self.contended(w, costs, timeline)
             # Each rank's work, slowed, is a bound on the slowed step too.
-            busy = max(timeline.busy(r) * factors[r] for r in range(w.pp))
+            busy = max(timeline.busy(r) * factors[r] for r in range(w.config.pp))
             if max(timeline.makespan, busy) >= best:
                 w.bound = max(w.bound, timeline.makespan, busy)
                 return None
             timeline = schedules.simulate(w.schedule, slowed)
         span = timeline.makespan
-        if w.dp == 1:
+        if w.config.dp == 1:
             return span, 0.0, timeline
         # Each stage's gradients are averaged as soon as its last backward ends; one rank's
         # reductions run one after another.
@@ -210,12 +206,12 @@ class _Search:
         for e in timeline.events:
             if e.action.op in (Op.B, Op.W):
                 done[e.action.stage] = max(done.get(e.action.stage, 0.0), e.end)
-        bounds, finish = _bounds(w.balance), span
-        for r in range(w.pp):
+        edges, finish = bounds(w.balance), span
+        for r in range(w.config.pp):
             t = 0.0
             for s in sorted(w.schedule.stages_of(r), key=lambda s: done.get(s, span)):
-                grads = self.profile.static_bytes(bounds[s], bounds[s + 1])[1]
-                t = max(t, done.get(s, span)) + self.link.allreduce(grads, w.dp)
+                grads = self.profile.static_bytes(edges[s], edges[s + 1])[1]
+                t = max(t, done.get(s, span)) + self.link.allreduce(grads, w.config.dp)
             finish = max(finish, t)
         return finish, finish - span, timeline
 
@@ -225,11 +221,11 @@ class _Search:
         its work that overlaps another rank's (all of it when replicas run beside it), and
         each rank's slowdown."""
         assert w.schedule is not None
-        overlaps = _overlaps(timeline, w.pp) if w.dp == 1 else []
+        overlaps = _overlaps(timeline, w.config.pp) if w.config.dp == 1 else []
         slow: dict[int, float] = {}
         factors = []
-        for r in range(w.pp):
-            if w.dp > 1:
+        for r in range(w.config.pp):
+            if w.config.dp > 1:
                 share = 1.0
             else:
                 mine, shared = overlaps[r]
@@ -269,7 +265,8 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
         pp = len(balance) // dict(options).get(gen.stages_option or "", gen.stages_per_rank)
     rows = -(-(profile.batch_rows // dp) // chunks)
     s = _Search(profile, link, dp * pp, [math.inf] * (dp * pp), optimizer, contention)
-    w = _Work(schedule, tuple(options), dp, pp, chunks, rows, checkpoint, profile.at(rows), 0.0)
+    w = _Work(Configuration(schedule, tuple(options), dp, pp, chunks, rows, checkpoint),
+              profile.at(rows), 0.0)
     s.evaluate(w, balance)
     got = s.simulate(w)
     assert got is not None
@@ -298,20 +295,6 @@ def _overlaps(timeline: Timeline, num_ranks: int) -> list[tuple[float, float]]:
         running += (active[r] > 0) - (was > 0)
         prev = t
     return list(zip(busy, shared, strict=True))
-
-
-def _bounds(balance: Sequence[int]) -> list[int]:
-    out = [0]
-    for b in balance:
-        out.append(out[-1] + b)
-    return out
-
-
-def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[float],
@@ -349,7 +332,7 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                 for ckpt in space.checkpoints:
                     if ckpt == "except_last" and m == 1 and "never" in space.checkpoints:
                         continue  # one micro-batch: except_last recomputes nothing
-                    w = _Work(name, opts, dp, pp, m, mb, ckpt, costs, 0.0)
+                    w = _Work(Configuration(name, opts, dp, pp, m, mb, ckpt), costs, 0.0)
                     # Before splitting: the average rank's work, one micro-batch's path (with
                     # the cheaper backward of the split and unsplit kinds, so it bounds both).
                     rc = s.recompute_share(w)
@@ -366,9 +349,9 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
     results: list[tuple[_Work, float, float, Timeline]] = []
     for w in todo:
         if w.bound0 >= best:
-            table.append(Candidate(w.name, w.options, w.dp, w.pp, w.chunks, w.rows,
-                                   w.checkpoint, "pruned", f"even a perfect split takes "
-                                   f">= {w.bound0 * 1e3:.2f} ms", lower_bound=w.bound0))
+            table.append(Candidate(**vars(w.config), status="pruned",
+                                   reason=f"even a perfect split takes >= "
+                                          f"{w.bound0 * 1e3:.2f} ms", lower_bound=w.bound0))
             continue
         if not s.evaluate(w):
             evaluated.append(w)
@@ -392,8 +375,9 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
         for w in evaluated:
             need = s.least_budget(w)
             if need < least:
-                least, where = need, (f"{_row(w, '').label}, dp {w.dp} x pp {w.pp}, chunks "
-                                      f"{w.chunks}, checkpoint {w.checkpoint!r}")
+                cfg = w.config
+                least, where = need, (f"{cfg.label}, dp {cfg.dp} x pp {cfg.pp}, chunks "
+                                      f"{cfg.chunks}, checkpoint {cfg.checkpoint!r}")
     table.sort(key=_order)
     if results:
         table[0] = _replace_status(table[0], "chosen")
@@ -402,10 +386,11 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
 
 def _row(w: _Work, status: str, reason: str | None = None, step: float | None = None,
          exposed: float = 0.0, timeline: Timeline | None = None) -> Candidate:
-    return Candidate(w.name, w.options, w.dp, w.pp, w.chunks, w.rows, w.checkpoint, status,
-                     w.reason if reason is None else reason,
-                     tuple(w.balance) if w.balance else None, step, w.bound or None, w.peaks,
-                     w.acts, exposed, timeline)
+    return Candidate(**vars(w.config), status=status,
+                     reason=w.reason if reason is None else reason,
+                     balance=tuple(w.balance) if w.balance else None, step_time=step,
+                     lower_bound=w.bound or None, peak_bytes=w.peaks, activation_bytes=w.acts,
+                     allreduce_time=exposed, timeline=timeline)
 
 
 _RANK = {"chosen": 0, "fits": 0, "pruned": 1, "over budget": 2, "impossible": 3}

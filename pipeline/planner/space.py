@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from schedules import Timeline
 
-__all__ = ["CHECKPOINTS", "Candidate", "Space"]
+__all__ = ["CHECKPOINTS", "Candidate", "Configuration", "Space"]
 
 CHECKPOINTS = ("never", "except_last", "always")
 
@@ -29,10 +29,9 @@ class Space:
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One configuration and what the search found. `status`: "chosen", "fits" (simulated),
-    "pruned" (its lower bound is no faster than the chosen step), "over budget", "impossible".
-    Times are seconds per step, bytes are per pipeline rank."""
+class Configuration:
+    """One point of the space: a schedule (name, options), dp x pp, micro-batches per replica
+    and rows per micro-batch, and the recomputation mode."""
 
     schedule: str
     options: tuple[tuple[str, int], ...]
@@ -41,6 +40,19 @@ class Candidate:
     chunks: int
     rows: int
     checkpoint: str
+
+    @property
+    def label(self) -> str:
+        opts = "".join(f" {k}={v}" for k, v in self.options)
+        return f"{self.schedule}{opts}"
+
+
+@dataclass(frozen=True)
+class Candidate(Configuration):
+    """One configuration and what the search found. `status`: "chosen", "fits" (simulated),
+    "pruned" (its lower bound is no faster than the chosen step), "over budget", "impossible".
+    Times are seconds per step, bytes are per pipeline rank."""
+
     status: str
     reason: str
     balance: tuple[int, ...] | None = None
@@ -54,8 +66,3 @@ class Candidate:
     @property
     def fits(self) -> bool:
         return self.status in ("chosen", "fits", "pruned")
-
-    @property
-    def label(self) -> str:
-        opts = "".join(f" {k}={v}" for k, v in self.options)
-        return f"{self.schedule}{opts}"

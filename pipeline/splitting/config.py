@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from pipeline.errors import PipeConfigError
 from pipeline.parallel.data_parallel import SHARDING, Mesh, resolve_mesh
 from pipeline.runtime.recompute import CHECKPOINT_MODES
 from pipeline.splitting import checks
-from pipeline.splitting.partition import BalanceError, partition, split_sizes
+from pipeline.splitting.partition import BalanceError, bounds, partition, split_sizes
 from pipeline.splitting.profile import layer_params, layer_sizes, layer_times
 from schedules import Schedule
 
@@ -62,7 +61,7 @@ class Layout:
     @property
     def bounds(self) -> list[int]:
         """Index of each stage's first layer, and the number of layers at the end."""
-        return [0, *itertools.accumulate(self.balance)]
+        return bounds(self.balance)
 
 
 def resolve(model: nn.Sequential, balance: Sequence[int] | str | None, stages: int | None,
@@ -215,6 +214,6 @@ def _misfit(model: nn.Sequential, balance: list[int]) -> str:
     else:
         what = f"the balance asks for {total - n} layers more than the model's {n}"
     k = min(len(balance), n)
-    fits = [n // k + (i < n % k) for i in range(k)]
+    fits = split_sizes(n, k)
     return (f"{head}: {what}; the counts must add up to {n}, e.g. balance={fits} "
             f"(or stages={k}, balance='params' to have them chosen)")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["BalanceError", "Fits", "min_max_split", "partition", "split_sizes"]
+__all__ = ["BalanceError", "Fits", "bounds", "min_max_split", "partition", "split_sizes",
+           "stage_of"]
 
 Fits = Callable[[int, int, int], bool]
 """`fits(part, start, stop)`: may layers `start..stop-1` form part `part`? (e.g. a memory limit)"""
@@ -17,10 +20,10 @@ class BalanceError(ValueError):
 def partition(costs: Sequence[float], num_parts: int, *, fits: Fits | None = None) -> list[int]:
     """Split `costs` into `num_parts` non-empty contiguous parts minimising the largest part sum.
 
-    Returns the part sizes (a balance). Exact, by dynamic programming over prefix sums in
-    O(k * n^2). Among optimal splits it keeps the last stage as short as possible, since the
-    last stage also computes the loss. With `fits`, only parts it accepts are used (the split
-    is then the best among those that fit; a `BalanceError` when none does).
+    Returns the part sizes (a balance). Exact: `min_max_split` over prefix sums. Among optimal
+    splits it keeps the last stage as short as possible, since the last stage also computes
+    the loss. With `fits`, only parts it accepts are used (the split is then the best among
+    those that fit; a `BalanceError` when none does).
     """
     n = len(costs)
     if num_parts < 1:
@@ -34,37 +37,26 @@ def partition(costs: Sequence[float], num_parts: int, *, fits: Fits | None = Non
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[k][i]: smallest possible largest part when the first i layers form k parts.
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_parts + 1):
-        for i in range(k, n - (num_parts - k) + 1):
-            for j in range(k - 1, i):  # the last part is layers j..i-1
-                if fits is not None and (best[k - 1][j] == inf or not fits(k - 1, j, i)):
-                    continue
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                # `<=` keeps the latest cut among ties: the last part stays short.
-                if value <= best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    if best[num_parts][n] == inf:
+
+    def cost(part: int, start: int, stop: int) -> float:
+        if fits is not None and not fits(part, start, stop):
+            return math.inf  # a part that does not fit is never chosen over one that does
+        return prefix[stop] - prefix[start]
+
+    sizes, worst = min_max_split(n, num_parts, cost)
+    if worst == math.inf:
         raise BalanceError(f"no split of {n} layers into {num_parts} stages has every stage "
                            f"within its limit: raise the limit or use other stages")
-    sizes, i = [], n
-    for k in range(num_parts, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+    return sizes
 
 
 def min_max_split(num_items: int, num_parts: int,
                   cost: Callable[[int, int, int], float]) -> tuple[list[int], float]:
     """The contiguous split of `num_items` into `num_parts` non-empty parts minimising the
-    largest `cost(part, start, stop)`, and that largest cost. Exact (dynamic programming, k n^2
-    calls of `cost`); unlike `partition`, a part's cost may depend on its position, so this
-    finds, for instance, the split needing the least memory on its fullest stage."""
+    largest `cost(part, start, stop)`, and that largest cost (inf: no split of finite cost).
+    Exact (dynamic programming, at most k n^2 calls of `cost`); a part's cost may depend on
+    its position, so this also finds, for instance, the split needing the least memory on its
+    fullest stage."""
     if num_parts < 1 or num_items < num_parts:
         raise BalanceError(f"cannot split {num_items} layers into {num_parts} non-empty "
                            f"stages: use between 1 and {num_items} stages")
@@ -76,6 +68,7 @@ def min_max_split(num_items: int, num_parts: int,
         for i in range(k, num_items - (num_parts - k) + 1):
             for j in range(k - 1, i):
                 value = max(best[k - 1][j], cost(k - 1, j, i))
+                # `<=` keeps the latest cut among ties: the last part stays short.
                 if value <= best[k][i]:
                     best[k][i], cut[k][i] = value, j
     sizes, i = [], num_items
@@ -84,6 +77,17 @@ def min_max_split(num_items: int, num_parts: int,
         sizes.append(i - j)
         i = j
     return sizes[::-1], best[num_parts][num_items]
+
+
+def bounds(balance: Sequence[int]) -> list[int]:
+    """Index of each stage's first layer, and the number of layers at the end: [2, 3] gives
+    [0, 2, 5] (stage s holds layers bounds[s] .. bounds[s + 1] - 1)."""
+    return [0, *itertools.accumulate(balance)]
+
+
+def stage_of(balance: Sequence[int]) -> list[int]:
+    """The stage of each layer: [2, 3] gives [0, 0, 1, 1, 1]."""
+    return [s for s, size in enumerate(balance) for _ in range(size)]
 
 
 def split_sizes(total: int, num_parts: int) -> list[int]:
