@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline.comm import bootstrap, collectives
+from pipeline.comm import bootstrap
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
@@ -27,7 +27,8 @@ from pipeline.runtime.microbatch import backward_inputs, from_tuple, gather, lik
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.versions import WeightVersions
 from pipeline.runtime.weighting import LossWeight
-from pipeline.splitting import checks, config, partition
+from pipeline.splitting import checks, config
+from pipeline.state import model_state
 from schedules import Action, Op, Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
@@ -116,7 +117,7 @@ class Pipe(nn.Module):
                                    self.world[0] if self.world else None,
                                    self._executor.transport)
         ties.register_hooks(self._tie_link)
-        self._register_state_dict_hook(_tied_keys)  # type: ignore[no-untyped-call]
+        self._register_state_dict_hook(model_state.tied_keys)  # type: ignore[no-untyped-call]
 
     # -- configuration --------------------------------------------------------------------------
     def _schedule(self, chunks: int, num_batches: int) -> Schedule:
@@ -421,80 +422,30 @@ class Pipe(nn.Module):
         `dst` gets the full dictionary (on CPU) and the others None (on a mesh: rank `dst` of
         the pipeline of dp rank 0).
         """
-        if not self.world:
-            return dict(self.state_dict())
-        if self._replicas is not None and self._replicas.mesh.dp_rank != 0:
-            return None  # every replica holds the same weights: the first one gathers them
-        owner = {}
-        model: nn.Sequential = self.__dict__["_full_model"]
-        stage_of = partition.stage_of(self.balance)
-        for i, name in enumerate(model._modules):
-            rank = self._probe.rank_of(stage_of[i])
-            for key in model._modules[name].state_dict():
-                owner[f"{name}.{key}"] = rank
-        for tie in self._ties:  # a tied weight's copies are reported by its owner's rank
-            owner.update({k: self._probe.rank_of(tie.stage) for c in tie.copies for k in c.keys})
-        try:
-            transport = self._executor.transport
-            assert isinstance(transport, ProcessTransport)
-            return collectives.gather_state_dict(model, dict(self.state_dict()), owner,
-                                                 transport, dst)
-        except (PipelineAborted, PeerFailure) as exc:
-            raise PipelineError(str(exc)) from None
+        return model_state.full_state_dict(self, dst)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load with the model's keys. Multi-process, pass the full model's state_dict: each
         rank takes its own layers' entries (strictness applies to those)."""
-        if self.world:
-            mine = set(self.state_dict())
-            state_dict = {k: v for k, v in state_dict.items() if k in mine}
-        checks.check_state_dict(self.state_dict(), state_dict, strict)
-        # Copies of tied weights: this rank's module keys, whatever the tie reports (ties.py).
-        add, drop = self._tie_link.state_dict_keys()
-        state_dict = {k: v for k, v in state_dict.items() if k not in add}
-        for k, p in super().named_parameters(remove_duplicate=False):
-            if k in drop:  # the copy's current value; its owner's comes with the next run
-                state_dict.setdefault(k, p.detach())
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        mine = model_state.loadable(self, state_dict, strict, list(
+            super().named_parameters(remove_duplicate=False)))
+        return super().load_state_dict(mine, strict=strict, assign=assign)
 
     def training_state(self) -> dict[str, Any]:
         """Everything this rank needs to resume training bit-identically, beside the optimizer's
         own `state_dict()`: the parameters and buffers (the model's keys), PipeDream-2BW's
         previous weights, and the random state the next step's seed is drawn from (torch's
         global generators). Multi-process, each rank saves and loads its own."""
-        return {
-            "model": dict(self.state_dict()),
-            "weight_versions": {s: dict(w) for s, w in self._versions.previous.items()},
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
+        return model_state.training_state(self)
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore what `training_state()` saved (then load the optimizer's state yourself)."""
-        missing = {"model", "weight_versions", "rng_cpu", "rng_cuda"} - set(state)
-        if missing:
-            raise PipeConfigError(f"not a Pipe training state: it lacks {sorted(missing)} "
-                                  f"(save one with pipe.training_state())")
-        self.load_state_dict(state["model"])
-        self._versions.load_previous(state["weight_versions"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"]:
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        model_state.load_training_state(self, state)
 
     def extra_repr(self) -> str:
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
-
-
-def _tied_keys(pipe: Pipe, state: dict[str, Any], prefix: str, _: Any) -> None:
-    """State-dict hook: a tied weight's keys carry its owner's value on the owner's rank, and
-    are left out where only a copy lives (its owner's rank reports them)."""
-    add, drop = pipe._tie_link.state_dict_keys()
-    for key in drop:
-        state.pop(prefix + key, None)
-    for key, owner in add.items():
-        state.setdefault(prefix + key, owner.detach())
 
 
 def _step_seed() -> int:
