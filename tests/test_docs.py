@@ -9,6 +9,8 @@ HTML comment on the line just before the fence, `<!-- docs-test: WORDS -->`:
   (which shows on the page just above), for a page whose examples build on each other;
 - `launch N`: a multi-process script, run as `python -m pipeline.launch --nproc N script.py`
   (gloo on loopback, N <= 4) in a subprocess; marked `dist`;
+- `script`: a script that starts processes itself (`pipeline.launch.spawn` needs its function
+  importable), run as `python script.py` in a subprocess; marked `dist`;
 - `gpu`: needs CUDA, skipped without it; marked `gpu`;
 - `output` (on a plain ``` block whose first line is `$ pipeviz ...`): the command runs and
   what it prints must be the rest of the block, exactly.
@@ -17,7 +19,8 @@ Shell blocks (```bash) are not run; every `pipeviz`, `python -m viz`, `python -m
 and `python -m pipeline.launch` line in them (and `$ ...` lines of other blocks) is parsed by
 the command's own argparse parser, which is stopped before the command runs. Every relative
 link (and image) of those pages points at a file that exists, and at a heading of it when it
-names an anchor; PAGES_WRITTEN_ELSEWHERE are the exception.
+names an anchor (PAGES_WRITTEN_ELSEWHERE are the exception), and every repository path a
+page names in backticks (`pipeline/comm/wire.py`, `tests/test_exit.py`) exists.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 # those branches merge. Links to exactly these two files are not checked here (nothing else is
 # skipped); drop a name from this set when its page lands.
 PAGES_WRITTEN_ELSEWHERE = frozenset({"docs/program.md", "docs/transport.md"})
-MARKERS = ("continue", "launch", "gpu", "output")
+MARKERS = ("continue", "launch", "script", "gpu", "output")
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>`{3,})(?P<lang>[\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<words>[^>]*?)\s*-->\s*$")
@@ -118,7 +121,7 @@ def _param(block: Block) -> Any:
     marks: list[Any] = []
     if "gpu" in block.markers:
         marks.append(pytest.mark.gpu)
-    if "launch" in block.markers:
+    if "launch" in block.markers or "script" in block.markers:
         marks.append(pytest.mark.dist)
     return pytest.param(block, id=block.name, marks=marks)
 
@@ -163,15 +166,15 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
         pytest.skip("needs CUDA")
     script = script_of(block)
     ranks = _launch_ranks(block)
-    if ranks is not None:
+    if ranks is not None or "script" in block.markers:
         (tmp_path / "script.py").write_text(script, "utf-8")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        run = subprocess.run([sys.executable, "-m", "pipeline.launch", "--nproc", str(ranks),
-                              "script.py"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=110)
-        assert run.returncode == 0, f"{block.name} failed under the launcher:\n" \
-                                    f"{run.stdout}\n{run.stderr}"
+        launcher = ["-m", "pipeline.launch", "--nproc", str(ranks)] if ranks else []
+        run = subprocess.run([sys.executable, *launcher, "script.py"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=110)
+        assert run.returncode == 0, f"{block.name} failed ({' '.join(launcher) or 'script'}):" \
+                                    f"\n{run.stdout}\n{run.stderr}"
         return
     code = compile(script, block.name, "exec")
     with _isolated(tmp_path), contextlib.redirect_stdout(io.StringIO()):
@@ -358,6 +361,19 @@ def test_a_broken_link_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     test_link_resolves(page, 1, "program.md#whatever")  # written elsewhere: skipped
 
 
+_PATH = re.compile(r"`((?:benchmarks|docs|pipeline|schedules|tests|viz)/[\w./-]*)`")
+
+
+def _named_paths() -> list[Any]:
+    return [pytest.param(page, m[1], id=f"{page.relative_to(ROOT).as_posix()}:{m[1]}")
+            for page in PAGES for m in _PATH.finditer(page.read_text("utf-8"))]
+
+
+@pytest.mark.parametrize(("page", "path"), _named_paths())
+def test_named_path_exists(page: Path, path: str) -> None:
+    assert (ROOT / path).exists(), f"{page.relative_to(ROOT)} names {path}, which does not exist"
+
+
 def test_slug_follows_github() -> None:
     assert slug("Pipe: train an `nn.Sequential` across devices") == \
         "pipe-train-an-nnsequential-across-devices"
@@ -365,7 +381,8 @@ def test_slug_follows_github() -> None:
         "pipeline-x-data-parallelism-on-a-devicemesh"
     assert slug("CSV: schedules both ways with torch.distributed.pipelining") == \
         "csv-schedules-both-ways-with-torchdistributedpipelining"
-    assert slug("Schedules (`schedules/`, no torch needed)") == "schedules-schedules-no-torch-needed"
+    assert slug("Schedules (`schedules/`, no torch needed)") == \
+        "schedules-schedules-no-torch-needed"
 
 
 def test_every_page_has_python_that_runs_or_says_why_not() -> None:
