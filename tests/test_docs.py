@@ -15,7 +15,8 @@ HTML comment on the line just before the fence, `<!-- docs-test: WORDS -->`:
 - `output` (on a plain ``` block whose first line is `$ pipeviz ...`): the command runs and
   what it prints must be the rest of the block, exactly.
 
-Shell blocks (```bash) are not run; every `pipeviz`, `python -m viz`, `python -m benchmarks...`
+The README's first example also runs under the launcher on two ranks, as the README says it
+does. Shell blocks (```bash) are not run; every `pipeviz`, `python -m viz`, `python -m benchmarks...`
 and `python -m pipeline.launch` line in them (and `$ ...` lines of other blocks) is parsed by
 the command's own argparse parser, which is stopped before the command runs. Every relative
 link (and image) of those pages points at a file that exists, and at a heading of it when it
@@ -137,6 +138,18 @@ def _launch_ranks(block: Block) -> int | None:
     return int(count)
 
 
+def _run_script(name: str, script: str, directory: Path, ranks: int | None) -> None:
+    """Run `script` in a fresh interpreter in `directory`, under the launcher with `ranks`."""
+    (directory / "script.py").write_text(script, "utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    launcher = ["-m", "pipeline.launch", "--nproc", str(ranks)] if ranks else []
+    run = subprocess.run([sys.executable, *launcher, "script.py"], cwd=directory, env=env,
+                         capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, f"{name} failed ({' '.join(launcher) or 'script'}):" \
+                                f"\n{run.stdout}\n{run.stderr}"
+
+
 @contextlib.contextmanager
 def _isolated(directory: Path) -> Iterator[None]:
     """Run in `directory`, then put back what a block may change for the tests after it."""
@@ -167,18 +180,18 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     script = script_of(block)
     ranks = _launch_ranks(block)
     if ranks is not None or "script" in block.markers:
-        (tmp_path / "script.py").write_text(script, "utf-8")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        launcher = ["-m", "pipeline.launch", "--nproc", str(ranks)] if ranks else []
-        run = subprocess.run([sys.executable, *launcher, "script.py"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=110)
-        assert run.returncode == 0, f"{block.name} failed ({' '.join(launcher) or 'script'}):" \
-                                    f"\n{run.stdout}\n{run.stderr}"
+        _run_script(block.name, script, tmp_path, ranks)
         return
     code = compile(script, block.name, "exec")
     with _isolated(tmp_path), contextlib.redirect_stdout(io.StringIO()):
         exec(code, {"__name__": "__main__"})
+
+
+@pytest.mark.dist
+def test_readme_example_runs_as_processes(tmp_path: Path) -> None:
+    """The README says its first example runs as one process per rank, as written."""
+    first = next(b for b in _python_blocks() if b.page.name == "README.md")
+    _run_script(first.name, first.code, tmp_path, 2)
 
 
 def _output_blocks() -> list[Block]:
@@ -352,7 +365,7 @@ def test_links_are_found() -> None:
     assert any("#" in t for t in targets)
 
 
-def test_a_broken_link_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_broken_link_is_caught() -> None:
     page = ROOT / "docs" / "index.md"
     with pytest.raises(AssertionError, match="no such file"):
         test_link_resolves(page, 1, "no-such-page.md")
@@ -385,7 +398,7 @@ def test_slug_follows_github() -> None:
         "schedules-schedules-no-torch-needed"
 
 
-def test_every_page_has_python_that_runs_or_says_why_not() -> None:
+def test_blocks_are_found_with_known_markers() -> None:
     """Blocks are found on the README and the docs pages, markers are only the known ones."""
     found = _python_blocks()
     assert any(b.page.name == "README.md" for b in found)
