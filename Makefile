@@ -1,11 +1,11 @@
-# One entry point per job: `make demo` (the main job) and `make test` (lint + tests).
+# One entry point per job: `make demo` (the main job) and `make test` (lint + tests); `make docs`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint unit random bench bench-full clean
+.PHONY: demo test lint unit random docs bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ random: $(STAMP)
 		tests/test_transparency.py::test_pipe_equals_single_device
 
 test: lint unit random
+
+# The documentation's tests alone (`unit` runs them too): every Python block of README.md and
+# docs/*.md runs, shell command lines parse, relative links resolve. Offline, CPU.
+docs: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --suite quick --out bench-out

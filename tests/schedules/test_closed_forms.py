@@ -2,7 +2,7 @@
 
 Unit costs per stage: F = 1, B = 2 (I = W = 1). Peaks count micro-batches per stage alive on a
 rank (from F until B, or until W when the backward is split), summed over the rank's stages,
-exactly as `schedules.simulate` counts them. The same table is in the README.
+exactly as `schedules.simulate` counts them. The same table is in docs/schedules.md.
 """
 
 from __future__ import annotations
