@@ -38,7 +38,7 @@ class Pipe(nn.Module):
 
     The model's own layers (and Parameter objects) are registered under their original names,
     so `model.parameters()`, `pipe.parameters()` and `state_dict()` keys are interchangeable.
-    See the README for the arguments; `step` trains, `forward` infers.
+    See docs/pipe.md for the arguments; `step` trains, `forward` infers.
     """
 
     def __init__(

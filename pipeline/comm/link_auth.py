@@ -1,7 +1,7 @@
 """Who may use a same-host link: peer credentials and a per-pair secret, checked before any data.
 
 A link joins two ranks of one pipeline, rank `lo` listening and rank `hi` dialing. Through the
-rendezvous store (trusted: see the README's security section) `lo` announces its pid, its
+rendezvous store (trusted: see docs/security.md) `lo` announces its pid, its
 socket's name and, per higher peer, a fresh 32-byte secret; `hi` announces its pid. Then:
 
     hi -> lo   hello:  MAGIC, hi (int64), nonce (16 bytes), HMAC(secret, "dial" lo hi nonce)

@@ -118,7 +118,7 @@ def padding_warning(loss_fn: object) -> str:
             f"loss that averages over counted tokens then trains wrong. Pass "
             f"loss_weight=lambda target: (target != -100).sum() (what the loss averages over), "
             f"or use nn.CrossEntropyLoss, which Pipe weighs by its counted targets "
-            f"(README: Losses)")
+            f"(docs/losses.md)")
 
 
 def zero_loss(outputs: Sequence[Any]) -> torch.Tensor:
