@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from pipeline.comm import quiet_exit
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipelineError
 
@@ -76,6 +77,7 @@ def guarded(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[
         except (PipelineAborted, PeerFailure, TimeoutError, PipelineError) as exc:
             if self._broken is None:
                 self._broken = str(exc)
+                quiet_exit.arm()  # the group is broken: its teardown may abort the process
             raise
 
     functools.update_wrapper(run, method)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.comm import failures
+from pipeline.comm import failures, quiet_exit
 from pipeline.comm.failures import PeerFailure, default_store, first_report, guarded
 from pipeline.comm.same_host import LinkBroken, SocketLink, connect
 from pipeline.comm.transport import PeerTimeout, PipelineAborted, describe_message, move
@@ -390,6 +390,7 @@ class ProcessTransport:
         turn."""
         if self._broken is None:
             self._broken = note
+            quiet_exit.arm()  # the group is broken: its teardown may abort the process
         if report and self._store is not None:
             failures.report(self._store, self._global[self.rank], note)
         for peer in range(self.world_size):
