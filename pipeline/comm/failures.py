@@ -1,4 +1,4 @@
-"""How ranks of a pipeline tell each other of a failure: reports in the store, and what follows."""
+"""How ranks of a pipeline tell each other of a failure: errors, reports in the store, poison."""
 
 from __future__ import annotations
 
@@ -8,10 +8,20 @@ from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pipeline.comm import quiet_exit
-from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipelineError
 
-__all__ = ["PeerFailure", "default_store", "first_report", "guarded", "report"]
+__all__ = [
+    "PeerFailure",
+    "PeerTimeout",
+    "PipelineAborted",
+    "Watch",
+    "default_store",
+    "first_report",
+    "guarded",
+    "poison_flag",
+    "poisoned_rank",
+    "report",
+]
 
 # A failing rank r takes a ticket from _FAILURES and writes "ticket\nnote" under
 # _FAILED + its global rank: a key only it writes, so a report names its writer, and the
@@ -22,8 +32,37 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+class PipelineAborted(RuntimeError):
+    """Raised in a worker when another rank has failed; carries the failed rank."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class PeerTimeout(TimeoutError):
+    """A wait for a peer's message gave up: names the peer (`src`) and what was awaited."""
+
+    def __init__(self, rank: int | None, src: int, what: str, seconds: float) -> None:
+        waiter = "" if rank is None else f"rank {rank} "
+        super().__init__(f"{waiter}waited {seconds:g}s for {what} from rank {src}; raise "
+                         f"Pipe(timeout=...) if a stage is really that slow")
+        self.src, self.what, self.seconds = src, what, seconds
+
+
 class PeerFailure(RuntimeError):
     """A peer rank died or its connection broke."""
+
+
+def poison_flag(rank: int) -> int:
+    """The flag a failing `rank` writes where a peer expects its next message: wakes a receive
+    blocked on it."""
+    return -1 - rank
+
+
+def poisoned_rank(flag: int, world_size: int) -> int | None:
+    """The failed rank a message flag names, or None when it is not a poison of this group."""
+    return -flag - 1 if flag < 0 and -flag - 1 < world_size else None
 
 
 def report(store: Any, global_rank: int, note: str) -> None:
@@ -61,6 +100,32 @@ def _parse_report(raw: bytes, rank: int) -> tuple[int, int, str] | None:
         return int(ticket), rank, note
     except UnicodeDecodeError:
         return None
+
+
+class Watch:
+    """The failure reports one rank listens to while it waits: `check` reads the store now,
+    `tick(now)` at most every `every` seconds (waits call it between polls)."""
+
+    def __init__(self, store: Any, watch: list[int], rank: int, every: float = 0.05) -> None:
+        self.store, self.watch, self.rank, self.every = store, watch, rank, every
+        self._last = 0.0
+
+    def tick(self, now: float) -> None:
+        if now - self._last > self.every:
+            self._last = now
+            self.check()
+
+    def check(self) -> None:
+        """Raise PipelineAborted with the first failure any watched rank reported."""
+        if self.store is None:
+            return
+        try:
+            first = first_report(self.store, self.watch)
+        except Exception as exc:  # outside launchers that host it, rank 0 hosts the store
+            raise PeerFailure(f"rank {self.rank} lost the rendezvous store (rank 0 hosts it "
+                              f"unless a launcher does; did rank 0 exit?): {exc}") from exc
+        if first is not None:
+            raise PipelineAborted(*first)
 
 
 def guarded(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:

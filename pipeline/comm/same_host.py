@@ -30,11 +30,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from pipeline.comm import link_auth
+from pipeline.comm.transport import Broken
 
-__all__ = ["ENV", "WAKE", "LinkBroken", "SocketLink", "connect", "host_key"]
+__all__ = ["ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "connect", "host_key"]
 
 ENV = "PIPELINE_LOCAL_P2P"  # "0": same-host ranks talk over the process group's backend too
 WAKE = 0.05  # seconds between failure checks while a wait has nothing to read or write
@@ -42,32 +41,41 @@ WAKE = 0.05  # seconds between failure checks while a wait has nothing to read o
 _instances: dict[tuple[str, int], int] = {}
 
 
-class LinkBroken(ConnectionError):
+class LinkBroken(Broken):
     """The peer closed its end (its process died) or the socket failed."""
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's memory, as bytes (shared, not copied)."""
-    return tensor.numpy().data.cast("B")
+class LinkSend:
+    """One message being written: done once every byte is in the socket. It holds `keep` (the
+    objects owning the buffers' memory) until then. A `transport.Pending`."""
 
+    __slots__ = ("done_", "error", "event", "keep", "parts")
 
-class _Send:
-    """One send: done once every byte is in the socket (`tensor` lives until then)."""
-
-    __slots__ = ("done", "error", "event", "sent", "tensor", "view")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.view = _bytes(tensor)
-        self.sent = 0
-        self.done = False
+    def __init__(self, parts: list[memoryview], keep: object) -> None:
+        self.parts = parts  # what is left to write
+        self.keep = keep
+        self.done_ = False
         self.error: BaseException | None = None
         self.event: threading.Event | None = None  # only for sends the writer thread finishes
+
+    def done(self) -> bool:
+        return self.done_
+
+    def advance(self, sent: int) -> bool:
+        """Drop the first `sent` bytes from what is left; whether all is written."""
+        parts = self.parts
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts.pop(0))
+        if sent:
+            parts[0] = parts[0][sent:]
+        if not parts:
+            self.done_, self.keep = True, None
+        return self.done_
 
     def wait(self, deadline: float, tick: Callable[[float], None] | None = None) -> None:
         """Until the last byte is written: raise TimeoutError after `deadline` (monotonic),
         and call `tick(now)` every WAKE seconds if given (it raises to give up)."""
-        while not self.done:
+        while not self.done_:
             assert self.event is not None
             if self.error is None:
                 self.event.wait(WAKE)
@@ -76,16 +84,18 @@ class _Send:
             now = time.monotonic()
             if tick is not None:
                 tick(now)
-            if now > deadline and not self.done:
+            if now > deadline and not self.done_:
                 raise TimeoutError
 
 
 class SocketLink:
     """A connected Unix stream socket to one peer: ordered messages both ways.
 
-    Sends are written in the caller's thread when the socket takes them whole (the usual case:
-    the kernel buffers a message until the peer reads it); what it cannot take waits, in
-    order, for the link's writer thread. Receives read in the caller's thread.
+    A message is a list of buffers written with one `sendmsg` (scatter-gather: a header and
+    tensors' own memory, never packed into one) in the caller's thread when the socket takes
+    it whole (the usual case: the kernel buffers a message until the peer reads it); what it
+    cannot take waits, in order, for the link's writer thread. Receives read straight into the
+    caller's buffers (`recvmsg_into`), in the caller's thread.
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -94,36 +104,44 @@ class SocketLink:
         self._readable = select.poll()
         self._readable.register(sock.fileno(), select.POLLIN)
         self._lock = threading.Condition()
-        self._queue: deque[_Send] = deque()  # sends not yet written whole, oldest first
+        self._queue: deque[LinkSend] = deque()  # sends not yet written whole, oldest first
+        self._last: LinkSend | None = None  # the latest send the writer thread finishes
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
 
-    def send(self, tensor: torch.Tensor) -> _Send:
-        """Start sending `tensor`'s bytes (contiguous, on the CPU); never blocks."""
-        item = _Send(tensor)
+    def send(self, parts: list[memoryview], keep: object = None) -> LinkSend:
+        """Start sending the bytes of `parts`, in order, as one message; never blocks. `keep`
+        owns their memory and is held until they are written (the caller must not change
+        it meanwhile)."""
+        item = LinkSend(parts, keep)
         with self._lock:
             if self._error is not None:
                 raise LinkBroken(str(self._error))
             if not self._queue:  # nothing ahead of it: write now
                 try:
-                    item.sent = self._sock.send(item.view)
+                    if item.advance(self._sock.sendmsg(parts)):
+                        return item
                 except BlockingIOError:  # the socket is full: the writer takes it all
                     pass
                 except OSError as exc:
                     self._error = exc
                     raise LinkBroken(str(exc)) from exc
-                if item.sent == len(item.view):
-                    item.done = True
-                    return item
             item.event = threading.Event()
             self._queue.append(item)
+            self._last = item
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                                 name="pipeline-link-writer")
                 self._writer.start()
             self._lock.notify()
         return item
+
+    def flushed(self) -> LinkSend | None:
+        """The last send still being written (when it is done, every earlier one is), or None
+        when every send is in the socket."""
+        last = self._last
+        return None if last is None or last.done_ else last
 
     def _write_loop(self) -> None:
         writable = select.poll()
@@ -137,7 +155,7 @@ class SocketLink:
                 item = self._queue[0]
             writable.poll(WAKE * 1000)
             try:
-                item.sent += self._sock.send(item.view[item.sent:])
+                sent = self._sock.sendmsg(item.parts)
             except BlockingIOError:
                 continue
             except OSError as exc:
@@ -149,24 +167,22 @@ class SocketLink:
                         waiting.event.set()
                     self._queue.clear()
                 return
-            if item.sent == len(item.view):
+            if item.advance(sent):
                 with self._lock:
                     self._queue.popleft()
-                item.done = True
                 assert item.event is not None
                 item.event.set()
-            del item  # hold no finished tensor while idle
+            del item  # hold no finished buffers while idle
 
-    def recv_into(self, tensor: torch.Tensor, deadline: float,
+    def recv_into(self, parts: list[memoryview], deadline: float,
                   tick: Callable[[float], None] | None = None) -> None:
-        """Fill `tensor` (contiguous, on the CPU) with the next bytes from the peer, waking as
+        """Fill the buffers of `parts`, in order, with the next bytes from the peer, waking as
         they arrive. Raises LinkBroken when the peer is gone, TimeoutError after `deadline`
         (monotonic); `tick(now)`, if given, runs between reads (it raises to give up)."""
-        view = _bytes(tensor)
-        got, size = 0, len(view)
-        while got < size:
+        parts = [p for p in parts if len(p)]
+        while parts:
             try:
-                n = self._sock.recv_into(view[got:])
+                n = self._sock.recvmsg_into(parts)[0]
             except BlockingIOError:
                 self._readable.poll(WAKE * 1000)
                 now = time.monotonic()
@@ -179,7 +195,10 @@ class SocketLink:
                 raise LinkBroken(str(exc)) from exc
             if n == 0:
                 raise LinkBroken("the peer closed the connection")
-            got += n
+            while parts and n >= len(parts[0]):
+                n -= len(parts.pop(0))
+            if n:
+                parts[0] = parts[0][n:]
 
     def close(self) -> None:
         with self._lock:

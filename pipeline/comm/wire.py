@@ -1,5 +1,11 @@
 """The byte format of a transported message: a flag, then each tensor, described by a header.
 
+Two layouts carry it. Over a stream (a same-host link) a message is the flag, the header when
+the shapes changed, then each tensor's bytes as they lie in memory: written with one
+scatter-gather call from the tensors themselves (`parts`) and read straight into the
+destination tensors (`allocate`). Over torch.distributed a message is one flat buffer (`pack`,
+`unpack`): the flag, then each tensor 16-byte aligned; the header travels apart.
+
 Headers come from another process, so every field is checked before it is used (`parse`,
 `read_header`): a bad one raises `BadHeader` (a `PipelineError`) naming the field, the value
 seen and what was expected; the transport adds which peer sent it. Checks are integer
@@ -8,8 +14,10 @@ comparisons, once per distinct header (`parse` is cached).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -18,8 +26,28 @@ import torch
 from pipeline.errors import PipelineError
 from pipeline.runtime.microbatch import Packed
 
-__all__ = ["ALIGN", "FLAG", "HEADER", "MAX_MESSAGE_BYTES", "BadHeader", "Meta", "buffer_size",
-           "describe", "flag_word", "pack", "parse", "read_header", "unpack"]
+__all__ = [
+    "ALIGN",
+    "DATA",
+    "FLAG",
+    "HEADER",
+    "MAX_MESSAGE_BYTES",
+    "SHAPES",
+    "BadHeader",
+    "Meta",
+    "allocate",
+    "buffer_size",
+    "describe",
+    "flag_word",
+    "header_bytes",
+    "memory",
+    "pack",
+    "parse",
+    "parts",
+    "read_header",
+    "read_header_bytes",
+    "unpack",
+]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
@@ -27,6 +55,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 # is 1 when the value was itself a tuple (see microbatch.Packed), so a 1-tuple stays one.
 HEADER = 64
 FLAG = 8  # bytes of the flag that opens every message
+DATA, SHAPES = 0, 1  # flags: the agreed shapes; new shapes (the header follows). < 0: poison
 ALIGN = 16
 Meta = tuple[int, ...]
 LIMIT_ENV = "PIPELINE_MAX_MESSAGE_BYTES"
@@ -216,3 +245,64 @@ def unpack(buf: torch.Tensor, meta: Meta) -> tuple[tuple[Any, ...], list[bool]]:
         offset += _nbytes(dtype, shape)
     packed = meta[0]
     return (Packed(values) if packed else tuple(values)), flags
+
+
+# -- the stream layout ------------------------------------------------------------------------
+_FLAG_DATA = struct.pack("<q", DATA)
+
+
+def memory(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, shared (not copied), writable, whatever its dtype. The
+    view does not keep the tensor alive: its caller does."""
+    n = tensor.numel() * tensor.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(tensor.data_ptr())).cast("B")
+
+
+def header_bytes(meta: Meta) -> bytes:
+    """The flag SHAPES and the zero-padded header of `meta`, as a stream message opens."""
+    return struct.pack(f"<q{HEADER}q", SHAPES, *meta, *([0] * (HEADER - len(meta))))
+
+
+def read_header_bytes(raw: bytes | bytearray | memoryview) -> Meta:
+    """The header of a stream message (`HEADER` little-endian int64 slots), checked."""
+    return read_header(list(struct.unpack(f"<{HEADER}q", raw)))
+
+
+def parts(values: tuple[Any, ...], meta: Meta | None
+          ) -> tuple[list[memoryview], list[torch.Tensor]]:
+    """A stream message of `values` without copying them: the flag (with the header `meta`
+    when given: the shapes changed) and each tensor's own memory; and the tensors that own
+    that memory (aliases: releasing a stage output's `.data` leaves them intact).
+    Non-contiguous tensors and conjugate views are copied first (their memory is not the
+    bytes)."""
+    out = [memoryview(_FLAG_DATA if meta is None else header_bytes(meta))]
+    keep = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            t = v.detach()
+            if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg().contiguous()
+            keep.append(t)
+            out.append(memory(t))
+    return out, keep
+
+
+def allocate(meta: Meta) -> tuple[tuple[Any, ...], list[bool], list[memoryview]]:
+    """Empty tensors of the shapes `meta` describes (checked by `parse`), their requires-grad
+    flags, and their memory to receive a stream message's bytes into."""
+    values: list[Any] = []
+    flags: list[bool] = []
+    views: list[memoryview] = []
+    for entry in parse(meta):
+        if entry is None:
+            values.append(None)
+            flags.append(False)
+            continue
+        dtype, grad, shape = entry
+        t = torch.empty(shape, dtype=dtype)
+        values.append(t)
+        flags.append(grad)
+        views.append(memory(t))
+    return (Packed(values) if meta[0] else tuple(values)), flags, views

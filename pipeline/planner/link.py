@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.comm.same_host import SocketLink, connect
-from pipeline.comm.transport import ThreadTransport
+from pipeline.comm.threads import ThreadTransport
+from pipeline.comm.wire import memory
 
 __all__ = ["TRANSPORTS", "Link", "measure_link"]
 
@@ -152,12 +153,11 @@ def _ping_pong(rank: int, device: torch.device, sizes: Sequence[int], repeats: i
             start = time.perf_counter()
             for sends in ((True, False) if rank == 0 else (False, True)):
                 if link is not None:
-                    raw = payload.view(torch.uint8)
                     deadline = time.monotonic() + 60
                     if sends:
-                        link.send(raw).wait(deadline)
+                        link.send([memory(payload)], payload).wait(deadline)
                     else:
-                        link.recv_into(raw, deadline)
+                        link.recv_into([memory(payload)], deadline)
                 elif sends:
                     dist.send(payload, 1 - rank)
                 else:

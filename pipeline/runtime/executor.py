@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from pipeline.comm import collectives
+from pipeline.comm.failures import PeerTimeout, PipelineAborted
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
-from pipeline.comm.transport import PeerTimeout, PipelineAborted, ThreadTransport
+from pipeline.comm.threads import ThreadTransport
 from pipeline.errors import PipelineError
 from pipeline.parallel.data_parallel import Mesh
 from pipeline.runtime.stage import StageRuntime, StepInputs, StepResult
@@ -67,16 +68,14 @@ class Executor:
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
-        if isinstance(self.transport, ProcessTransport):
-            self.transport.close()
+        self.transport.close()
 
     def run(self, schedule: Schedule, step: StepInputs, result: StepResult, checkpoint: str
             ) -> tuple[Timeline, list[dict[str, int]]]:
         """Execute the lowered `schedule`; return the measured timeline and per-rank memory."""
         if self.broken is not None:
             raise PipelineError(self.broken)
-        if isinstance(self.transport, ProcessTransport):
-            self.transport.check_usable()  # after a failure, messages of it may be in flight
+        self.transport.check_usable()  # after a failure, messages of it may be in flight
         if schedule.placement != self._placement:
             raise AssertionError("the executor runs lowered schedules of its own placement")
         if self.world is not None:

@@ -16,7 +16,16 @@ import torch
 
 from pipeline.comm import link_auth
 from pipeline.comm import same_host as local_link
-from pipeline.comm.same_host import ENV, WAKE, LinkBroken, SocketLink, connect, host_key
+from pipeline.comm.same_host import (
+    ENV,
+    WAKE,
+    LinkBroken,
+    LinkSend,
+    SocketLink,
+    connect,
+    host_key,
+)
+from pipeline.comm.wire import memory
 
 
 def _pair() -> tuple[SocketLink, SocketLink]:
@@ -26,16 +35,21 @@ def _pair() -> tuple[SocketLink, SocketLink]:
 
 def _recv(link: SocketLink, size: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     out = torch.empty(size, dtype=dtype)
-    link.recv_into(out, time.monotonic() + 30)
+    link.recv_into([memory(out)], time.monotonic() + 30)
     return out
+
+
+def _send(link: SocketLink, *tensors: torch.Tensor) -> LinkSend:
+    """One message of the tensors' own memory (held by the send until it is written)."""
+    return link.send([memory(t) for t in tensors], tensors)
 
 
 def test_messages_arrive_whole_and_in_order() -> None:
     a, b = _pair()
     sent = [torch.arange(n, dtype=torch.uint8) for n in (1, 7, 200)]
     header = torch.arange(8, dtype=torch.int64)
-    works = [a.send(t) for t in sent] + [a.send(header)]
-    assert all(w.done for w in works)  # small messages go in the caller's thread
+    works = [_send(a, t) for t in sent] + [_send(a, header)]
+    assert all(w.done() for w in works)  # small messages go in the caller's thread
     for t in sent:
         assert torch.equal(_recv(b, t.numel()), t)
     assert torch.equal(_recv(b, 8, torch.int64), header)
@@ -47,15 +61,43 @@ def test_a_message_larger_than_the_socket_buffer_never_blocks_the_sender() -> No
     # (A blocking send would hang here, until the test's timeout.)
     a, b = _pair()
     big = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
-    sends = [a.send(big), b.send(big.flip(0))]
-    assert not sends[0].done  # returned before anything was read
-    small = a.send(torch.full((3,), 9, dtype=torch.uint8))  # queued behind the big one
+    sends = [_send(a, big), _send(b, big.flip(0))]
+    assert not sends[0].done()  # returned before anything was read
+    small = _send(a, torch.full((3,), 9, dtype=torch.uint8))  # queued behind the big one
     assert torch.equal(_recv(b, big.numel()), big)
     assert torch.equal(_recv(b, 3), torch.full((3,), 9, dtype=torch.uint8))
     assert torch.equal(_recv(a, big.numel()), big.flip(0))
     for work in (*sends, small):
         work.wait(time.monotonic() + 30)
-        assert work.done
+        assert work.done()
+
+
+def test_one_message_of_several_buffers_is_read_into_several_destinations() -> None:
+    # Scatter-gather both ways: the sender's buffers need not match the receiver's.
+    a, b = _pair()
+    x, ids = torch.randn(3, 5), torch.arange(7)
+    work = _send(a, x, ids)
+    assert work.done()
+    head, rest, got_ids = torch.empty(4), torch.empty(11), torch.empty(7, dtype=torch.int64)
+    b.recv_into([memory(head), memory(rest), memory(got_ids)], time.monotonic() + 30)
+    assert torch.equal(torch.cat([head, rest]), x.view(-1))
+    assert torch.equal(got_ids, ids)
+
+
+def test_a_send_the_socket_cannot_take_keeps_its_memory_after_the_caller_releases_it() -> None:
+    # The rest of a large message is written later from the sender's own memory, not a copy:
+    # the send holds an alias, so a stage output released meanwhile (`.data` swapped for an
+    # empty tensor, as split_backward.release does) still goes out whole.
+    a, b = _pair()
+    out = torch.randn(4 << 20) * 1  # 16 MiB, more than the socket buffer
+    expected = out.clone()
+    work = a.send([memory(out)], out.detach())
+    assert not work.done()
+    out.data = torch.empty(0)
+    del out
+    assert torch.equal(_recv(b, expected.numel(), torch.float32), expected)
+    work.wait(time.monotonic() + 30)
+    assert work.done() and work.keep is None  # the alias goes once written
 
 
 def test_a_wait_checks_for_failures_while_nothing_arrives() -> None:
@@ -68,24 +110,24 @@ def test_a_wait_checks_for_failures_while_nothing_arrives() -> None:
             raise RuntimeError("a failure elsewhere")
 
     with pytest.raises(RuntimeError, match="a failure elsewhere"):
-        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30, tick)
+        a.recv_into([memory(torch.empty(4, dtype=torch.uint8))], time.monotonic() + 30, tick)
     assert ticks[-1] - ticks[0] >= WAKE  # one check per WAKE, not a busy loop
 
 
 def test_a_wait_times_out() -> None:
     a, _b = _pair()
     with pytest.raises(TimeoutError):
-        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 2 * WAKE)
+        a.recv_into([memory(torch.empty(4, dtype=torch.uint8))], time.monotonic() + 2 * WAKE)
 
 
 def test_a_closed_peer_breaks_the_wait_at_once() -> None:
     a, b = _pair()
     threading.Timer(0.2, b.close).start()
     with pytest.raises(LinkBroken, match="closed"):  # not the TimeoutError of the deadline
-        a.recv_into(torch.empty(4, dtype=torch.uint8), time.monotonic() + 30)
+        a.recv_into([memory(torch.empty(4, dtype=torch.uint8))], time.monotonic() + 30)
     with pytest.raises(LinkBroken):
         for _ in range(100):  # the kernel reports the broken pipe on a later write
-            a.send(torch.zeros(1 << 16, dtype=torch.uint8))
+            _send(a, torch.zeros(1 << 16, dtype=torch.uint8))
 
 
 class _Store:
@@ -124,7 +166,7 @@ def test_connect_links_every_pair_on_one_host() -> None:
     links = _connect_all(_Store(), [0, 1, 2])
     assert [sorted(x) for x in links] == [[1, 2], [0, 2], [0, 1]]
     msg = torch.arange(5, dtype=torch.uint8)
-    links[2][0].send(msg)
+    _send(links[2][0], msg)
     assert torch.equal(_recv(links[0][2], 5), msg)
 
 
@@ -224,9 +266,9 @@ def test_an_impostor_that_connects_first_is_refused_and_the_ranks_still_link(
     links = _connect_all(store, [0, 1])
     assert [sorted(x) for x in links] == [[1], [0]]
     msg = torch.arange(16, dtype=torch.uint8)
-    links[1][0].send(msg)
+    _send(links[1][0], msg)
     assert torch.equal(_recv(links[0][1], 16), msg)
-    links[0][1].send(msg.flip(0))
+    _send(links[0][1], msg.flip(0))
     assert torch.equal(_recv(links[1][0], 16), msg.flip(0))
     assert store.impostor_saw() == "closed"
 
@@ -287,7 +329,7 @@ def test_a_failed_connect_on_one_rank_leaves_the_next_in_step() -> None:
     assert out == [{}, {}]  # rank 0 went on without a link to rank 1
     links = _connect_all(store, [0, 1])  # the next round links both ways
     assert [sorted(x) for x in links] == [[1], [0]]
-    links[0][1].send(torch.arange(3, dtype=torch.uint8))
+    _send(links[0][1], torch.arange(3, dtype=torch.uint8))
     assert torch.equal(_recv(links[1][0], 3), torch.arange(3, dtype=torch.uint8))
 
 

@@ -1,15 +1,20 @@
-"""pipeline.comm.transport: `move` and the in-process mailbox (ordering, timeouts, aborts)."""
+"""pipeline.comm.transport: `move`, and every transport and handle honouring its interface."""
 
 from __future__ import annotations
 
-import threading
+import socket
 import time
 
 import pytest
 import torch
 
-import schedules
-from pipeline.comm.transport import PipelineAborted, ThreadTransport, move
+from pipeline.comm.channels import Channel, LinkChannel
+from pipeline.comm.group_channel import GlooReceive, GroupChannel, GroupWork
+from pipeline.comm.process_group import ProcessTransport
+from pipeline.comm.same_host import LinkSend, SocketLink
+from pipeline.comm.threads import ThreadTransport
+from pipeline.comm.transport import Done, Pending, Transport, move
+from pipeline.comm.waiting import Waiter
 
 CPU = torch.device("cpu")
 
@@ -25,50 +30,34 @@ def test_move_detaches_and_makes_flagged_tensors_fresh_leaves() -> None:
     assert not move((a,), CPU)[0].requires_grad  # unflagged: detached only
 
 
-def test_mailbox_delivers_by_message_with_grad_flags_kept() -> None:
-    box = ThreadTransport(timeout=5.0)
-    box.begin(schedules.get_schedule("gpipe", 2, 2))
-    sent = torch.randn(3, requires_grad=True) + 1
-    box.send(("F", 1, 1), (sent, torch.ones(1, dtype=torch.bool)), 1)
-    box.send(("F", 1, 0), (torch.zeros(1),), 1)
-    first = box.wait(("F", 1, 0), 0, CPU)  # any order: messages are keyed
-    second = box.wait(("F", 1, 1), 0, CPU)
-    assert torch.equal(first[0], torch.zeros(1))
-    assert second[0].requires_grad and second[0].is_leaf and torch.equal(second[0], sent)
-    assert second[1].dtype == torch.bool and not second[1].requires_grad
+def _methods(protocol: type) -> set[str]:
+    return {n for n in vars(protocol) if not n.startswith("_")} | set(
+        getattr(protocol, "__annotations__", {}))
 
 
-def test_a_wait_times_out_naming_what_it_waited_for() -> None:
-    box = ThreadTransport(timeout=0.2)
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"0.2s for the gradients of stage 1, micro-batch 3 "
-                                           r"from rank 2; raise Pipe\(timeout=...\)"):
-        box.wait(("B", 1, 3), 2, CPU)
-    assert time.monotonic() - start < 5
+@pytest.mark.parametrize(("protocol", "classes"), [
+    (Transport, [ThreadTransport, ProcessTransport]),
+    (Pending, [Done, LinkSend, GroupWork, GlooReceive]),
+    (Channel, [LinkChannel, GroupChannel]),
+])
+def test_every_implementation_has_the_whole_interface(protocol: type, classes: list[type]
+                                                      ) -> None:
+    # The runtime and the transport call these names on whatever they hold, never asking
+    # which implementation it is.
+    for cls in classes:
+        missing = {n for n in _methods(protocol) if not hasattr(cls, n)}
+        assert not missing, (cls.__name__, missing)
 
 
-@pytest.mark.timeout(30)
-def test_abort_wakes_a_waiting_rank_with_the_failed_rank() -> None:
-    box = ThreadTransport(timeout=60.0)
-    caught: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            box.wait(("F", 1, 0), 0, CPU)
-        except BaseException as exc:
-            caught.append(exc)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    time.sleep(0.05)  # not an ordering assumption: the abort is seen whenever the wait starts
-    box.abort(0, "rank 0 failed")
-    waiter.join(10)
-    assert not waiter.is_alive()
-    assert isinstance(caught[0], PipelineAborted) and caught[0].rank == 0
-    # The first failure is kept; begin() clears it for the next step.
-    box.abort(1, "later")
-    with pytest.raises(PipelineAborted, match="rank 0 failed"):
-        box.wait(("F", 1, 0), 0, CPU)
-    box.begin(schedules.get_schedule("gpipe", 2, 1))
-    box.send(("F", 1, 0), (torch.ones(1),), 1)
-    assert torch.equal(box.wait(("F", 1, 0), 0, CPU)[0], torch.ones(1))
+def test_handles_report_done_and_wait_without_asking_their_type() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = SocketLink(a)
+    payload = torch.arange(4, dtype=torch.uint8)
+    handles: list[Pending] = [Done(), link.send([memoryview(bytes(payload.tolist()))]),
+                              GroupWork([], polls=False, waiter=Waiter())]
+    for handle in handles:
+        handle.wait(time.monotonic() + 5, lambda now: None)
+        assert handle.done()
+    assert b.recv(16) == bytes(range(4))
+    link.close()
+    b.close()

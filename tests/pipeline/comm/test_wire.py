@@ -1,27 +1,28 @@
-"""pipeline.comm.wire and the receive path: every header field a peer sends is checked first."""
+"""pipeline.comm.wire and the receive paths: every header field a peer sends is checked first."""
 
 from __future__ import annotations
 
 import socket
-from collections import deque
+import struct
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 
+from pipeline.comm.channels import RESULT, LinkChannel
+from pipeline.comm.failures import PipelineAborted, Watch
 from pipeline.comm.process_group import ProcessTransport
 from pipeline.comm.same_host import SocketLink
-from pipeline.comm.transport import PipelineAborted
 from pipeline.comm.wire import (
-    FLAG,
     HEADER,
     buffer_size,
     describe,
-    flag_word,
     pack,
     parse,
+    parts,
     read_header,
+    unpack,
 )
 from pipeline.errors import PipelineError
 from pipeline.runtime.microbatch import Packed
@@ -88,34 +89,52 @@ def _index(dtype: torch.dtype) -> int:
     return describe((torch.zeros(0, dtype=dtype),))[3]
 
 
-# -- the receive path ---------------------------------------------------------------------------
+def _same(got: tuple[Any, ...], values: tuple[Any, ...], flags: list[bool] | None = None) -> None:
+    assert isinstance(got, Packed) == isinstance(values, Packed)
+    assert all((g is None) == (v is None) for g, v in zip(got, values, strict=True))
+    for i, (g, v) in enumerate(zip(got, values, strict=True)):
+        if v is not None:
+            grad = g.requires_grad if flags is None else flags[i]
+            assert torch.equal(g.detach(), v.detach()) and grad == v.requires_grad
+            assert g.dtype == v.dtype and g.shape == v.shape
+
+
+@given(wire_values())
+def test_a_flat_buffer_carries_any_values_intact(values: tuple[Any, ...]) -> None:
+    # The layout over torch.distributed: one buffer, each tensor aligned after the flag.
+    meta = describe(values)
+    got, flags = unpack(pack(values, meta, CPU), meta)
+    _same(got, values, flags)
+
+
+# -- the receive path over a same-host link -----------------------------------------------------
 def _receiver(sock: socket.socket) -> ProcessTransport:
     """Rank 1 of 2 receiving from rank 0 over a link, without a process group."""
     t = ProcessTransport.__new__(ProcessTransport)
     t.rank, t.world_size, t.timeout, t.device, t.group = 1, 2, 10.0, CPU, None
     t.name = lambda r: f"rank {r}"
-    t._global, t._watch, t._comm_device, t._store = [0, 1], [0, 1], CPU, None
-    t._sent_meta, t._recv_meta, t._pending, t._posted, t._arrived = {}, {}, [], {}, {}
-    t._expected, t._to_send = {}, {}
-    t._polls, t._last_check, t._broken = False, [0.0], None
-    t._links = {0: SocketLink(sock)}
+    t._store, t._watch = None, Watch(None, [0, 1], 1)
+    t._arrived, t._broken, t._polls, t._links = {}, None, False, [0]
+    t._channels = {0: LinkChannel(SocketLink(sock))}
     return t
 
 
 def _expect(t: ProcessTransport, *msgs: tuple[str, int, int]) -> None:
-    t._expected = {0: deque(msgs)}
-    t._post_next(0)
+    t._channels[0].plan([], msgs)
 
 
-def _send_raw(sock: socket.socket, *parts: torch.Tensor) -> None:
-    for part in parts:
-        sock.sendall(part.numpy().tobytes())
+def _flag(value: int) -> bytes:
+    return struct.pack("<q", value)
 
 
-def _new_shapes(header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    notice = torch.zeros(FLAG, dtype=torch.uint8)
-    flag_word(notice, 1)
-    return notice, torch.tensor(header, dtype=torch.int64)
+def _new_shapes(header: list[int]) -> bytes:
+    """What opens a stream message whose shapes changed: the flag 1 and the header."""
+    return _flag(1) + struct.pack(f"<{HEADER}q", *header)
+
+
+def _tensor_bytes(values: tuple[Any, ...]) -> bytes:
+    """The tensors of a stream message, as they lie in memory (no padding)."""
+    return b"".join(bytes(p) for p in parts(values, None)[0][1:])
 
 
 @given(wire_headers())
@@ -131,16 +150,16 @@ def test_the_receive_path_returns_what_was_sent_or_raises_pipeline_error(
         except PipelineError:
             meta = None
         if meta is None:  # refused: nothing follows the header, and nothing is waited for
-            _send_raw(theirs, *_new_shapes(header))
+            theirs.sendall(_new_shapes(header))
             with pytest.raises(PipelineError, match=r"rank 0 sent .* bad header"):
                 t.wait(MSG, 0, CPU)
             return
         if values is None:  # a mutated header that is still valid: random bytes of its size
-            data = torch.randint(0, 256, (buffer_size(meta),), dtype=torch.uint8)
-            flag_word(data, 0)
+            size = sum(e[0].itemsize * torch.Size(e[2]).numel() for e in parse(meta) if e)
+            data = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
         else:
-            data = pack(values, meta, CPU)
-        _send_raw(theirs, *_new_shapes(header), data)
+            data = _tensor_bytes(values)
+        theirs.sendall(_new_shapes(header) + data)
         got = t.wait(MSG, 0, CPU)
         assert isinstance(got, Packed) == bool(meta[0])
         entries = parse(meta)
@@ -158,31 +177,44 @@ def test_the_receive_path_returns_what_was_sent_or_raises_pipeline_error(
 
 
 @given(wire_values())
-def test_values_cross_the_receive_path_intact(values: tuple[Any, ...]) -> None:
+def test_values_cross_a_link_intact_from_the_senders_own_memory(values: tuple[Any, ...]
+                                                                ) -> None:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     t = _receiver(mine)
+    sender = LinkChannel(SocketLink(theirs))
     meta = describe(values)
     _expect(t, MSG, MSG)
-    header = (list(meta) + [0] * HEADER)[:HEADER]
-    # First new shapes, then the same shapes again: the bare message in the agreed buffer.
-    _send_raw(theirs, *_new_shapes(header), pack(values, meta, CPU), pack(values, meta, CPU))
+    # First new shapes (flag, header, tensors), then the same shapes: the flag and tensors.
     for _ in range(2):
-        got = t.wait(MSG, 0, CPU)
-        assert all((g is None) == (v is None) for g, v in zip(got, values, strict=True))
-        assert all(torch.equal(g.detach(), v.detach()) and g.requires_grad == v.requires_grad
-                   for g, v in zip(got, values, strict=True) if v is not None)
+        sender.send(MSG, values, meta)
+    for _ in range(2):
+        _same(t.wait(MSG, 0, CPU), values)
     t.close()
-    theirs.close()
+    sender.close()
 
 
-def _agreed(t: ProcessTransport, theirs: socket.socket) -> torch.Tensor:
-    """Send one message of new shapes (received), and return a buffer of the agreed size."""
+def test_a_non_contiguous_or_conjugate_tensor_is_sent_as_its_values() -> None:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t = _receiver(mine)
+    sender = LinkChannel(SocketLink(theirs))
+    values = (torch.arange(12.0).view(3, 4).t(),
+              torch.tensor([1 + 2j], dtype=torch.complex64).conj())
+    _expect(t, MSG)
+    sender.send(MSG, values, describe(values))
+    got = t.wait(MSG, 0, CPU)
+    assert torch.equal(got[0], values[0]) and torch.equal(got[1], values[1].resolve_conj())
+    t.close()
+    sender.close()
+
+
+def _agreed(t: ProcessTransport, theirs: socket.socket) -> bytes:
+    """Send one message of new shapes (received); return the tensor bytes of the agreed
+    shapes."""
     values = (torch.arange(4.0),)
     meta = describe(values)
-    _send_raw(theirs, *_new_shapes((list(meta) + [0] * HEADER)[:HEADER]),
-              pack(values, meta, CPU))
+    theirs.sendall(_new_shapes((list(meta) + [0] * HEADER)[:HEADER]) + _tensor_bytes(values))
     assert torch.equal(t.wait(MSG, 0, CPU)[0], values[0])
-    return pack(values, meta, CPU)
+    return _tensor_bytes(values)
 
 
 @pytest.mark.parametrize("flag", [2, 7, 1 << 40, -3, -(1 << 62)])
@@ -192,9 +224,8 @@ def test_an_unknown_flag_is_an_error_not_data(flag: int) -> None:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     t = _receiver(mine)
     _expect(t, MSG, MSG)
-    buf = _agreed(t, theirs)
-    flag_word(buf, flag)
-    _send_raw(theirs, buf)
+    data = _agreed(t, theirs)
+    theirs.sendall(_flag(flag) + data)
     with pytest.raises(PipelineError, match=rf"rank 0 sent .*flag {flag}.*expected"):
         t.wait(MSG, 0, CPU)
     t.close()
@@ -205,9 +236,8 @@ def test_a_poison_flag_names_the_failed_rank() -> None:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     t = _receiver(mine)
     _expect(t, MSG, MSG)
-    buf = _agreed(t, theirs)
-    flag_word(buf, -1)  # rank 0 failed
-    _send_raw(theirs, buf)
+    _agreed(t, theirs)
+    theirs.sendall(_flag(-1))  # rank 0 failed: a bare flag, nothing after it
     with pytest.raises(PipelineAborted, match="rank 0 failed"):
         t.wait(MSG, 0, CPU)
     t.close()
@@ -219,7 +249,7 @@ def test_data_before_any_header_is_an_error() -> None:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     t = _receiver(mine)
     _expect(t, MSG)
-    _send_raw(theirs, torch.zeros(FLAG, dtype=torch.uint8))
+    theirs.sendall(_flag(0))
     with pytest.raises(PipelineError, match=r"rank 0 sent .*flag 0.*before"):
         t.wait(MSG, 0, CPU)
     t.close()
@@ -230,11 +260,10 @@ def test_a_result_of_another_shape_is_a_pipeline_error() -> None:
     # Before: a raw AssertionError.
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     t = _receiver(mine)
+    sender = LinkChannel(SocketLink(theirs))
     values = (torch.zeros(2, 3),)
-    meta = describe(values)
-    _send_raw(theirs, *_new_shapes((list(meta) + [0] * HEADER)[:HEADER]),
-              pack(values, meta, CPU))
+    sender.send(RESULT, values, describe(values))
     with pytest.raises(PipelineError, match=r"rank 0 sent .*shape \(2, 3\).*expected \(6,\)"):
         t.recv_result(0, (6,), torch.float32)
     t.close()
-    theirs.close()
+    sender.close()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import schedules
-from pipeline.comm.transport import ThreadTransport
+from pipeline.comm.threads import ThreadTransport
 from pipeline.runtime.stage import StageRuntime, StepInputs, StepResult
 from schedules import Op
 
