@@ -17,11 +17,12 @@ HTML comment on the line just before the fence, `<!-- docs-test: WORDS -->`:
 
 The README's first example also runs under the launcher on two ranks, as the README says it
 does. Shell blocks (```bash) are not run; every `pipeviz`, `python -m viz`,
-`python -m benchmarks...` and `python -m pipeline.launch` line in them (and `$ ...` lines of other blocks) is parsed by
-the command's own argparse parser, which is stopped before the command runs. Every relative
-link (and image) of those pages points at a file that exists, and at a heading of it when it
-names an anchor (PAGES_WRITTEN_ELSEWHERE are the exception), and every repository path a
-page names in backticks (`pipeline/comm/wire.py`, `tests/test_exit.py`) exists.
+`python -m benchmarks...` and `python -m pipeline.launch` line in them (and `$ ...` lines of
+other blocks) is parsed by the command's own argparse parser, which is stopped before the
+command runs. Every relative link (and image) of those pages points at a file that exists,
+and at a heading of it when it names an anchor (PAGES_WRITTEN_ELSEWHERE are the exception),
+and every repository path a page names in backticks (`pipeline/comm/wire.py`,
+`tests/test_exit.py`) exists.
 """
 
 from __future__ import annotations
