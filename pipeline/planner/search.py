@@ -27,7 +27,7 @@ from pipeline.planner.link import Link
 from pipeline.planner.memory import checkpointed, rank_peaks, stash_profile
 from pipeline.planner.space import Candidate, Space
 from pipeline.splitting.partition import BalanceError, min_max_split, partition
-from schedules import Costs, Op, Schedule, Timeline
+from schedules import SYNC_OPS, Costs, Op, Schedule, Syncs, Timeline
 
 __all__ = ["predict", "search"]
 
@@ -168,7 +168,13 @@ class _Search:
             out["backward_weight"].append(sum(c.backward_weight[i] for i in part))
             start += size
         boundary = max((c.input_bytes[i] for i in _bounds(balance)[1:-1]), default=0.0)
-        return Costs(comm=self.link.time(boundary), **out)
+        bounds = _bounds(balance)  # under dp, each stage's gradient all-reduce (its REDUCE_GRAD)
+        reduce = [self.link.allreduce(self.profile.static_bytes(bounds[s], bounds[s + 1])[1],
+                                      w.dp) if w.dp > 1 else 0.0 for s in range(len(balance))]
+        return Costs(forward=out["forward"], backward=out["backward"],
+                     backward_input=out["backward_input"],
+                     backward_weight=out["backward_weight"], comm=self.link.time(boundary),
+                     reduce_grad=reduce)
 
     def bound(self, w: _Work, balance: Sequence[int]) -> float:
         """A lower bound on the step: no rank finishes before its own work is done, and no
@@ -192,7 +198,10 @@ class _Search:
         slows it further)."""
         assert w.schedule is not None and w.balance is not None
         costs = self.stage_costs(w, w.balance)
-        timeline = schedules.simulate(w.schedule, costs)
+        # The step's program: under dp, each stage's REDUCE_GRAD after its last gradient
+        # action and the rank's AWAIT_GRAD, timed by the simulator (schedules.program).
+        step = (schedules.program(w.schedule, Syncs(dp=True)) if w.dp > 1 else w.schedule)
+        timeline = schedules.simulate(step, costs)
         if self.contention > 1:
             slowed, factors = self.contended(w, costs, timeline)
             # Each rank's work, slowed, is a bound on the slowed step too.
@@ -200,23 +209,12 @@ class _Search:
             if max(timeline.makespan, busy) >= best:
                 w.bound = max(w.bound, timeline.makespan, busy)
                 return None
-            timeline = schedules.simulate(w.schedule, slowed)
-        span = timeline.makespan
+            timeline = schedules.simulate(step, slowed)
+        finish = timeline.makespan
         if w.dp == 1:
-            return span, 0.0, timeline
-        # Each stage's gradients are averaged as soon as its last backward ends; one rank's
-        # reductions run one after another.
-        done: dict[int, float] = {}
-        for e in timeline.events:
-            if e.action.op in (Op.B, Op.W):
-                done[e.action.stage] = max(done.get(e.action.stage, 0.0), e.end)
-        bounds, finish = _bounds(w.balance), span
-        for r in range(w.pp):
-            t = 0.0
-            for s in sorted(w.schedule.stages_of(r), key=lambda s: done.get(s, span)):
-                grads = self.profile.static_bytes(bounds[s], bounds[s + 1])[1]
-                t = max(t, done.get(s, span)) + self.link.allreduce(grads, w.dp)
-            finish = max(finish, t)
+            return finish, 0.0, timeline
+        # What the reductions add: the step's end past the end of the pipeline's own work.
+        span = max(e.end for e in timeline.events if e.action.op not in SYNC_OPS)
         return finish, finish - span, timeline
 
     def contended(self, w: _Work, costs: Costs, timeline: Timeline
@@ -245,7 +243,8 @@ class _Search:
 
         return Costs(forward=scaled(costs.forward), backward=scaled(costs.backward),
                      backward_input=scaled(costs.backward_input),
-                     backward_weight=scaled(costs.backward_weight), comm=costs.comm), factors
+                     backward_weight=scaled(costs.backward_weight), comm=costs.comm,
+                     reduce_grad=costs.reduce_grad), factors
 
     def least_budget(self, w: _Work) -> float:
         """The smallest budget per rank under which this candidate gets a split."""

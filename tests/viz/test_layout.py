@@ -100,7 +100,8 @@ def test_failure_marks_a_slot_past_the_end() -> None:
 
 
 def test_helpers() -> None:
-    assert [kind_of(op) for op in Op] == ["F", "B", "I", "W", "U", "comm", "comm", "comm", "comm"]
+    assert [kind_of(op) for op in Op] == ["F", "B", "I", "W", "U", "comm", "comm", "comm", "comm",
+                                          *["sync"] * 9]
     assert format_number(33.0) == "33" and format_number(0.125) == "0.125"
     assert format_number(-0.0001) == "0"
     assert format_costs(Costs(forward=(1, 2), comm=0.1), ("F",)) == "F=1/2 comm=0.1"
