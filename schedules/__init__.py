@@ -1,7 +1,7 @@
 """Pipeline schedules as plain data: generate, validate, simulate and exchange them (no torch)."""
 
 from schedules.csvio import dump_csv, dumps_csv, load_csv, loads_csv
-from schedules.ir import SYNC_LABELS, SYNC_OPS, Action, Op, Schedule, ScheduleError
+from schedules.ir import COMM_OPS, SYNC_LABELS, SYNC_OPS, Action, Op, Schedule, ScheduleError
 from schedules.lower import lower
 from schedules.program import program
 from schedules.registry import GeneratorInfo, available, get_schedule, info, options, register
@@ -11,6 +11,7 @@ from schedules.text import format_grid, from_text, to_text
 from schedules.validate import validate
 
 __all__ = [
+    "COMM_OPS",
     "SYNC_LABELS",
     "SYNC_OPS",
     "Action",

@@ -18,7 +18,7 @@ from schedules.ir import SYNC_OPS, Action, Op, Schedule, ScheduleError
 from schedules.program import infer, program, sync_prerequisites
 from schedules.text import format_grid
 
-__all__ = ["check_syncs"]
+__all__ = ["check_syncs", "describe_sync"]
 
 _WHY = {
     Op.F: "a copy stage computes with its tied weights only once they are refreshed",
@@ -46,10 +46,10 @@ def check_syncs(schedule: Schedule) -> None:
         need = Counter(a for a in expected if a.op in SYNC_OPS)
         for a in need - have:
             raise _fail(schedule, f"rank {rank} takes no part in the step's syncs ({syncs}): "
-                        f"it lacks {a} ({_describe(a)})", {rank: len(row)})
+                        f"it lacks {a} ({describe_sync(a)})", {rank: len(row)})
         for i, a in enumerate(row):
             if a in have - need:
-                raise _fail(schedule, f"{a} ({_describe(a)}) is not one of the syncs "
+                raise _fail(schedule, f"{a} ({describe_sync(a)}) is not one of the syncs "
                             f"{syncs} asks of rank {rank}", {rank: i})
     present = {(a.stage, a.op, a.microbatch) for row in schedule.actions for a in row}
     deps = sync_prerequisites(schedule, syncs, present)
@@ -59,7 +59,7 @@ def check_syncs(schedule: Schedule) -> None:
             if a.op not in SYNC_OPS and a.op is not Op.F:
                 continue
             if a.op is Op.OVERFLOW and i != len(row) - 1:
-                raise _fail(schedule, f"{a} ({_describe(a)}) must be rank {rank}'s last "
+                raise _fail(schedule, f"{a} ({describe_sync(a)}) must be rank {rank}'s last "
                             f"action: every gradient of the step counts, and every rank "
                             f"takes part", {rank: i})
             for key in deps(a):
@@ -70,7 +70,8 @@ def check_syncs(schedule: Schedule) -> None:
                                 f"{_WHY.get(a.op, 'it waits for it')}", {rank: i})
 
 
-def _describe(a: Action) -> str:
+def describe_sync(a: Action) -> str:
+    """What a sync action does, in words (for error messages)."""
     s, m = a.stage, a.microbatch
     return {
         Op.SEND_T: f"stage {s} sends its tied weights to stage {m}",

@@ -43,7 +43,8 @@ from pipeline.comm.wire import (
     unpack,
 )
 from pipeline.errors import PipelineError
-from schedules import Op, Schedule
+from schedules import Schedule
+from schedules.ir import RECV_OPS, SEND_OPS
 from schedules.lower import Message, message, source_stage
 
 __all__ = ["PeerFailure", "ProcessTransport"]
@@ -108,11 +109,11 @@ class ProcessTransport:
         self._arrived.clear()
         self._expected, self._to_send = {}, {}
         for a in schedule.actions[self.rank]:
-            if a.op in (Op.RECV_F, Op.RECV_B):
+            if a.op in RECV_OPS:  # a program's tied weights too (schedules.program)
                 msg = message(a)
                 peer = schedule.rank_of(source_stage(msg))
                 self._expected.setdefault(peer, deque()).append(msg)
-            elif a.op in (Op.SEND_F, Op.SEND_B):
+            elif a.op in SEND_OPS:
                 msg = message(a)
                 self._to_send.setdefault(schedule.rank_of(msg[1]), deque()).append(msg)
         for peer in self._expected:
