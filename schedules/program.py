@@ -57,9 +57,9 @@ def program(schedule: Schedule, syncs: Syncs | None = None) -> Schedule:
     if any(a.op in SYNC_OPS for row in schedule.actions for a in row):
         plain = schedule.replace(actions=tuple(tuple(a for a in row if a.op not in SYNC_OPS)
                                                for row in schedule.actions))
-    lowered = lower(plain.replace(syncs=None))
+    lowered = lower(plain.replace(syncs=None)).replace(syncs=syncs)  # checks syncs' stages
     if syncs.empty:
-        return lowered.replace(syncs=syncs)
+        return lowered
     rank_of = lowered.rank_of
     grads = training(lowered)
     links = syncs.links if lowered.num_stages > 1 else ()
