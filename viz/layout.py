@@ -171,7 +171,14 @@ def format_costs(costs: Costs, ops: Sequence[str] = ("F", "B", "I", "W", "U")) -
         value = getattr(costs, names[op])
         values = value if isinstance(value, tuple) else (value,)
         parts.append(f"{op}=" + "/".join(format_number(v) for v in values))
-    return " ".join([*parts, f"comm={format_number(costs.comm)}"])
+    parts.append(f"comm={format_number(costs.comm)}")
+    for name, field_name in (("tie", "tie"), ("REDUCE_GRAD", "reduce_grad"),
+                             ("OVERFLOW", "overflow")):  # a program's syncs, where they cost
+        value = getattr(costs, field_name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(values):
+            parts.append(f"{name}=" + "/".join(format_number(v) for v in values))
+    return " ".join(parts)
 
 
 def time_scale(unit: str, span: float) -> tuple[float, str]:
