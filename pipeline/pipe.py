@@ -25,11 +25,12 @@ from pipeline.runtime.context import CallerState
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.microbatch import backward_inputs, from_tuple, gather, like, scatter
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
+from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.versions import WeightVersions
-from pipeline.runtime.weighting import LossWeight
+from pipeline.runtime.weighting import LossWeight, Weighting
 from pipeline.splitting import checks, config
 from pipeline.state import model_state
-from schedules import Action, Op, Schedule, Timeline
+from schedules import Action, Op, Schedule, Syncs, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
@@ -80,6 +81,7 @@ class Pipe(nn.Module):
             raise PipeConfigError("data_parallel='fsdp' does not shard weights tied across "
                                   "stages: use data_parallel='replicate' for this model")
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, per (chunks, batches)
+        self._programs: dict[tuple[int, int, bool], Schedule] = {}  # see `program`
         # The placement comes from the schedule.
         self._probe = self._schedule(1, 1) if not isinstance(schedule, Schedule) else schedule
         self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
@@ -113,9 +115,7 @@ class Pipe(nn.Module):
             reduce=self._replicas.all_reduce if over_dp and self._replicas else None)
             if check_mode(deferred_batch_norm) else None)
         self._tie_link = ties.link(self._ties, dict(super().named_parameters(
-                                       remove_duplicate=False)), self._probe.rank_of,
-                                   self.world[0] if self.world else None,
-                                   self._executor.transport)
+                                       remove_duplicate=False)))
         ties.register_hooks(self._tie_link)
         self._register_state_dict_hook(model_state.tied_keys)  # type: ignore[no-untyped-call]
 
@@ -129,6 +129,27 @@ class Pipe(nn.Module):
                                                  self.num_ranks, chunks, num_batches)
         return self._schedules[key]
 
+    def program(self, chunks: int | None = None, *, batches: int = 1, scaler: bool = False,
+                train: bool = True) -> Schedule:
+        """The program a step of `chunks` micro-batches (default the Pipe's) x `batches`
+        batches runs: the lowered schedule with the step's syncs placed as actions (tied
+        weights refreshed and their gradients added, the dp reductions launched and awaited,
+        the GradScaler's overflow agreed across processes with `scaler=True`), validated; with
+        `train=False`, the forward-only program `pipe(x)` runs. See schedules/program.py."""
+        chunks = self.chunks if chunks is None else chunks
+        agree = scaler and train and bool(self.world)  # one process: one scaler sees all
+        key = (chunks, batches if train else 0, agree)
+        if key not in self._programs:
+            syncs = Syncs.of(((t.stage, [c.stage for c in t.copies]) for t in self._ties),
+                             dp=train and self._replicas is not None, scaler=agree)
+            if train:
+                built = schedules.validate(schedules.program(self._schedule(chunks, batches),
+                                                             syncs))
+            else:  # forward-only schedules leave the validator's rules for training
+                built = schedules.program(self._forward_only(chunks), syncs)
+            self._programs[key] = built
+        return self._programs[key]
+
     @property
     def multi_batch(self) -> bool:
         """Whether `step_many` runs several batches as one schedule (weight-versioned, 2BW)."""
@@ -138,16 +159,33 @@ class Pipe(nn.Module):
         return schedules.info(arg).multi_batch
 
     # -- running --------------------------------------------------------------------------------
-    def _run(self, schedule: Schedule, step: StepInputs) -> StepResult:
+    def _run(self, program: Schedule, step: StepInputs, optimizer: Any = None) -> StepResult:
+        """Run `program` (every rank's part of it held here) with what it needs around it:
+        2BW's weight versions, deferred BatchNorm's statistics, dp's buffers."""
         result = StepResult()
         devices = [rt.device for rt in self._executor.runtimes]
         for d in {d for d in devices if d.type == "cuda"}:
             torch.cuda.reset_peak_memory_stats(d)
-        if self._batch_norm is not None:
-            self._batch_norm.begin()
-        self._timeline, self._stats = self._executor.run(schedule, step, result, self.checkpoint)
-        if self._batch_norm is not None:
-            self._batch_norm.commit()
+        dp = program.syncs is not None and program.syncs.dp and self._replicas is not None
+        if step.versions is not None:
+            step.versions.open(program.num_batches, optimizer)
+        try:
+            if self._batch_norm is not None:
+                self._batch_norm.begin()
+            self._timeline, self._stats = self._executor.run(program, step, result,
+                                                             self.checkpoint)
+            if self._batch_norm is not None:
+                self._batch_norm.commit()
+            if dp and self._replicas is not None:
+                self._replicas.finish()  # dp rank 0's buffers, committed statistics included
+        except BaseException as exc:
+            if step.versions is not None:
+                step.versions.abandon()
+            if dp and self._replicas is not None:
+                self._replicas.abandon(exc)
+            raise
+        if step.versions is not None:
+            step.versions.close()
         for stats, d in zip(self._stats, devices, strict=True):
             if d.type == "cuda":  # ranks sharing a device report that device's peak
                 stats["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(d)
@@ -214,10 +252,10 @@ class Pipe(nn.Module):
         self._agreement.check(self, [(x, None)])
         inputs, _, _ = self._context(x, None, None, chunks)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
-                          _step_seed(), caller=CallerState.capture())
-        self._tie_link.refresh()  # copies of tied weights take their owner's value
-        with torch.no_grad():
-            result = self._run(self._forward_only(chunks), step)
+                          _step_seed(), caller=CallerState.capture(),
+                          syncs=StepSyncs(ties=self._tie_link))
+        with torch.no_grad():  # the program refreshes the copies of tied weights
+            result = self._run(self.program(chunks, train=False), step)
         if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
         return gather([result.outputs[m] for m in range(chunks)])
@@ -284,13 +322,26 @@ class Pipe(nn.Module):
                optimizer: torch.optim.Optimizer | None,
                loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
                scaler: Any = None) -> list[torch.Tensor]:
+        """Check, build the program, run it, return the loss: everything a step does across
+        ranks is an action of the program (schedules/program.py)."""
         checks.check_loss_fn(loss_fn)
         how = weighting.resolve(loss_fn, loss_reduction, loss_weight)
         self._agreement.check(self, pairs)
         if self._replicas is not None:
             self._replicas.agree(self, len(pairs))
+        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        program = self.program(self.chunks, batches=len(pairs), scaler=scaler is not None)
+        step = self._step_inputs(program, pairs, loss_fn, how, scaler)
+        result = self._run(program, step, optimizer)
+        if result.input_grads:
+            backward_inputs([x for x, _ in pairs], result.input_grads, self.chunks)
+        return self._losses(result, len(pairs))
+
+    def _step_inputs(self, program: Schedule, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
+                     how: Weighting, scaler: Any) -> StepInputs:
+        """What every rank's part of `program` reads: this rank's share of the batches, and
+        what the program's syncs call."""
         m = self.chunks
-        schedule = self._schedule(m, len(pairs))
         inputs: list[tuple[Any, ...]] = []
         targets: list[Any] = []
         weights: list[float] = []
@@ -302,46 +353,39 @@ class Pipe(nn.Module):
         total = m * len(pairs)
         checkpointed = [self.checkpoint == "always" or (self.checkpoint == "except_last"
                                                         and k % m != m - 1) for k in range(total)]
-        versioned = any(a.version is not None for row in schedule.actions for a in row)
-        step = StepInputs(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
+        versioned = any(a.version is not None for row in program.actions for a in row)
+        replicas = self._replicas
+        syncs = StepSyncs(ties=self._tie_link if self._ties else None,
+                          reduce=replicas.grads_ready if replicas is not None else None,
+                          wait=replicas.wait_grads if replicas is not None else None,
+                          overflow=(lambda: self._agree_on_overflow(scaler))
+                          if scaler is not None else None)
+        return StepInputs(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
                           versions=self._versions if versioned else None,
                           track_memory=self.track_memory, caller=CallerState.capture(),
-                          scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-                          grads_ready=self._replicas.grads_ready if self._replicas else None)
-        self._tie_link.refresh()  # copies of tied weights take their owner's value, before
-        if versioned:              # PipeDream-2BW versions them
-            self._versions.open(len(pairs), optimizer)
+                          scaler=scaler, syncs=syncs)
+
+    def _agree_on_overflow(self, scaler: Any) -> None:
+        """The program's OVERFLOW: this rank's scaler sees an overflow if any rank had one."""
+        assert self.world is not None
         try:
-            result = self._run(schedule, step)
-            if self._replicas is not None:  # the averages over dp, before the ties add up
-                self._replicas.finish()
-        except BaseException as exc:
-            if versioned:
-                self._versions.abandon()
-            if self._replicas is not None:
-                self._replicas.abandon(exc)
-            raise
-        if versioned:
-            self._versions.close()
-        self._tie_link.reduce_grads()  # before the overflow check: copies' gradients count
-        if result.input_grads:
-            backward_inputs([x for x, _ in pairs], result.input_grads, m)
-        if step.scaler is not None and self.world:
-            assert self.world is not None
-            try:
-                agree_on_overflow(step.scaler, list(self.parameters()),
-                                  self.devices[self.world[0]], self.group)
-            except RuntimeError as exc:
-                raise PipelineError(f"rank {self.world[0]}: could not agree on gradient "
-                                    f"overflow with the other ranks: {exc}") from exc
+            agree_on_overflow(scaler, list(self.parameters()), self.devices[self.world[0]],
+                              self.group)
+        except RuntimeError as exc:
+            raise PipelineError(f"rank {self.world[0]}: could not agree on gradient "
+                                f"overflow with the other ranks: {exc}") from exc
+
+    def _losses(self, result: StepResult, num_batches: int) -> list[torch.Tensor]:
+        """Each batch's loss (the global batch's under dp), on every rank."""
+        m = self.chunks
         losses = None
         if result.losses:
             losses = torch.stack([torch.stack([result.losses[k]
                                                for k in range(b * m, (b + 1) * m)]).sum()
-                                  for b in range(len(pairs))])
+                                  for b in range(num_batches)])
         if losses is not None and self._replicas is not None:
             losses = self._replicas.mean(losses)  # the global batch's loss
-        shared = self._share(losses, (len(pairs),))
+        shared = self._share(losses, (num_batches,))
         assert shared is not None
         return list(shared.unbind())
 

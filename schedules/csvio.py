@@ -9,7 +9,8 @@ import re
 from collections.abc import Iterable, Sequence
 
 from schedules.files import write_atomic
-from schedules.ir import Action, Op, Schedule, ScheduleError
+from schedules.ir import SYNC_OPS, Action, Op, Schedule, ScheduleError
+from schedules.program import infer
 
 __all__ = ["DIALECTS", "dump_csv", "dumps_csv", "load_csv", "loads_csv", "torch_incompatibility"]
 
@@ -19,7 +20,8 @@ _PLURAL = {"stage": "stages", "micro-batch": "micro-batches", "batch": "batches"
 
 # Cells torch writes that carry nothing our runtime needs (see `loads_csv`), and DualPipeV's
 # overlapped pair: "(0F3;3B1)OVERLAP_F_B" runs 0F3, then 3B1.
-_DROPPED = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
+# (Torch writes REDUCE_GRAD with no index; our programs' `0REDUCE_GRAD0` is an action.)
+_DROPPED = re.compile(r"^\d+((UNSHARD|RESHARD)\d*|REDUCE_GRAD)$")
 _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
@@ -30,6 +32,10 @@ def torch_incompatibility(schedule: Schedule) -> str | None:
     weights; it has no weight update inside a schedule and no weight versions (PipeDream-2BW).
     """
     actions = [a for row in schedule.actions for a in row]
+    synced = next((a for a in actions if a.op in SYNC_OPS), None)
+    if synced is not None:
+        return (f"it is a program with syncs (e.g. {synced}): tied weights, dp reductions and "
+                f"the scaler's agreement are ours; torch's REDUCE_GRAD scales gradients instead")
     if any(a.op is Op.U for a in actions):
         return ("it updates weights inside the schedule (U actions); torch.distributed."
                 "pipelining has no update action")
@@ -151,13 +157,16 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
     num_stages = max(a.stage for a in all_actions) + 1
     if num_stages % num_ranks:
         num_stages += num_ranks - num_stages % num_ranks
-    total = max(a.microbatch for a in all_actions if a.op is not Op.U) + 1
+    total = max(a.microbatch for a in all_actions
+                if a.op is not Op.U and a.op not in SYNC_OPS) + 1
     per_batch = num_microbatches or total
     batches = max([total // per_batch] + [a.microbatch + 1 for a in all_actions if a.op is Op.U])
     candidates = (placement,) if placement else _PLACEMENTS
     for place in candidates:
         schedule = Schedule(num_ranks, num_stages, per_batch, tuple(rows), place, batches, name)
         if _placed(schedule, enumerate(rows)):
+            if any(a.op in SYNC_OPS for a in all_actions):  # a program: its syncs
+                return schedule.replace(syncs=infer(schedule))
             return schedule
     raise ScheduleError(
         f"no placement puts every stage on the rank of its row ({', '.join(candidates)} tried): "

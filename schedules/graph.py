@@ -15,8 +15,9 @@ from itertools import repeat
 from operator import lt
 from typing import cast
 
-from schedules.ir import Action, Op, Schedule
+from schedules.ir import SYNC_OPS, Action, Op, Schedule
 from schedules.lower import Message, consumed, message, recv_action, send_action, source_stage
+from schedules.program import infer, sync_prerequisites
 
 __all__ = ["Deadlock", "Key", "Plan", "execute", "execute_by_kind", "kind", "plan", "prerequisites",
            "stage_op"]
@@ -43,8 +44,14 @@ def prerequisites(schedule: Schedule) -> Callable[[Action], tuple[Key, ...]]:
     which must have been posted earlier on that rank, and the matching SEND on the producer's
     rank, which follows the producer. Receives are posted without blocking and sends never
     block (torch's irecv/isend): the consumer is what waits. A cycle in this graph is a deadlock.
+    A program's syncs wait for what `schedules.program.sync_prerequisites` says.
     """
     present: set[Key] = {_key(a) for row in schedule.actions for a in row}
+    syncs = schedule.syncs
+    if syncs is None and any(key[1] in SYNC_OPS for key in present):
+        syncs = infer(schedule)
+    extra = (None if syncs is None or syncs.empty
+             else sync_prerequisites(schedule, syncs, present))
     lowered = schedule.has_comms
     n = schedule.num_stages
     per_batch = schedule.num_microbatches
@@ -68,10 +75,14 @@ def prerequisites(schedule: Schedule) -> Callable[[Action], tuple[Key, ...]]:
 
     def deps(a: Action) -> tuple[Key, ...]:
         s, op, mb = a.stage, a.op, a.microbatch
+        if extra is not None and op in SYNC_OPS:
+            return extra(a)
         if op is Op.F:
             out = data(a)
             if a.version is not None and a.version >= 2:
                 out.append((s, Op.U, a.version - 2))  # version v is made by update v - 2
+            if extra is not None:
+                out += extra(a)
             return tuple(out)
         if op in (Op.B, Op.I):
             return ((s, Op.F, mb), *data(a))
@@ -94,11 +105,16 @@ def execute(
     schedule: Schedule,
     duration: Callable[[Action], float],
     latency: float = 0.0,
+    *,
+    edge: Callable[[Key], float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]] | Deadlock:
     """Run every rank's list in order, each action as soon as its rank and prerequisites allow.
 
     Returns per-rank start and end times, or a `Deadlock` when some rank can never proceed.
-    An edge between ranks costs `latency`. Linear in the number of actions and dependencies.
+    An edge between ranks costs `latency`, plus `edge(key)` for a wait on the action `key`
+    (the transfer a SEND starts). A `REDUCE_GRAD` runs in the background: it takes no time of
+    its rank, and the reductions of a rank run one after the other from their launches (its
+    end is when its reduction would be done). Linear in the actions and dependencies.
     """
     deps = prerequisites(schedule)
     rows = schedule.actions
@@ -108,6 +124,7 @@ def execute(
     waiting: dict[Key, list[int]] = {}
     pointer = [0] * len(rows)
     free_at = [0.0] * len(rows)
+    link_free = [0.0] * len(rows)  # when each rank's background reductions are done
     todo = list(range(len(rows)))
     while todo:
         rank = todo.pop()
@@ -122,16 +139,24 @@ def execute(
                 if hit is None:
                     blocked = key
                     break
-                t = hit[1] + (latency if hit[0] != rank else 0.0)
+                t = hit[1] + ((latency + (edge(key) if edge is not None else 0.0))
+                              if hit[0] != rank else 0.0)
                 if t > ready:
                     ready = t
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            end = ready + duration(action)
-            starts[rank][i] = ready
-            ends[rank][i] = end
-            free_at[rank] = end
+            if action.op is Op.REDUCE_GRAD:
+                start = max(ready, link_free[rank])
+                end = link_free[rank] = start + duration(action)
+                starts[rank][i] = start
+                ends[rank][i] = end
+                free_at[rank] = ready
+            else:
+                end = ready + duration(action)
+                starts[rank][i] = ready
+                ends[rank][i] = end
+                free_at[rank] = end
             key = _key(action)
             done[key] = (rank, end)
             todo.extend(waiting.pop(key, ()))
@@ -157,8 +182,9 @@ def _deadlock(schedule: Schedule, stuck: dict[int, int], done: Container[Key]) -
 _OPS = tuple(Op)
 _CODE = {op: code for code, op in enumerate(_OPS)}
 _WIDTH = len(_OPS)  # kinds per stage
-_F, _B, _I, _W, _U, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(_WIDTH)  # op codes
-assert _OPS[_F] is Op.F and _OPS[_RECV_B] is Op.RECV_B
+_F, _B, _I, _W, _U, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(9)  # op codes
+_SYNC = 9  # codes from here on are a program's syncs: `plan` leaves those to `execute`
+assert _OPS[_F] is Op.F and _OPS[_RECV_B] is Op.RECV_B and _OPS[_SYNC] is Op.SEND_T
 
 
 def kind(stage: int, op: Op) -> int:
@@ -183,7 +209,7 @@ class Plan:
 
     offsets: tuple[int, ...]  # rank r's actions are numbers offsets[r] .. offsets[r + 1] - 1
     keys: list[int]  # per action, its key as an int: microbatch * span + kind
-    span: int  # kinds per micro-batch: 9 * (num_stages + 1)
+    span: int  # kinds per micro-batch: len(Op) * (num_stages + 1)
     kinds: list[int]  # per action, `kind(stage, op)`
     # Per action, the action on another rank it waits for: `len(kinds)` where no action has
     # its key (a slot that never runs), `len(kinds) + 1` where it has none (one run from the
@@ -225,7 +251,10 @@ def _plan(schedule: Schedule) -> Plan | None:
     if len(number) != total:
         return None
     kinds = [k % span for k in keys]
-    steps = _Steps(schedule, set(kinds))
+    kind_set = set(kinds)
+    if any(kd % _WIDTH >= _SYNC for kd in kind_set):
+        return None  # a program's syncs: `execute` runs it
+    steps = _Steps(schedule, kind_set)
     get, local, remote = number.get, steps.local, steps.remote
 
     def producer(key: int) -> int:
@@ -350,6 +379,8 @@ def execute_by_kind(
     schedule: Schedule,
     duration: Callable[[Op, int], float],
     latency: float = 0.0,
+    *,
+    edge: Callable[[Key], float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]] | Deadlock:
     """`execute` where an action's duration depends on its op and stage alone: the result of
     `execute(schedule, lambda a: duration(a.op, a.stage), latency)`, in a fraction of the time.
@@ -360,7 +391,7 @@ def execute_by_kind(
     `execute` runs.
     """
     def general() -> tuple[list[list[float]], list[list[float]]] | Deadlock:
-        return execute(schedule, lambda a: duration(a.op, a.stage), latency)
+        return execute(schedule, lambda a: duration(a.op, a.stage), latency, edge=edge)
 
     found = plan(schedule)
     if found is None:

@@ -6,7 +6,10 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["COMPUTE_OPS", "Action", "Op", "Schedule", "ScheduleError"]
+from schedules.syncs import Syncs
+
+__all__ = ["COMM_OPS", "COMPUTE_OPS", "RECV_OPS", "SEND_OPS", "SYNC_LABELS", "SYNC_OPS",
+           "Action", "Op", "Schedule", "ScheduleError"]
 
 
 class ScheduleError(ValueError):
@@ -35,15 +38,40 @@ class Op(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    # The step's synchronisations (see schedules/program.py). None starts with a letter of
+    # torch's grammar (F, I, B, W), whose reader would take "0WAIT0" for "0W": only
+    # REDUCE_GRAD is torch's own, and means what torch means by it.
+    SEND_T = "SEND_T"  # tied weights, owner stage -> a copy stage (index: the copy stage)
+    RECV_T = "RECV_T"  # a copy stage posts that receive (index: the owner stage)
+    TIE_SET = "TIE_SET"  # a copy stage takes its owner's values (index: the owner stage)
+    SEND_G = "SEND_G"  # a copy's gradients -> the owner stage (index: the owner stage)
+    RECV_G = "RECV_G"  # the owner stage posts that receive (index: the copy stage)
+    TIE_ADD = "TIE_ADD"  # the owner adds a copy's gradients to its own (index: the copy stage)
+    REDUCE_GRAD = "REDUCE_GRAD"  # launch the dp all-reduce of a stage's gradients (index 0)
+    AWAIT_GRAD = "AWAIT_GRAD"  # wait for every reduction of the rank (index 0)
+    OVERFLOW = "OVERFLOW"  # the ranks agree whether any gradient overflowed (index 0)
 
     def __str__(self) -> str:
         return self.value
 
 
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.U})
+SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B, Op.SEND_T, Op.SEND_G})
+RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B, Op.RECV_T, Op.RECV_G})
+COMM_OPS = SEND_OPS | RECV_OPS
+# Actions of a program's synchronisations: placed by schedules.program, never by a generator.
+SYNC_OPS = frozenset({Op.SEND_T, Op.RECV_T, Op.TIE_SET, Op.SEND_G, Op.RECV_G, Op.TIE_ADD,
+                      Op.REDUCE_GRAD, Op.AWAIT_GRAD, Op.OVERFLOW})
+
+# Two letters for each sync in drawings (pipeviz): Send/Recv/Take/Add of Tied weights or
+# their Gradients, ReDuce, AWait, OVerflow.
+SYNC_LABELS = {"SEND_T": "St", "RECV_T": "Rt", "TIE_SET": "Ts", "SEND_G": "Sg", "RECV_G": "Rg",
+               "TIE_ADD": "Ta", "REDUCE_GRAD": "Rd", "AWAIT_GRAD": "Aw", "OVERFLOW": "Ov"}
+assert set(SYNC_LABELS) == {op.value for op in SYNC_OPS}
 
 # Longest names first so that "SEND_F" is not read as "S" + ... and "B" never shadows "RECV_B".
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|U)(\d+)(?:v(\d+))?$")
+_ACTION_RE = re.compile(r"^(\d+)(" + "|".join(sorted((op.value for op in Op), key=len,
+                                                      reverse=True)) + r")(\d+)(?:v(\d+))?$")
 # Longer numbers are refused before int() sees them: Python refuses over 4300 digits with an
 # error that names no action, and no schedule needs an index past 10**18.
 _MAX_DIGITS = 18
@@ -129,6 +157,8 @@ class Schedule:
 
     `num_microbatches` counts micro-batches per batch; with `num_batches > 1` micro-batch indices
     run over all batches (batch b holds `b * num_microbatches ... (b + 1) * num_microbatches - 1`).
+    `syncs` is set on a program (`schedules.program`): the synchronisations its actions must
+    carry out, which the validator checks them against.
     """
 
     num_ranks: int
@@ -138,6 +168,7 @@ class Schedule:
     placement: str = "loop"
     num_batches: int = 1
     name: str = "custom"
+    syncs: Syncs | None = None
     _rank_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -163,6 +194,11 @@ class Schedule:
                 f"actions must hold one list per rank (got {len(self.actions)} lists for "
                 f"{self.num_ranks} ranks)"
             )
+        if self.syncs is not None:
+            stages = [s for link in self.syncs.links for s in link]
+            if stages and max(stages) >= self.num_stages:
+                raise ScheduleError(f"syncs {self.syncs} name stage {max(stages)}, but the "
+                                    f"schedule has stages 0..{self.num_stages - 1}")
         actions = tuple(tuple(row) for row in self.actions)
         object.__setattr__(self, "actions", actions)
         ranks = tuple(
@@ -195,9 +231,9 @@ class Schedule:
         return not all({a.op for a in row} <= COMPUTE_OPS for row in self.actions)
 
     def compute_only(self) -> Schedule:
-        """This schedule without its SEND/RECV actions."""
+        """This schedule without its SEND/RECV actions (and a program without its syncs)."""
         rows = tuple(tuple(a for a in row if a.is_compute) for row in self.actions)
-        return self.replace(actions=rows)
+        return self.replace(actions=rows, syncs=None)
 
     def replace(self, **changes: object) -> Schedule:
         fields = {
@@ -208,6 +244,7 @@ class Schedule:
             "placement": self.placement,
             "num_batches": self.num_batches,
             "name": self.name,
+            "syncs": self.syncs,
         }
         fields.update(changes)
         return Schedule(**fields)  # type: ignore[arg-type]

@@ -2,7 +2,9 @@
 
 A cross-rank data edge is a *message*: `("F", s, m)` carries the activations stage s - 1
 hands to stage s for micro-batch m; `("B", s, m)` carries the input gradient stage s + 1 hands
-back to stage s. Lowering adds, for each, a SEND on the producer's rank right after the producer
+back to stage s. A program's tied weights move as messages too (placed by schedules.program):
+`("T", c, o)` carries owner stage o's tied weights to copy stage c, `("G", o, c)` the copy's
+gradients back. Lowering adds, for each, a SEND on the producer's rank right after the producer
 and a RECV on the consumer's rank no later than the consumer. A RECV posts the receive (it does
 not block); the consumer waits for the data. Messages between a pair of ranks match in order
 (gloo and NCCL have no usable tags), so for every (sender, receiver) pair the receiver's RECVs
@@ -17,10 +19,10 @@ from schedules.ir import Action, Op, Schedule
 __all__ = ["Message", "consumed", "lower", "message", "produced", "recv_action", "send_action",
            "source_stage"]
 
-Message = tuple[str, int, int]  # (kind "F" or "B", consumer stage, micro-batch)
+Message = tuple[str, int, int]  # (kind "F" or "B", consumer stage, micro-batch); ties: below
 
-_SEND = {"F": Op.SEND_F, "B": Op.SEND_B}
-_RECV = {"F": Op.RECV_F, "B": Op.RECV_B}
+_SEND = {"F": Op.SEND_F, "B": Op.SEND_B, "T": Op.SEND_T, "G": Op.SEND_G}
+_RECV = {"F": Op.RECV_F, "B": Op.RECV_B, "T": Op.RECV_T, "G": Op.RECV_G}
 # Module names for the members: looking one up on the enum class costs several times more.
 _F, _B, _I = Op.F, Op.B, Op.I
 _SEND_F, _SEND_B, _RECV_F, _RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
@@ -33,6 +35,10 @@ def consumed(action: Action, num_stages: int) -> Message | None:
         return ("F", action.stage, action.microbatch) if action.stage > 0 else None
     if (op is _B or op is _I) and action.stage < num_stages - 1:
         return ("B", action.stage, action.microbatch)
+    if op is Op.TIE_SET:  # a copy stage takes the values of owner stage `microbatch`
+        return ("T", action.stage, action.microbatch)
+    if op is Op.TIE_ADD:  # an owner stage adds the gradients of copy stage `microbatch`
+        return ("G", action.stage, action.microbatch)
     return None
 
 
@@ -48,8 +54,10 @@ def produced(action: Action, num_stages: int) -> Message | None:
 
 def source_stage(msg: Message) -> int:
     """The stage that produces `msg`."""
-    kind, stage, _ = msg
-    return stage - 1 if kind == "F" else stage + 1
+    kind, stage, other = msg
+    if kind == "F":
+        return stage - 1
+    return stage + 1 if kind == "B" else other  # a tie message names its source stage
 
 
 def message(action: Action) -> Message:
@@ -63,12 +71,16 @@ def message(action: Action) -> Message:
         return ("F", s, m)
     if op is _RECV_B:
         return ("B", s, m)
+    if op is Op.SEND_T or op is Op.RECV_G:  # from or into the owner stage s
+        return ("T", m, s) if op is Op.SEND_T else ("G", s, m)
+    if op is Op.RECV_T or op is Op.SEND_G:  # into or from the copy stage s
+        return ("T", s, m) if op is Op.RECV_T else ("G", m, s)
     raise ValueError(f"{action} is not a SEND or RECV")
 
 
 def send_action(msg: Message) -> Action:
-    kind, _, mb = msg
-    return Action(source_stage(msg), _SEND[kind], mb)
+    kind, stage, mb = msg
+    return Action(source_stage(msg), _SEND[kind], stage if kind in "TG" else mb)
 
 
 def recv_action(msg: Message) -> Action:

@@ -17,7 +17,8 @@ from schedules.ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "simulate"]
 
 _FIELDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
-           "U": "update", "comm": "comm"}
+           "U": "update", "comm": "comm", "tie": "tie", "REDUCE_GRAD": "reduce_grad",
+           "OVERFLOW": "overflow"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,12 @@ class Costs:
 
     `comm` is the latency added to every dependency that crosses ranks. SEND/RECV actions of a
     lowered schedule take no time themselves: their cost is that latency.
+
+    A program's syncs (schedules.program): `tie` (per copy stage) is the time its tied weights,
+    or their gradients, take between ranks, added to the wait for them; `reduce_grad` (per
+    stage) is the time of the all-reduce of its gradients over dp, which runs beside the
+    rank's work from its REDUCE_GRAD; `overflow` is the scaler's agreement. All default to 0,
+    so a program costs what its schedule costs until they are measured.
     """
 
     forward: float | Sequence[float] = 1.0
@@ -34,6 +41,9 @@ class Costs:
     backward_weight: float | Sequence[float] = 1.0
     update: float | Sequence[float] = 0.0
     comm: float = 0.0
+    tie: float | Sequence[float] = 0.0
+    reduce_grad: float | Sequence[float] = 0.0
+    overflow: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _FIELDS.values():
@@ -46,7 +56,8 @@ class Costs:
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Read `"F=1,B=2,I=1,W=1,U=0,comm=0.1"` (any subset; the rest keep their defaults)."""
+        """Read `"F=1,B=2,I=1,W=1,U=0,comm=0.1"` (any subset; the rest keep their defaults; the
+        syncs' are `tie`, `REDUCE_GRAD` and `OVERFLOW`)."""
         kwargs: dict[str, float] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
@@ -64,6 +75,18 @@ class Costs:
         name = _FIELDS.get(op.value)
         if name is None or name == "comm":
             return 0.0
+        return self._value(name, stage)
+
+    def edge(self, key: tuple[int, Op, int]) -> float:
+        """What a wait on the SEND `key` costs beside `comm`: tied weights' transfer time."""
+        stage, op, index = key
+        if op is Op.SEND_T:
+            return self._value("tie", index)  # to copy stage `index`
+        if op is Op.SEND_G:
+            return self._value("tie", stage)  # from copy stage `stage`
+        return 0.0
+
+    def _value(self, name: str, stage: int) -> float:
         value = getattr(self, name)
         if isinstance(value, tuple):
             if stage >= len(value):
@@ -238,7 +261,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Raises `ScheduleError` if the schedule deadlocks (call `validate` for the full diagnosis).
     """
     costs = costs or Costs()
-    result = execute_by_kind(schedule, costs.of, costs.comm)
+    result = execute_by_kind(schedule, costs.of, costs.comm, edge=costs.edge)
     if not isinstance(result, tuple):
         blocked = ", ".join(f"rank {r} at step {i}" for r, (i, _) in sorted(result.blocked.items()))
         raise ScheduleError(f"cannot simulate {schedule.name}: deadlock ({blocked}); "
@@ -250,4 +273,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     meta = {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
             "num_batches": schedule.num_batches, "placement": schedule.placement}
+    if schedule.syncs is not None:
+        meta["syncs"] = str(schedule.syncs)
     return Timeline(schedule.num_ranks, tuple(events), "cost", meta)

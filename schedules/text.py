@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from schedules.ir import Action, Schedule, ScheduleError
+from schedules.syncs import Syncs
 
 __all__ = ["format_grid", "from_text", "to_text"]
 
@@ -18,6 +19,7 @@ def format_grid(schedule: Schedule, marks: dict[int, int] | None = None) -> str:
         f"{schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages "
         f"({schedule.placement}), {schedule.num_microbatches} micro-batches"
         + (f" x {schedule.num_batches} batches" if schedule.num_batches > 1 else "")
+        + (f"; syncs: {schedule.syncs}" if schedule.syncs is not None else "")
     ]
     label = len(f"rank {schedule.num_ranks - 1}")
     lines.append("step".ljust(label) + " " + "".join(str(i).rjust(width) for i in range(steps)))
@@ -33,14 +35,17 @@ def format_grid(schedule: Schedule, marks: dict[int, int] | None = None) -> str:
 
 
 def to_text(schedule: Schedule) -> str:
-    """A header line and one line of actions per rank; `from_text` reads it back exactly."""
-    head = (
+    """A header line (a program's syncs on a line of their own) and one line of actions per
+    rank; `from_text` reads it back exactly."""
+    head = [
         f"schedule name={schedule.name} ranks={schedule.num_ranks} stages={schedule.num_stages} "
         f"microbatches={schedule.num_microbatches} batches={schedule.num_batches} "
         f"placement={schedule.placement}"
-    )
+    ]
+    if schedule.syncs is not None:
+        head.append(f"syncs: {schedule.syncs}")
     rows = [f"rank {r}: " + " ".join(str(a) for a in row) for r, row in enumerate(schedule.actions)]
-    return "\n".join([head, *rows]) + "\n"
+    return "\n".join([*head, *rows]) + "\n"
 
 
 def from_text(text: str) -> Schedule:
@@ -50,8 +55,13 @@ def from_text(text: str) -> Schedule:
         raise ScheduleError("schedule text must start with a 'schedule name=... ranks=...' line")
     try:
         fields = dict(item.split("=", 1) for item in lines[0].split()[1:])
+        syncs = None
+        body_lines = lines[1:]
+        if body_lines and body_lines[0].startswith("syncs:"):
+            syncs = Syncs.parse(body_lines[0][len("syncs:"):])
+            body_lines = body_lines[1:]
         rows: list[tuple[Action, ...]] = []
-        for r, line in enumerate(lines[1:]):
+        for r, line in enumerate(body_lines):
             prefix, _, body = line.partition(":")
             if prefix.strip() != f"rank {r}":
                 raise ScheduleError(f"expected line 'rank {r}: ...', got {line!r}")
@@ -64,6 +74,7 @@ def from_text(text: str) -> Schedule:
             placement=fields.get("placement", "loop"),
             name=fields.get("name", "custom"),
             actions=tuple(rows),
+            syncs=syncs,
         )
     except (KeyError, ValueError) as exc:
         if isinstance(exc, ScheduleError):

@@ -7,9 +7,10 @@ from itertools import compress, repeat
 from operator import eq
 
 from schedules.graph import Key, Plan, execute_by_kind, kind, plan, stage_op
-from schedules.ir import COMPUTE_OPS, Op, Schedule, ScheduleError
+from schedules.ir import COMM_OPS, COMPUTE_OPS, SEND_OPS, SYNC_OPS, Op, Schedule, ScheduleError
 from schedules.lower import Message, consumed, message, source_stage
 from schedules.text import format_grid
+from schedules.validate_syncs import check_syncs
 
 __all__ = ["validate"]
 
@@ -28,7 +29,12 @@ def _where(schedule: Schedule, key: Key) -> dict[int, int]:
 
 
 _U = Op.U
-_SENDS = frozenset({Op.SEND_F, Op.SEND_B})
+_SENDS = SEND_OPS
+_CONSUMERS = COMPUTE_OPS | {Op.TIE_SET, Op.TIE_ADD}  # actions that take a message's data
+# The range of an action's index: a stage for a tie action; the batch for U and the
+# step's reductions; else the micro-batch.
+_BY_STAGE = frozenset({Op.SEND_T, Op.RECV_T, Op.TIE_SET, Op.SEND_G, Op.RECV_G, Op.TIE_ADD})
+_BY_BATCH = frozenset({Op.U, Op.REDUCE_GRAD, Op.AWAIT_GRAD, Op.OVERFLOW})
 
 # A check below goes step by step, to report the first step that breaks its rule. Before it
 # runs, a fast test passes the schedules it would pass (most of them, all those generated): one
@@ -92,9 +98,11 @@ def _check_actions(schedule: Schedule) -> None:
             if a.stage >= schedule.num_stages:
                 raise _fail(schedule, f"{a}: stage {a.stage} >= num_stages "
                             f"{schedule.num_stages}", here)
-            limit = schedule.num_batches if a.op is Op.U else total
+            limit = (schedule.num_stages if a.op in _BY_STAGE
+                     else schedule.num_batches if a.op in _BY_BATCH else total)
             if a.microbatch >= limit:
-                what = "batch" if a.op is Op.U else "micro-batch"
+                what = ("stage" if a.op in _BY_STAGE else "batch" if a.op in _BY_BATCH
+                        else "micro-batch")
                 raise _fail(schedule, f"{a}: {what} {a.microbatch} is out of range (< {limit})",
                             here)
             if schedule.rank_of(a.stage) != rank:
@@ -192,11 +200,13 @@ def _check_comms(schedule: Schedule) -> None:
     for rank, row in enumerate(schedule.actions):
         for i, a in enumerate(row):
             op = a.op
-            if op in COMPUTE_OPS:
+            if op in _CONSUMERS:
                 msg = consumed(a, n)
                 if msg is not None and rank_of(source_stage(msg)) != rank:
                     needed[msg] = (rank, i)
                 continue
+            if op not in COMM_OPS:
+                continue  # a local sync
             msg = message(a)
             if not 0 <= msg[1] < n or not 0 <= source_stage(msg) < n:
                 raise _fail(schedule, f"{a}: it would move data from stage {source_stage(msg)} "
@@ -277,6 +287,9 @@ def _comms_ok(schedule: Schedule, found: Plan | None) -> bool:
 
 def _name(msg: Message) -> str:
     kind, stage, mb = msg
+    if kind in "TG":
+        what = "tied weights" if kind == "T" else "tied weights' gradients"
+        return f"{what} of stage {source_stage(msg)} for stage {stage}"
     what = "activations for" if kind == "F" else "gradients for"
     return f"{what} stage {stage}, micro-batch {mb}"
 
@@ -287,7 +300,9 @@ def validate(schedule: Schedule) -> Schedule:
     Rules: actions in range and on the rank holding their stage, none repeated; every stage and
     micro-batch runs F once and B once (or I and W once); F(s,m) after F(s-1,m); B(s,m) after
     B(s+1,m) and F(s,m); W after I; 2BW weight versions; lowered schedules: one SEND and one
-    RECV per cross-rank message, receives posted in each sender's order; and no deadlock when
+    RECV per cross-rank message, receives posted in each sender's order; programs: the syncs
+    their `syncs` ask for, each on every rank it concerns, in order (see validate_syncs); and
+    no deadlock when
     every rank runs its list in order, each compute action waiting for its data (sends never
     block).
     """
@@ -300,6 +315,9 @@ def validate(schedule: Schedule) -> Schedule:
         _check_versions(schedule)
     if schedule.has_comms and not _comms_ok(schedule, found):
         _check_comms(schedule)
+    if (schedule.syncs is not None and not schedule.syncs.empty) or any(
+            a.op in SYNC_OPS for row in schedule.actions for a in row):
+        check_syncs(schedule)
     result = execute_by_kind(schedule, lambda op, stage: 1.0)
     if not isinstance(result, tuple):
         lines = []

@@ -10,9 +10,19 @@ from hypothesis import strategies as st
 import schedules
 from schedules import Action, Op, Schedule
 
-__all__ = ["balances", "model_profiles", "mutated_schedules", "padded_labels", "schedule_args",
-           "schedules_any", "sequential_specs", "synthetic_profile", "wire_headers",
-           "wire_values"]
+__all__ = [
+    "balances",
+    "model_profiles",
+    "mutated_schedules",
+    "padded_labels",
+    "schedule_args",
+    "schedules_any",
+    "sequential_specs",
+    "sync_programs",
+    "synthetic_profile",
+    "wire_headers",
+    "wire_values",
+]
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -34,6 +44,24 @@ def schedule_args(draw: st.DrawFn, name: str | None = None) -> tuple[str, int, i
 def schedules_any(name: str | None = None) -> st.SearchStrategy[Any]:
     """A generated schedule of any registered generator (or of `name`)."""
     return schedule_args(name).map(lambda a: schedules.get_schedule(a[0], a[1], a[2], **a[3]))
+
+
+@st.composite
+def sync_programs(draw: st.DrawFn) -> Schedule:
+    """A generated schedule (any generator, small) made a program with random syncs: random
+    ties (an owner stage and later copy stages), dp on or off, a scaler or not."""
+    name, num_ranks, num_microbatches, options = draw(schedule_args())
+    plain = schedules.get_schedule(name, min(num_ranks, 4), min(num_microbatches, 6),
+                                   **options)
+    n = plain.num_stages
+    ties = []
+    if n > 1:
+        for _ in range(draw(st.integers(0, 3))):
+            owner = draw(st.integers(0, n - 2))
+            copies = draw(st.sets(st.integers(owner + 1, n - 1), min_size=1, max_size=3))
+            ties.append((owner, sorted(copies)))
+    syncs = schedules.Syncs.of(ties, dp=draw(st.booleans()), scaler=draw(st.booleans()))
+    return schedules.program(plain, syncs)
 
 
 _EDITS = ("swap", "move", "drop", "copy", "microbatch", "stage", "op")

@@ -20,9 +20,8 @@ does. Shell blocks (```bash) are not run; every `pipeviz`, `python -m viz`,
 `python -m benchmarks...` and `python -m pipeline.launch` line in them (and `$ ...` lines of
 other blocks) is parsed by the command's own argparse parser, which is stopped before the
 command runs. Every relative link (and image) of those pages points at a file that exists,
-and at a heading of it when it names an anchor (PAGES_WRITTEN_ELSEWHERE are the exception),
-and every repository path a page names in backticks (`pipeline/comm/wire.py`,
-`tests/test_exit.py`) exists.
+and at a heading of it when it names an anchor, and every repository path a page names in
+backticks (`pipeline/comm/wire.py`, `tests/test_exit.py`) exists.
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
-# Pages written on other branches, linked from the docs index and the README: they exist once
-# those branches merge. Links to exactly these two files are not checked here (nothing else is
-# skipped); drop a name from this set when its page lands.
-PAGES_WRITTEN_ELSEWHERE = frozenset({"docs/program.md"})
 MARKERS = ("continue", "launch", "script", "gpu", "output")
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>`{3,})(?P<lang>[\w+-]*)\s*$")
@@ -350,8 +345,6 @@ def test_link_resolves(page: Path, number: int, target: str) -> None:
     path, _, anchor = target.partition("#")
     file = (page.parent / path).resolve() if path else page
     name = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
-    if name in PAGES_WRITTEN_ELSEWHERE:
-        return
     where = f"{page.relative_to(ROOT)}:{number}: {target}"
     assert file.exists(), f"{where}: no such file {name}"
     if anchor:

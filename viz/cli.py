@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import schedules
-from schedules import Costs, Schedule, ScheduleError, Timeline
+from schedules import Costs, Schedule, ScheduleError, Syncs, Timeline
 from schedules.files import write_atomic
 from viz.compare import Comparison, compare
 from viz.layout import Layout, format_costs, layout
@@ -58,6 +58,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
     return value
+
+
+def _syncs(text: str) -> Syncs:
+    try:
+        return Syncs.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _costs(text: str) -> Costs:
@@ -110,6 +117,10 @@ exit status: 0 drawn; 1 the schedule is invalid (drawn, failing step marked); 2 
                              "F=1,B=2,I=1,W=1,U=0,comm=0)")
     parser.add_argument("--lower", action="store_true",
                         help="insert the SEND/RECV actions before drawing")
+    parser.add_argument("--syncs", type=_syncs, default=None, metavar="SYNCS",
+                        help="draw the step's program with these syncs placed, e.g. "
+                             "'ties=0:3 dp scaler' (tied weights of stage 0 copied on stage 3, "
+                             "dp gradient reductions, the scaler's agreement)")
     parser.add_argument("-f", "--format", choices=FORMATS,
                         help="text (default), svg, png, chrome (trace JSON), dot (dependency "
                              "graph), json (timeline); guessed from -o's suffix when omitted")
@@ -213,7 +224,7 @@ def _load(source: str, args: argparse.Namespace, *, lenient: bool,
     """A schedule (named, or from a CSV) or a timeline; `used` collects the options applied."""
     if source in schedules.available():
         schedule = _generate(source, args, lenient=lenient, used=used)
-        return schedules.lower(schedule) if args.lower else schedule
+        return _lowered(schedule, args)
     path = Path(source)
     if path.is_dir():
         raise _UsageError(f"{source} is a directory; give a schedule name "
@@ -233,7 +244,8 @@ def _load(source: str, args: argparse.Namespace, *, lenient: bool,
     given = [flag for attr, flag in _NAMED_ONLY if getattr(args, attr) is not None]
     if is_timeline:
         given += [flag for attr, flag in (("microbatches", "--microbatches"),
-                                          ("costs", "--costs"), ("lower", "--lower"))
+                                          ("costs", "--costs"), ("lower", "--lower"),
+                                          ("syncs", "--syncs"))
                   if getattr(args, attr) not in (None, False)]
     if given and not lenient:
         what = "a timeline carries its own times" if is_timeline else "a CSV gives its own"
@@ -248,6 +260,16 @@ def _load(source: str, args: argparse.Namespace, *, lenient: bool,
         check_schedule(schedule)
     except (ScheduleError, ValueError) as exc:  # LimitError is a ValueError
         raise _UsageError(f"{source}: {exc}") from None
+    return _lowered(schedule, args)
+
+
+def _lowered(schedule: Schedule, args: argparse.Namespace) -> Schedule:
+    """`--syncs`: the program; `--lower`: the lowered schedule; else as it is."""
+    if args.syncs is not None:
+        try:
+            return schedules.program(schedule, args.syncs)
+        except ScheduleError as exc:
+            raise _UsageError(f"--syncs {args.syncs}: {exc}") from None
     return schedules.lower(schedule) if args.lower else schedule
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from schedules import (
+    SYNC_LABELS,
     Action,
     Costs,
     Event,
@@ -34,8 +35,9 @@ __all__ = [
     "time_scale",
 ]
 
-# Legend order; "comm" covers all four SEND/RECV ops, which draw alike.
-KINDS = ("F", "B", "I", "W", "U", "comm")
+# Legend order; "comm" covers all four SEND/RECV ops, which draw alike, and "sync" a program's
+# synchronisations (tied weights, dp reductions, the scaler's agreement: schedules.program).
+KINDS = ("F", "B", "I", "W", "U", "comm", "sync")
 KIND_NAMES = {
     "F": "forward",
     "B": "backward",
@@ -43,12 +45,16 @@ KIND_NAMES = {
     "W": "weight grad",
     "U": "update",
     "comm": "send/recv",
+    "sync": "sync (ties, dp, scaler)",
 }
 
 
 def kind_of(op: Op) -> str:
-    """The drawing kind of an op: its letter for compute ops, "comm" for SEND/RECV."""
-    return op.value if op.value in KIND_NAMES else "comm"
+    """The drawing kind of an op: its letter for compute ops, "comm" for SEND/RECV, "sync" for
+    a program's synchronisations."""
+    if op.value in KIND_NAMES:
+        return op.value
+    return "sync" if op.value in SYNC_LABELS else "comm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +74,22 @@ class Box:
 
     @property
     def label(self) -> str:
-        """Op letter and micro-batch (batch, for U), e.g. `F3`; `S`/`R` for sends/receives."""
+        """Op letter and micro-batch (batch, for U), e.g. `F3`; `S`/`R` for sends/receives; a
+        sync's two letters and the stage it concerns (`Ts0`: take stage 0's tied weights)."""
         op = self.action.op
+        if self.kind == "sync":
+            return SYNC_LABELS[op.value] + _sync_stage(self.action)
         letter = op.value if self.kind != "comm" else op.value[0]
         return f"{letter}{self.action.microbatch}"
+
+
+def _sync_stage(action: Action) -> str:
+    """The stage a sync box names: the peer of a tie action, the stage of a reduction."""
+    if action.op is Op.REDUCE_GRAD:
+        return str(action.stage)
+    if action.op in (Op.AWAIT_GRAD, Op.OVERFLOW):
+        return ""
+    return str(action.microbatch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +152,7 @@ class Layout:
     def median_duration(self) -> float:
         """Median length of a compute box: how fine the drawing needs to be."""
         durations = sorted(b.end - b.start for lane in self.lanes for b in lane.boxes
-                           if b.kind != "comm" and b.end > b.start)
+                           if b.kind not in ("comm", "sync") and b.end > b.start)
         return durations[len(durations) // 2] if durations else 1.0
 
 
@@ -153,7 +171,14 @@ def format_costs(costs: Costs, ops: Sequence[str] = ("F", "B", "I", "W", "U")) -
         value = getattr(costs, names[op])
         values = value if isinstance(value, tuple) else (value,)
         parts.append(f"{op}=" + "/".join(format_number(v) for v in values))
-    return " ".join([*parts, f"comm={format_number(costs.comm)}"])
+    parts.append(f"comm={format_number(costs.comm)}")
+    for name, field_name in (("tie", "tie"), ("REDUCE_GRAD", "reduce_grad"),
+                             ("OVERFLOW", "overflow")):  # a program's syncs, where they cost
+        value = getattr(costs, field_name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(values):
+            parts.append(f"{name}=" + "/".join(format_number(v) for v in values))
+    return " ".join(parts)
 
 
 def time_scale(unit: str, span: float) -> tuple[float, str]:
@@ -210,6 +235,8 @@ def _from_schedule(schedule: Schedule, costs: Costs, *, title: str | None) -> La
     ops = sorted({a.op.value for row in schedule.actions for a in row if a.is_compute},
                  key="FBIWU".index)
     batches = f" x {schedule.num_batches} batches" if schedule.num_batches > 1 else ""
+    if schedule.syncs is not None and not schedule.syncs.empty:
+        batches += f"; syncs {schedule.syncs}"
     what = "planned" if timeline.unit == "cost" else "cannot run: one box per step"
     subtitle = (f"{schedule.num_ranks} ranks, {schedule.num_stages} stages "
                 f"({schedule.placement}), {schedule.num_microbatches} micro-batches{batches}; "
@@ -270,7 +297,8 @@ def _describe(timeline: Timeline) -> str:
 def _gaps(boxes: Sequence[Box], makespan: float) -> tuple[tuple[float, float], ...]:
     """Stretches of [0, makespan] with no compute box: the rank's bubbles."""
     gaps, cursor = [], 0.0
-    for b in sorted((b for b in boxes if b.kind != "comm"), key=lambda b: b.start):
+    for b in sorted((b for b in boxes if b.kind not in ("comm", "sync")),
+                    key=lambda b: b.start):
         if b.start > cursor:
             gaps.append((cursor, b.start))
         cursor = max(cursor, b.end)

@@ -24,13 +24,13 @@ __all__ = ["render_text"]
 
 # A box is its label (op letter and micro-batch) then a fill that says the op at any width:
 # forwards point down the pipeline, backwards back up it.
-_FILL = {"F": ">", "B": "<", "I": "<", "W": "=", "U": "#", "comm": "~"}
+_FILL = {"F": ">", "B": "<", "I": "<", "W": "=", "U": "#", "comm": "~", "sync": "*"}
 _IDLE = "."
 _MARK = "!"
 # ANSI SGR codes: a background per kind (the same hues as the SVG), black or white text.
 _STYLE = {
     "F": "44;97", "B": "42;30", "I": "46;30", "W": "45;97", "U": "47;30", "comm": "43;30",
-    "mark": "41;97;1", "idle": "2",
+    "sync": "100;97", "mark": "41;97;1", "idle": "2",
 }
 _SHORT_UNITS = {"cost units": "cost", "steps": "step"}
 _MAX_COLUMNS_PER_BOX = 8  # a median box wider than this only spreads the picture out
@@ -104,7 +104,11 @@ class _Grid:
         short: list[Box] = []
         for box in lane.boxes:
             c0, c1 = self.col(box.start), self.col(box.end)
-            if c1 > c0:
+            if box.kind == "sync":
+                # Syncs never hide work: a background reduction runs beside the compute.
+                _paint_idle(cells, c0, _box_text(box, c1 - c0, marked=False) if c1 > c0
+                            else _FILL["sync"])  # an instant one: its mark alone
+            elif c1 > c0:
                 _paint(cells, c0, _box_text(box, c1 - c0, marked=False), box.kind)
             else:
                 short.append(box)
@@ -143,6 +147,13 @@ class _Grid:
         return [" " * (self.label + 1) + "".join(ruler), unit_label + "".join(numbers)]
 
 
+def _paint_idle(cells: list[tuple[str, str]], c0: int, text: str) -> None:
+    """`text` as a sync box, in the cells from `c0` that are idle."""
+    for k, ch in enumerate(text):
+        if c0 + k < len(cells) and cells[c0 + k][1] == "idle":
+            cells[c0 + k] = (ch, "sync")
+
+
 def _box_text(box: Box, width: int, *, marked: bool) -> str:
     label = box.label
     if box.chunk % 2:  # odd virtual stages in lower case, so interleaved stages tell apart
@@ -177,7 +188,7 @@ def _styled(cells: list[tuple[str, str]], color: bool) -> list[str]:
 def _drawn_kinds(layouts: Sequence[Layout]) -> tuple[str, ...]:
     """Kinds with a box that takes time: instant sends and receives leave no mark in text."""
     present = {b.kind for lay in layouts for lane in lay.lanes for b in lane.boxes
-               if b.end > b.start}
+               if b.end > b.start or b.kind == "sync"}
     return tuple(k for k in KINDS if k in present)
 
 
@@ -185,7 +196,8 @@ def _legend(kinds: Sequence[str], chunks: bool, failed: bool, color: bool,
             width: int) -> list[str]:
     items: list[tuple[str, str]] = []  # (plain, as printed): wrapped by the plain length
     for kind in kinds:
-        chip, name = ("S/R" if kind == "comm" else kind) + _FILL[kind], KIND_NAMES[kind]
+        chip = {"comm": "S/R", "sync": "Ta"}.get(kind, kind) + _FILL[kind]
+        name = KIND_NAMES[kind]
         items.append((f"{chip} {name}",
                       "".join(_styled([(ch, kind) for ch in chip], color)) + f" {name}"))
     items.append((f"{_IDLE} idle", "".join(_styled([(_IDLE, "idle")], color)) + " idle"))

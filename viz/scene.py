@@ -13,7 +13,7 @@ __all__ = ["COLORS", "Line", "Rect", "Scene", "Text", "build_scene", "text_width
 # Light hues (Okabe-Ito inspired, distinguishable with common colour blindness) under dark text.
 COLORS = {
     "F": "#7db9ee", "B": "#62c59a", "I": "#4fc0c8", "W": "#b79be6", "U": "#a0a0a0",
-    "comm": "#f0d35a",
+    "comm": "#f0d35a", "sync": "#e69f00",
 }
 MARK_COLOR = "#d62728"
 IDLE_COLOR = "#f1f1f1"
@@ -155,15 +155,19 @@ def _panel(items: list[Item], lay: Layout, y: float, scale: float) -> float:
             x = LEFT + box.start * scale
             a = box.action
             times = f"{format_number(box.start)}-{format_number(box.end)}"
+            # A sync is a strip along the lane's foot: a background reduction runs beside the
+            # compute above it, and an instant one still shows.
+            top, height = (y + LANE * 0.7, LANE * 0.3) if box.kind == "sync" else (y, LANE)
             items.append(Rect(
-                x, y, width if width > 0 else 1.5, LANE, fill, "#ffffff", 0.75,
+                x, top, width if width > 3 else 3.0 if box.kind == "sync" else 1.5 if width <= 0
+                else width, height, fill, "#ffffff", 0.75,
                 cls=f"action op-{box.kind}",
                 tooltip=f"rank {lane.rank} step {box.step}: {a} ({KIND_NAMES[box.kind]}, stage "
                         f"{a.stage}, micro-batch {a.microbatch}) {times}",
                 data=(("rank", str(lane.rank)), ("action", str(a)),
                       ("start", repr(box.start)), ("end", repr(box.end)))))
             label = str(a.microbatch)
-            if text_width(label, 11) + 4 <= width:
+            if box.kind != "sync" and text_width(label, 11) + 4 <= width:
                 items.append(Text(x + width / 2, y + LANE / 2 + 4, label, 11, anchor="middle"))
         for mark in lay.failure.marks if lay.failure else ():
             if mark.rank == lane.rank:

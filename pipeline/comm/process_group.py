@@ -36,7 +36,8 @@ from pipeline.comm.transport import Broken, describe_message, move
 from pipeline.comm.waiting import Waiter
 from pipeline.comm.wire import BadHeader, describe
 from pipeline.errors import PipelineError
-from schedules import Op, Schedule
+from schedules import Schedule
+from schedules.ir import RECV_OPS, SEND_OPS
 from schedules.lower import Message, message, source_stage
 
 __all__ = ["PeerFailure", "ProcessTransport"]
@@ -102,10 +103,10 @@ class ProcessTransport:
         sends: dict[int, list[Message]] = {}
         receives: dict[int, list[Message]] = {}
         for a in schedule.actions[self.rank]:
-            if a.op in (Op.RECV_F, Op.RECV_B):
+            if a.op in RECV_OPS:  # a program's tied weights too (schedules.program)
                 msg = message(a)
                 receives.setdefault(schedule.rank_of(source_stage(msg)), []).append(msg)
-            elif a.op in (Op.SEND_F, Op.SEND_B):
+            elif a.op in SEND_OPS:
                 msg = message(a)
                 sends.setdefault(schedule.rank_of(msg[1]), []).append(msg)
         for peer, channel in self._channels.items():

@@ -2,9 +2,10 @@
 
 Each replica runs the whole pipeline on its own shard of the global batch. Loss weights use the
 global batch's rows (the replicas exchange their row counts), and each stage's gradients are
-averaged over "dp" in buckets, asynchronously, as soon as that stage's last gradient action of
-the step (B, W, or 2BW's U) has run: the reduction of the last stage overlaps the backwards still
-running on earlier stages, and the step waits for all of them only at its end.
+averaged over "dp" in buckets, asynchronously, from the stage's REDUCE_GRAD, which the step's
+program places right after its last gradient action (B, W, or 2BW's U): the reduction of the
+last stage overlaps the backwards still running on earlier stages, and the step waits for all
+of them only at its end (AWAIT_GRAD).
 """
 
 from __future__ import annotations
@@ -276,11 +277,16 @@ class Replicas:
         replicas then gives the global batch's (a mean over all of it, or a sum)."""
         return self.global_total(total), float(self.mesh.dp_size)
 
-    def finish(self) -> None:
-        """The end of a training step: the gradients' averages, then (unless
-        `broadcast_buffers=False`) every replica takes dp rank 0's buffers."""
+    def wait_grads(self) -> None:
+        """The rank's AWAIT_GRAD: the gradients' averages (nothing to wait for under FSDP2:
+        it reduced in the backward)."""
         with self._named_failures():
-            self.sync.finish()  # (nothing to do under FSDP2: it reduced in the backward)
+            self.sync.finish()
+
+    def finish(self) -> None:
+        """After a training step's run (and deferred BatchNorm's commit): unless
+        `broadcast_buffers=False`, every replica takes dp rank 0's buffers."""
+        with self._named_failures():
             if self.broadcast_buffers:
                 self._broadcast(self._local_buffers(), "the buffers' broadcast from dp rank 0")
 

@@ -3,15 +3,16 @@
 A `Parameter` used by several stages belongs to the lowest of them (its owner). Every other
 stage that uses it holds a copy: a `Parameter` registered where the model had the shared one, so
 the model's structure and `state_dict()` keys are what the user wrote, but left out of
-`Pipe.parameters()`, so optimizers, clipping and counts see the weight once. Before each run the
-copies take the owner's value (a copy on another process receives it); after a training step
-each copy's gradient is added to the owner's and cleared. So the owner's `.grad` is the sum over
-every use, as autograd leaves it on one device, and an optimizer steps the weight once.
+`Pipe.parameters()`, so optimizers, clipping and counts see the weight once. Each step's program
+(schedules/program.py) refreshes the copies with the owner's value before their first forward
+(a copy on another rank receives it as a message of the schedule), and after the backward adds
+each copy's gradient to the owner's and clears it. So the owner's `.grad` is the sum over every
+use, as autograd leaves it on one device, and an optimizer steps the weight once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,18 +104,16 @@ def untie(ties: Sequence[Tie], local_stages: Sequence[int]) -> None:
 
 @dataclass
 class TieLink:
-    """Moves tied weights and their gradients between the owner and the copies.
+    """Moves tied weights and their gradients between the owner and the copies, one *link*
+    (owner stage, copy stage) at a time, as the program's tie actions say (the TieOps of
+    pipeline/runtime/syncs.py): the values a link carries, and its gradients, are all the
+    weights the two stages share, in the ties' order.
 
-    `rank_of(stage)` places stages; `me` is this process's rank (None: every stage is here).
-    `send(tensor, rank)` and `recv(rank, like)` carry tensors between processes, in order.
+    `owners` holds the owners' live Parameters where this process holds them.
     """
 
     ties: Sequence[Tie]
     owners: dict[int, nn.Parameter]  # id(tie) -> the owner's live Parameter, where held
-    rank_of: Callable[[int], int]
-    me: int | None
-    send: Callable[[torch.Tensor, int], None] | None = None
-    recv: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
     def copy_params(self) -> set[int]:
         """ids of the copies held here (left out of `Pipe.parameters()`)."""
@@ -129,45 +128,36 @@ class TieLink:
                     with torch.no_grad():
                         copy.param.copy_(owner)
 
-    def refresh(self) -> None:
-        """Every copy takes its owner's value (sent over when they live on other ranks), with
-        no gradient (a failed step may have left part of one)."""
-        self.refresh_local()
-        for tie in self.ties:
-            for copy in tie.copies:
-                if copy.param is not None:
-                    copy.param.grad = None
-        if self.me is None:
-            return
-        for tie in self.ties:
-            owner = self.owners.get(id(tie))
-            for copy in tie.copies:
-                if owner is not None and copy.param is None:
-                    assert self.send is not None
-                    self.send(owner.detach(), self.rank_of(copy.stage))
-                elif owner is None and copy.param is not None:
-                    assert self.recv is not None
-                    got = self.recv(self.rank_of(tie.stage), copy.param)
-                    with torch.no_grad():
-                        copy.param.copy_(got)
+    def _link(self, owner: int, copy: int) -> list[tuple[Tie, Copy]]:
+        return [(t, c) for t in self.ties if t.stage == owner for c in t.copies
+                if c.stage == copy]
 
-    def reduce_grads(self) -> None:
-        """Add every copy's gradient to its owner's `.grad` and clear the copy's."""
-        for tie in self.ties:
-            owner = self.owners.get(id(tie))
-            for copy in tie.copies:
-                if copy.param is not None:
-                    grad = copy.param.grad
-                    copy.param.grad = None
-                    if owner is not None:
-                        _accumulate(owner, grad)
-                    else:  # the owner is on another rank
-                        assert self.send is not None
-                        self.send(torch.zeros_like(copy.param) if grad is None else grad,
-                                  self.rank_of(tie.stage))
-                elif owner is not None:
-                    assert self.recv is not None
-                    _accumulate(owner, self.recv(self.rank_of(copy.stage), owner))
+    def values(self, owner: int, copy: int) -> tuple[torch.Tensor, ...]:
+        """The owner's values of the weights stage `copy` shares with stage `owner`."""
+        return tuple(self.owners[id(t)].detach() for t, _ in self._link(owner, copy))
+
+    def set_values(self, copy: int, owner: int, values: Sequence[Any]) -> None:
+        """Stage `copy`'s copies take `values` (its owner's), with no gradient (a failed step
+        may have left part of one)."""
+        for (_, c), value in zip(self._link(owner, copy), values, strict=True):
+            assert c.param is not None, f"stage {copy} is not held here"
+            c.param.grad = None
+            with torch.no_grad():
+                c.param.copy_(value)
+
+    def take_grads(self, copy: int, owner: int) -> tuple[torch.Tensor | None, ...]:
+        """Stage `copy`'s gradients of the weights it shares with stage `owner`, cleared."""
+        out = []
+        for _, c in self._link(owner, copy):
+            assert c.param is not None, f"stage {copy} is not held here"
+            out.append(c.param.grad)
+            c.param.grad = None
+        return tuple(out)
+
+    def add_grads(self, owner: int, copy: int, grads: Sequence[Any]) -> None:
+        """Add a copy's gradients (None: it has none) to the owners' `.grad`."""
+        for (t, _), grad in zip(self._link(owner, copy), grads, strict=True):
+            _accumulate(self.owners[id(t)], grad)
 
     def retie(self) -> None:
         """Put each owner back where its copies held this process's uses (the Pipe closes):
@@ -206,38 +196,15 @@ def _accumulate(owner: nn.Parameter, grad: Any) -> None:
         owner.grad.add_(grad)
 
 
-def link(ties: Sequence[Tie], live: dict[str, nn.Parameter], rank_of: Callable[[int], int],
-         me: int | None, transport: Any) -> TieLink:
+def link(ties: Sequence[Tie], live: dict[str, nn.Parameter]) -> TieLink:
     """The `TieLink` of a Pipe whose held parameters are `live` (by the model's keys, after
-    materialisation, which may have replaced meta Parameters): `transport` (a
-    ProcessTransport, or None in one process) carries tensors between ranks; its failures
-    become `PipelineError`s."""
-    from pipeline.comm.process_group import PeerFailure
-    from pipeline.comm.transport import PipelineAborted
-    from pipeline.errors import PipelineError
-
+    materialisation, which may have replaced meta Parameters)."""
     owners = {id(t): live[t.key] for t in ties if t.key in live}
     for tie in ties:
         for copy in tie.copies:
             if copy.param is not None:
                 copy.param = live[copy.keys[0]]
-    if me is None:
-        return TieLink(ties, owners, rank_of, None)
-
-    def send(tensor: torch.Tensor, rank: int) -> None:
-        try:
-            transport.send_result(tensor.detach().contiguous(), rank)
-        except (PipelineAborted, PeerFailure) as exc:
-            raise PipelineError(str(exc)) from None
-
-    def recv(rank: int, like: torch.Tensor) -> torch.Tensor:
-        try:
-            got: torch.Tensor = transport.recv_result(rank, tuple(like.shape), like.dtype)
-        except (PipelineAborted, PeerFailure) as exc:
-            raise PipelineError(str(exc)) from None
-        return got.to(like.device)
-
-    return TieLink(ties, owners, rank_of, me, send, recv)
+    return TieLink(ties, owners)
 
 
 def register_hooks(tie_link: TieLink) -> None:

@@ -27,7 +27,7 @@ from pipeline.planner.link import Link
 from pipeline.planner.memory import checkpointed, format_bytes, rank_peaks, stash_profile
 from pipeline.planner.space import Candidate, Configuration, Space
 from pipeline.splitting.partition import BalanceError, bounds, min_max_split, partition
-from schedules import Costs, Op, Schedule, Timeline
+from schedules import SYNC_OPS, Costs, Op, Schedule, Syncs, Timeline
 
 __all__ = ["predict", "search"]
 
@@ -163,8 +163,15 @@ class _Search:
             out["backward_input"].append(sum(c.backward_input[i] for i in part) + rc * f)
             out["backward_weight"].append(sum(c.backward_weight[i] for i in part))
             start += size
-        boundary = max((c.input_bytes[i] for i in bounds(balance)[1:-1]), default=0.0)
-        return Costs(comm=self.link.time(boundary), **out)
+        edges = bounds(balance)
+        boundary = max((c.input_bytes[i] for i in edges[1:-1]), default=0.0)
+        dp = w.config.dp  # under dp, each stage's gradient all-reduce (its REDUCE_GRAD)
+        reduce = [self.link.allreduce(self.profile.static_bytes(edges[s], edges[s + 1])[1], dp)
+                  if dp > 1 else 0.0 for s in range(len(balance))]
+        return Costs(forward=out["forward"], backward=out["backward"],
+                     backward_input=out["backward_input"],
+                     backward_weight=out["backward_weight"], comm=self.link.time(boundary),
+                     reduce_grad=reduce)
 
     def bound(self, w: _Work, balance: Sequence[int]) -> float:
         """A lower bound on the step: no rank finishes before its own work is done, and no
@@ -188,7 +195,11 @@ class _Search:
         slows it further)."""
         assert w.schedule is not None and w.balance is not None
         costs = self.stage_costs(w, w.balance)
-        timeline = schedules.simulate(w.schedule, costs)
+        # The step's program: under dp, each stage's REDUCE_GRAD after its last gradient
+        # action and the rank's AWAIT_GRAD, timed by the simulator (schedules.program).
+        step = (schedules.program(w.schedule, Syncs(dp=True)) if w.config.dp > 1
+                else w.schedule)
+        timeline = schedules.simulate(step, costs)
         if self.contention > 1:
             slowed, factors = self.contended(w, costs, timeline)
             # Each rank's work, slowed, is a bound on the slowed step too.
@@ -196,23 +207,12 @@ class _Search:
             if max(timeline.makespan, busy) >= best:
                 w.bound = max(w.bound, timeline.makespan, busy)
                 return None
-            timeline = schedules.simulate(w.schedule, slowed)
-        span = timeline.makespan
+            timeline = schedules.simulate(step, slowed)
+        finish = timeline.makespan
         if w.config.dp == 1:
-            return span, 0.0, timeline
-        # Each stage's gradients are averaged as soon as its last backward ends; one rank's
-        # reductions run one after another.
-        done: dict[int, float] = {}
-        for e in timeline.events:
-            if e.action.op in (Op.B, Op.W):
-                done[e.action.stage] = max(done.get(e.action.stage, 0.0), e.end)
-        edges, finish = bounds(w.balance), span
-        for r in range(w.config.pp):
-            t = 0.0
-            for s in sorted(w.schedule.stages_of(r), key=lambda s: done.get(s, span)):
-                grads = self.profile.static_bytes(edges[s], edges[s + 1])[1]
-                t = max(t, done.get(s, span)) + self.link.allreduce(grads, w.config.dp)
-            finish = max(finish, t)
+            return finish, 0.0, timeline
+        # What the reductions add: the step's end past the end of the pipeline's own work.
+        span = max(e.end for e in timeline.events if e.action.op not in SYNC_OPS)
         return finish, finish - span, timeline
 
     def contended(self, w: _Work, costs: Costs, timeline: Timeline
@@ -241,7 +241,8 @@ class _Search:
 
         return Costs(forward=scaled(costs.forward), backward=scaled(costs.backward),
                      backward_input=scaled(costs.backward_input),
-                     backward_weight=scaled(costs.backward_weight), comm=costs.comm), factors
+                     backward_weight=scaled(costs.backward_weight), comm=costs.comm,
+                     reduce_grad=costs.reduce_grad), factors
 
     def least_budget(self, w: _Work) -> float:
         """The smallest budget per rank under which this candidate gets a split."""

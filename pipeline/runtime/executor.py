@@ -19,7 +19,8 @@ from pipeline.errors import PipelineError
 from pipeline.parallel.data_parallel import Mesh
 from pipeline.runtime.stage import StageRuntime, StepInputs, StepResult
 from pipeline.runtime.workers import RankWorkers
-from schedules import Action, Op, Schedule, Timeline
+from schedules import SYNC_OPS, Action, Op, Schedule, Timeline
+from schedules.validate_syncs import describe_sync
 
 __all__ = ["Executor"]
 
@@ -86,6 +87,7 @@ class Executor:
         timeline = Timeline(
             schedule.num_ranks, tuple(e for rt in self.runtimes for e in rt.events), "s",
             {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
+             **({"syncs": str(schedule.syncs)} if schedule.syncs is not None else {}),
              "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
              "devices": [str(d) for d in self.devices], "checkpoint": checkpoint,
              "t0": step.t0})  # time.perf_counter() at the step's start: events count from it
@@ -207,6 +209,8 @@ class Executor:
 
 
 def _describe(action: Action) -> str:
+    if action.op in SYNC_OPS:
+        return describe_sync(action)
     what = {Op.F: "forward", Op.B: "backward", Op.I: "input-gradient backward",
             Op.W: "weight-gradient backward", Op.U: "weight update"}.get(action.op, action.op.value)
     unit = "batch" if action.op is Op.U else "micro-batch"

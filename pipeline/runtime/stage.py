@@ -13,7 +13,6 @@ from torch import nn
 
 from pipeline.comm.transport import Transport, move
 from pipeline.errors import PipeConfigError
-from pipeline.parallel.data_parallel import last_gradient_actions
 from pipeline.runtime.batchnorm import microbatch_scope
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like
@@ -26,9 +25,10 @@ from pipeline.runtime.split_backward import (
     release,
     run_backward,
 )
+from pipeline.runtime.syncs import StepSyncs, handlers
 from pipeline.runtime.versions import WeightVersions, call_with
 from pipeline.runtime.weighting import zero_loss
-from schedules import Action, Event, Op
+from schedules import COMM_OPS, Action, Event, Op
 from schedules.lower import Message, message, source_stage
 
 __all__ = ["LossFn", "StageRuntime", "StepInputs", "StepResult"]
@@ -50,8 +50,7 @@ class StepInputs:
     track_memory: bool = False
     caller: CallerState = field(default_factory=CallerState)  # autocast, inference mode
     scaler: Any = None  # a torch.amp.GradScaler: each micro-batch's loss is scaled for backward
-    # Called with a stage once its gradients of the step are final (data parallelism).
-    grads_ready: Callable[[int], None] | None = None
+    syncs: StepSyncs | None = None  # what a program's sync actions call (runtime/syncs.py)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -74,7 +73,7 @@ class _Stash:
 
 
 class StageRuntime:
-    """Holds one rank's stages and runs its actions: F, B, I, W, U, SEND and RECV.
+    """Holds one rank's stages and runs its actions: F, B, I, W, U, SEND, RECV and the syncs.
 
     It never looks at which schedule it is running: the actions say everything. Data between
     stages on this rank stays here; data for another rank waits in the outbox for its SEND.
@@ -119,7 +118,8 @@ class StageRuntime:
         self._ready = 0.0  # when the current action had its inputs
         self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
                           Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
-                          Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post}
+                          Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post,
+                          Op.RECV_T: self._post, Op.RECV_G: self._post, **handlers(self)}
 
     # -- driving ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
@@ -135,18 +135,14 @@ class StageRuntime:
 
     def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         events, t0, clock = self.events, step.t0, time.perf_counter
-        ready = {} if step.grads_ready is None else last_gradient_actions(actions)
-        for i, action in enumerate(actions):
+        for action in actions:
             self.current = action
             self._ready = clock()
             self._handlers[action.op](action, step, result)
-            if action.is_compute:
-                # Compute time only: waiting for a peer's data is idle time (a bubble), so the
-                # clock starts when the handler has its inputs (see _received).
+            if action.op not in COMM_OPS:
+                # Compute (and sync) time only: waiting for a peer's data is idle time (a
+                # bubble), so the clock starts when the handler has its inputs (see _take).
                 events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
-            if i in ready:
-                assert step.grads_ready is not None
-                step.grads_ready(ready[i])
         self.current = None
         if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
             raise AssertionError(f"rank {self.rank}: left {sorted(self._stash)} stashed and "
@@ -169,6 +165,10 @@ class StageRuntime:
     def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
         msg = message(action)
         self.transport.post(msg, self.rank_of(source_stage(msg)))
+
+    def mark_ready(self, when: float) -> None:
+        """The current action has its inputs from now on (`time.perf_counter()`)."""
+        self._ready = when
 
     def _take(self, msg: Message, src_stage: int) -> tuple[Any, ...]:
         """The data `msg` carries: from this rank's own stage, or waited for from a peer."""

@@ -57,21 +57,30 @@ class WeightVersions:
         self._previous: dict[int, Weights] = {}
         self._num_batches = 0
         self._optimizer: Any = None
+        self._unopened: set[int] = set()  # stages whose versions this step has not taken
         self._lock = threading.Lock()  # one optimizer serves every stage of this process
 
     def open(self, num_batches: int, optimizer: Any = None) -> None:
+        """Start a step. Each stage's versions 0 and 1 are taken at its first use: after the
+        program's refresh of its tied weights (a copy takes its owner's value first)."""
         self._num_batches = num_batches
         self._optimizer = optimizer
         self._live.clear()
-        for s, module in self._modules.items():
-            current = _copy(module.named_parameters())
-            previous = self._previous.get(s)
-            self._live[(s, 0)] = previous if previous is not None else _copy(current.items())
-            self._live[(s, 1)] = current
-            for t in self._live[(s, 0)].values():
-                t.grad = None
+        self._unopened = set(self._modules)
+
+    def _open(self, s: int) -> None:
+        current = _copy(self._modules[s].named_parameters())
+        previous = self._previous.get(s)
+        self._live[(s, 0)] = previous if previous is not None else _copy(current.items())
+        self._live[(s, 1)] = current
+        for t in self._live[(s, 0)].values():
+            t.grad = None
+        self._unopened.discard(s)
 
     def weights(self, stage: int, version: int) -> Weights:
+        if stage in self._unopened:  # one rank's thread runs each stage: no race on a stage
+            with self._lock:
+                self._open(stage)
         return self._live[(stage, version)]
 
     def update(self, stage: int, batch: int) -> None:
@@ -102,11 +111,13 @@ class WeightVersions:
         n = self._num_batches
         self._previous = {s: self._live[(s, n)] for s in self._modules if (s, n) in self._live}
         self._live.clear()
+        self._unopened.clear()
         self._optimizer = None
 
     def abandon(self) -> None:
         """The step failed: forget its versions, keep the previous step's."""
         self._live.clear()
+        self._unopened.clear()
         self._optimizer = None
 
     @property

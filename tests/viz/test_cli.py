@@ -372,3 +372,20 @@ def test_absurd_inputs_get_one_line_and_exit_2_within_a_second(
 def test_the_largest_named_schedule_allowed_is_drawn(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "gpipe", "-p", "50", "-m", "100", "--width", "80")
     assert code == 0 and "rank 49" in out
+
+
+def test_syncs_draw_the_program(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--syncs places a step's syncs: a mark and a legend entry in text, a strip in SVG, and the
+    JSON timeline holds every sync action."""
+    args = ["1f1b", "-p", "2", "-m", "2", "--syncs", "ties=0:1 dp scaler", "--costs",
+            "REDUCE_GRAD=1.5,OVERFLOW=0.5"]
+    assert main([*args, "--width", "80", "--color", "never"]) == 0
+    text = capsys.readouterr().out
+    assert "sync (ties, dp, scaler)" in text and "Rd1***" in text
+    assert main([*args, "-o", str(tmp_path / "p.svg")]) == 0
+    assert 'class="action op-sync"' in (tmp_path / "p.svg").read_text()
+    assert main([*args, "-f", "json"]) == 0
+    ops = {e.action.op for e in Timeline.from_json(capsys.readouterr().out).events}
+    assert ops >= schedules.SYNC_OPS
+    assert main(["1f1b", "-p", "2", "-m", "2", "--syncs", "ties=0:5"]) == 2
+    assert "name stage 5" in capsys.readouterr().err

@@ -100,7 +100,8 @@ def test_failure_marks_a_slot_past_the_end() -> None:
 
 
 def test_helpers() -> None:
-    assert [kind_of(op) for op in Op] == ["F", "B", "I", "W", "U", "comm", "comm", "comm", "comm"]
+    assert [kind_of(op) for op in Op] == ["F", "B", "I", "W", "U", "comm", "comm", "comm", "comm",
+                                          *["sync"] * 9]
     assert format_number(33.0) == "33" and format_number(0.125) == "0.125"
     assert format_number(-0.0001) == "0"
     assert format_costs(Costs(forward=(1, 2), comm=0.1), ("F",)) == "F=1/2 comm=0.1"
@@ -111,3 +112,15 @@ def test_helpers() -> None:
     assert time_scale("s", 2e-4) == (1e6, "us")
     assert time_scale("s", 3) == (1.0, "s")
     assert time_scale("cost", 3) == (1.0, "cost units")
+
+
+def test_sync_boxes_are_labelled_and_no_bubble() -> None:
+    program = schedules.program(schedules.get_schedule("1f1b", 2, 2),
+                                schedules.Syncs.of([(0, [1])], dp=True))
+    lay = layout(program, costs=Costs(reduce_grad=1.0))
+    labels = {b.label for lane in lay.lanes for b in lane.boxes if b.kind == "sync"}
+    assert labels == {"St1", "Rt0", "Ts0", "Rd0", "Rd1", "Aw", "Sg0", "Rg1", "Ta1"}
+    plain = layout(schedules.lower(schedules.get_schedule("1f1b", 2, 2)))
+    # A background reduction is not work: the bubbles end where the plain schedule's do.
+    assert lay.lanes[1].gaps[:-1] == plain.lanes[1].gaps[:-1]
+    assert "sync" in lay.kinds
