@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -19,15 +18,15 @@ from pipeline.parallel import agreement, ties
 from pipeline.parallel.clipping import clip_grad_norm
 from pipeline.parallel.data_parallel import Replicas
 from pipeline.parallel.scaling import agree_on_overflow
-from pipeline.runtime import weighting
+from pipeline.runtime import batches, weighting
 from pipeline.runtime.batchnorm import DeferredBatchNorm, check_mode
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.executor import Executor
-from pipeline.runtime.microbatch import backward_inputs, from_tuple, gather, like, scatter
+from pipeline.runtime.microbatch import backward_inputs, gather
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.versions import WeightVersions
-from pipeline.runtime.weighting import LossWeight, Weighting
+from pipeline.runtime.weighting import LossWeight
 from pipeline.splitting import checks, config
 from pipeline.state import model_state
 from schedules import Action, Op, Schedule, Syncs, Timeline
@@ -195,42 +194,6 @@ class Pipe(nn.Module):
         """Last stage's result to every rank (multi-process); as is in one process."""
         return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
 
-    def _context(self, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
-                 how: weighting.Weighting | None = None
-                 ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
-        """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights
-        (`how` weighs them: see pipeline/runtime/weighting.py)."""
-        checks.check_batch(x, target, chunks)
-        last = len(self.balance) - 1
-        rank = self.world[0] if self.world else None
-        if 0 in self.local_stages:
-            if x is None:
-                raise PipeConfigError(f"rank {rank} holds the first stage and needs the input: "
-                                      f"pass x (only other ranks may pass None)")
-            inputs = scatter(x, chunks)
-        else:
-            inputs = [()] * chunks
-        targets = None
-        weights = [1.0 / chunks] * chunks
-        if loss_fn is not None and last in self.local_stages:
-            if target is None:
-                raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
-                                      f"pass target (only other ranks may pass None)")
-            assert how is not None
-            device = self.devices[self._probe.rank_of(last)]
-            parts = scatter(target, chunks)
-            values = [from_tuple(p) for p in parts]  # as loss_fn receives them
-            measures = how.measures(values)
-            total, scale = (self._replicas.weighting(sum(measures)) if self._replicas
-                            else (sum(measures), 1.0))
-            weights = how.weights(measures, total, scale)
-            if not self._warned_padding and how.looks_padded(values):
-                self._warned_padding = True  # once per Pipe
-                warnings.warn(weighting.padding_warning(loss_fn), UserWarning, stacklevel=4)
-            targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
-                                              for v in part))) for part in parts]
-        return inputs, targets, weights
-
     def _forward_only(self, chunks: int) -> Schedule:
         """The schedule's forwards in its order, lowered; inference uses the current weights."""
         key = (chunks, 0)  # no batch count is 0: a key of its own in the cache
@@ -250,7 +213,7 @@ class Pipe(nn.Module):
         """
         chunks = self.chunks if chunks is None else chunks
         self._agreement.check(self, [(x, None)])
-        inputs, _, _ = self._context(x, None, None, chunks)
+        inputs, _, _ = batches.share(self, x, None, None, chunks)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
                           _step_seed(), caller=CallerState.capture(),
                           syncs=StepSyncs(ties=self._tie_link))
@@ -331,39 +294,11 @@ class Pipe(nn.Module):
             self._replicas.agree(self, len(pairs))
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         program = self.program(self.chunks, batches=len(pairs), scaler=scaler is not None)
-        step = self._step_inputs(program, pairs, loss_fn, how, scaler)
+        step = batches.step_inputs(self, program, pairs, loss_fn, how, scaler, _step_seed())
         result = self._run(program, step, optimizer)
         if result.input_grads:
             backward_inputs([x for x, _ in pairs], result.input_grads, self.chunks)
         return self._losses(result, len(pairs))
-
-    def _step_inputs(self, program: Schedule, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
-                     how: Weighting, scaler: Any) -> StepInputs:
-        """What every rank's part of `program` reads: this rank's share of the batches, and
-        what the program's syncs call."""
-        m = self.chunks
-        inputs: list[tuple[Any, ...]] = []
-        targets: list[Any] = []
-        weights: list[float] = []
-        for x, target in pairs:
-            i, t, w = self._context(x, target, loss_fn, m, how)
-            inputs += i
-            targets += t or []
-            weights += w
-        total = m * len(pairs)
-        checkpointed = [self.checkpoint == "always" or (self.checkpoint == "except_last"
-                                                        and k % m != m - 1) for k in range(total)]
-        versioned = any(a.version is not None for row in program.actions for a in row)
-        replicas = self._replicas
-        syncs = StepSyncs(ties=self._tie_link if self._ties else None,
-                          reduce=replicas.grads_ready if replicas is not None else None,
-                          wait=replicas.wait_grads if replicas is not None else None,
-                          overflow=(lambda: self._agree_on_overflow(scaler))
-                          if scaler is not None else None)
-        return StepInputs(inputs, targets, loss_fn, weights, checkpointed, _step_seed(),
-                          versions=self._versions if versioned else None,
-                          track_memory=self.track_memory, caller=CallerState.capture(),
-                          scaler=scaler, syncs=syncs)
 
     def _agree_on_overflow(self, scaler: Any) -> None:
         """The program's OVERFLOW: this rank's scaler sees an overflow if any rank had one."""

@@ -1,0 +1,85 @@
+"""A step's inputs on one rank: its share of the batches, their loss weights, the syncs' calls."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from pipeline.errors import PipeConfigError
+from pipeline.runtime import weighting
+from pipeline.runtime.context import CallerState
+from pipeline.runtime.microbatch import from_tuple, like, scatter
+from pipeline.runtime.stage import LossFn, StepInputs
+from pipeline.runtime.syncs import StepSyncs
+from pipeline.splitting import checks
+from schedules import Schedule
+
+__all__ = ["share", "step_inputs"]
+
+
+def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
+          how: weighting.Weighting | None = None
+          ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
+    """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights
+    (`how` weighs them: see pipeline/runtime/weighting.py)."""
+    checks.check_batch(x, target, chunks)
+    last = len(pipe.balance) - 1
+    rank = pipe.world[0] if pipe.world else None
+    if 0 in pipe.local_stages:
+        if x is None:
+            raise PipeConfigError(f"rank {rank} holds the first stage and needs the input: "
+                                  f"pass x (only other ranks may pass None)")
+        inputs = scatter(x, chunks)
+    else:
+        inputs = [()] * chunks
+    targets = None
+    weights = [1.0 / chunks] * chunks
+    if loss_fn is not None and last in pipe.local_stages:
+        if target is None:
+            raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
+                                  f"pass target (only other ranks may pass None)")
+        assert how is not None
+        device = pipe.devices[pipe._probe.rank_of(last)]
+        parts = scatter(target, chunks)
+        values = [from_tuple(p) for p in parts]  # as loss_fn receives them
+        measures = how.measures(values)
+        total, scale = (pipe._replicas.weighting(sum(measures)) if pipe._replicas
+                        else (sum(measures), 1.0))
+        weights = how.weights(measures, total, scale)
+        if not pipe._warned_padding and how.looks_padded(values):
+            pipe._warned_padding = True  # once per Pipe
+            warnings.warn(weighting.padding_warning(loss_fn), UserWarning, stacklevel=5)
+        targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
+                                          for v in part))) for part in parts]
+    return inputs, targets, weights
+
+
+def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
+                how: weighting.Weighting, scaler: Any, seed: int) -> StepInputs:
+    """What every rank's part of `program` reads: this rank's share of the batches, and
+    what the program's syncs call."""
+    m = pipe.chunks
+    inputs: list[tuple[Any, ...]] = []
+    targets: list[Any] = []
+    weights: list[float] = []
+    for x, target in pairs:
+        i, t, w = share(pipe, x, target, loss_fn, m, how)
+        inputs += i
+        targets += t or []
+        weights += w
+    total = m * len(pairs)
+    checkpointed = [pipe.checkpoint == "always" or (pipe.checkpoint == "except_last"
+                                                    and k % m != m - 1) for k in range(total)]
+    versioned = any(a.version is not None for row in program.actions for a in row)
+    replicas = pipe._replicas
+    syncs = StepSyncs(ties=pipe._tie_link if pipe._ties else None,
+                      reduce=replicas.grads_ready if replicas is not None else None,
+                      wait=replicas.wait_grads if replicas is not None else None,
+                      overflow=(lambda: pipe._agree_on_overflow(scaler))
+                      if scaler is not None else None)
+    return StepInputs(inputs, targets, loss_fn, weights, checkpointed, seed,
+                      versions=pipe._versions if versioned else None,
+                      track_memory=pipe.track_memory, caller=CallerState.capture(),
+                      scaler=scaler, syncs=syncs)
