@@ -23,10 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
-from schedules import Action, Op
 
-__all__ = ["SHARDING", "GradSync", "Mesh", "Replicas", "last_gradient_actions",
-           "resolve_mesh"]
+__all__ = ["SHARDING", "GradSync", "Mesh", "Replicas", "resolve_mesh"]
 
 SHARDING = ("replicate", "fsdp")
 
@@ -83,15 +81,6 @@ def resolve_mesh(mesh: Any, group: Any) -> Mesh | None:
                 dist.get_rank(dp) if dp is not None else 0,
                 dist.get_world_size(dp) if dp is not None else 1, dist.get_rank(pp),
                 dist.get_world_size(pp), ranks)
-
-
-def last_gradient_actions(actions: Sequence[Action]) -> dict[int, int]:
-    """Index in a rank's actions -> the stage whose gradients are final once it has run."""
-    last: dict[int, int] = {}
-    for i, action in enumerate(actions):
-        if action.op in (Op.B, Op.W, Op.U):
-            last[action.stage] = i
-    return {i: stage for stage, i in last.items()}
 
 
 @dataclass

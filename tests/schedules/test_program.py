@@ -164,3 +164,12 @@ def test_action_text_stays_out_of_torchs_grammar() -> None:
     with pytest.raises(ScheduleError, match="program with syncs"):
         dumps_csv(p)
     assert schedules.Syncs.parse(str(SYNCS)) == SYNCS
+
+
+def test_the_last_gradient_action_of_each_stage() -> None:
+    """Where REDUCE_GRAD goes: after each stage's last B, W (or U) of the rank's row."""
+    from schedules.program import _last_gradients
+
+    row = (Action(0, Op.F, 0), Action(1, Op.F, 0), Action(1, Op.B, 0), Action(0, Op.I, 0),
+           Action(1, Op.B, 1), Action(0, Op.W, 0))
+    assert _last_gradients(row) == {1: 4, 0: 5}

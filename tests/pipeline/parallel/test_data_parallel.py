@@ -9,8 +9,7 @@ import torch
 
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import RankFailed, spawn
-from pipeline.parallel.data_parallel import _chunks, _union, last_gradient_actions
-from schedules import Action, Op
+from pipeline.parallel.data_parallel import _chunks, _union
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dp_workers, replica_workers
 
@@ -67,12 +66,6 @@ def test_replicas_that_disagree_raise_pipe_config_error() -> None:
 def test_a_mesh_that_is_not_a_named_device_mesh_is_refused(mesh: object) -> None:
     with pytest.raises(PipeConfigError, match="DeviceMesh with named dimensions"):
         Pipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], mesh=mesh)
-
-
-def test_the_last_gradient_action_of_each_stage() -> None:
-    actions = [Action(0, Op.F, 0), Action(1, Op.F, 0), Action(1, Op.B, 0), Action(0, Op.I, 0),
-               Action(1, Op.B, 1), Action(0, Op.W, 0)]
-    assert last_gradient_actions(actions) == {4: 1, 5: 0}
 
 
 def test_buckets_and_time_unions() -> None:
