@@ -190,8 +190,11 @@ class StageRuntime:
         elif msg[0] == "F":
             # The input's rows ride along as the shape of an empty tensor: in the header only,
             # sent when it changes, read without waiting on a device.
-            rows = torch.empty((self._rows.get(msg[2]) or 0, 0), dtype=torch.uint8,
-                               device=self.device)
+            # Known here: set by stage 0's forward (check_batch made sure the input has rows)
+            # or by the message that brought this micro-batch to this rank.
+            count = self._rows[msg[2]]
+            assert count is not None, f"micro-batch {msg[2]}: its input rows are unknown"
+            rows = torch.empty((count, 0), dtype=torch.uint8, device=self.device)
             self._outbox[msg] = like(values, (*values, rows))
         else:
             self._outbox[msg] = values
