@@ -28,6 +28,7 @@ from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.versions import WeightVersions
 from pipeline.runtime.weighting import LossWeight
 from pipeline.splitting import checks, config
+from pipeline.splitting.traced import SplitModel, merge_into
 from pipeline.state import model_state
 from schedules import Action, Op, Schedule, Syncs, Timeline
 
@@ -41,9 +42,11 @@ class Pipe(nn.Module):
     See docs/pipe.md for the arguments; `step` trains, `forward` infers.
     """
 
+    _io: SplitModel | None  # a model split from its graph (see pipeline/splitting/split.py)
+
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         balance: Sequence[int] | str | None = None,
         *,
         stages: int | None = None,
@@ -60,8 +63,13 @@ class Pipe(nn.Module):
         param_init: str | bootstrap.ParamInit = "reset",
         deferred_batch_norm: bool | str = False,
         broadcast_buffers: bool = True,
+        example_inputs: Any = None,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        model, balance, stages = config.split_model(model, example_inputs, split_points,
+                                                    balance, stages, devices, schedule,
+                                                    group, mesh)
         self.timeout = config.check_arguments(model, chunks, checkpoint, param_init, timeout,
                                               devices)
         self.chunks = chunks
@@ -90,11 +98,17 @@ class Pipe(nn.Module):
                            if c.param is not None for m, a in c.places)
         # Register the (local) layers under their original names: same Parameters, same keys.
         names = list(model._modules)  # named_children() would skip a layer used twice
+        # A model split from its graph: its inputs flattened, its outputs rebuilt (not a child).
+        self.__dict__["_io"] = model if isinstance(model, SplitModel) else None
         for s in self.local_stages:
             device = self.devices[self._probe.rank_of(s)]
             for i in range(bounds[s], bounds[s + 1]):
-                self.add_module(names[i], bootstrap.materialize(
-                    layers[i], device, name=names[i], param_init=param_init, exempt=copies))
+                layer = bootstrap.materialize(layers[i], device, name=names[i],
+                                              param_init=param_init, exempt=copies)
+                if self._io is not None:  # the model's tree, by the model's keys
+                    merge_into(self, layer)
+                else:
+                    self.add_module(names[i], layer)
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._agreement = agreement.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
@@ -212,6 +226,7 @@ class Pipe(nn.Module):
         stage's rank and None on the others.
         """
         chunks = self.chunks if chunks is None else chunks
+        x = self._io.flatten(x) if self._io is not None else x
         self._agreement.check(self, [(x, None)])
         inputs, _, _ = batches.share(self, x, None, None, chunks)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
@@ -221,7 +236,8 @@ class Pipe(nn.Module):
             result = self._run(self.program(chunks, train=False), step)
         if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
-        return gather([result.outputs[m] for m in range(chunks)])
+        out = gather([result.outputs[m] for m in range(chunks)])
+        return self._io.unflatten(out, _mode(self)) if self._io is not None else out
 
     def step(self, x: Any, target: Any, loss_fn: LossFn, *,
              loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
@@ -289,6 +305,9 @@ class Pipe(nn.Module):
         ranks is an action of the program (schedules/program.py)."""
         checks.check_loss_fn(loss_fn)
         how = weighting.resolve(loss_fn, loss_reduction, loss_weight)
+        if self._io is not None:  # the model's inputs flattened, its outputs rebuilt
+            pairs = [(self._io.flatten(x), t) for x, t in pairs]
+            loss_fn = self._io.with_outputs(loss_fn, _mode(self))
         self._agreement.check(self, pairs)
         if self._replicas is not None:
             self._replicas.agree(self, len(pairs))
@@ -365,6 +384,13 @@ class Pipe(nn.Module):
         if self._batch_norm is not None:
             self._batch_norm.remove()
 
+    def train(self, mode: bool = True) -> Pipe:
+        """As `nn.Module.train`; a model split from its graph runs its train or eval graph."""
+        super().train(mode)
+        for part in self.partitions:
+            part.train(mode)
+        return self
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """As `nn.Module`'s, with each weight tied across stages once (its owner's)."""
@@ -425,6 +451,10 @@ class Pipe(nn.Module):
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
+
+
+def _mode(module: nn.Module) -> str:
+    return "train" if module.training else "eval"
 
 
 def _step_seed() -> int:

@@ -21,6 +21,7 @@ from torch import nn
 
 from pipeline.errors import PipeConfigError
 from pipeline.splitting import partition
+from pipeline.splitting.traced import layer_key
 
 __all__ = ["Copy", "Tie", "TieLink", "find_ties", "link", "register_hooks", "untie"]
 
@@ -53,7 +54,7 @@ def _uses(model: nn.Sequential) -> Iterator[tuple[int, str, nn.Module, str, nn.P
         for path, module in layer.named_modules(remove_duplicate=False):
             for attr, p in module._parameters.items():
                 if p is not None:
-                    key = ".".join(part for part in (name, path, attr) if part)
+                    key = layer_key(model, name, ".".join(p for p in (path, attr) if p))
                     yield i, key, module, attr, p
 
 

@@ -17,9 +17,11 @@ from pipeline.runtime.recompute import CHECKPOINT_MODES
 from pipeline.splitting import checks
 from pipeline.splitting.partition import BalanceError, bounds, partition, split_sizes
 from pipeline.splitting.profile import layer_params, layer_sizes, layer_times
+from pipeline.splitting.split import split as split_graph
 from schedules import Schedule
 
-__all__ = ["Layout", "check_arguments", "check_sharding", "make_schedule", "resolve"]
+__all__ = ["Layout", "balance_layers", "check_arguments", "check_sharding", "make_schedule",
+           "resolve", "split_model"]
 
 _METHODS = ("uniform", "params", "time", "size")
 
@@ -157,6 +159,54 @@ def _resolve_balance(model: nn.Sequential, balance: Sequence[int] | str | None,
         return partition(costs, k)
     # Several processes: rank 0 profiles and every rank takes its balance (profiles differ).
     return bootstrap.from_first_rank(group, profiled) if world else profiled()
+
+
+def split_model(model: nn.Module, example_inputs: Any, split_points: Sequence[str] | None,
+                balance: Sequence[int] | str | None, stages: int | None,
+                devices: Sequence[str | torch.device] | None, schedule: str | Schedule,
+                group: Any, mesh: Any) -> tuple[nn.Sequential, Sequence[int] | str | None,
+                                                int | None]:
+    """With `example_inputs`, the model split from its exported graph (one layer per stage)
+    and the balance and stage count that say so; else the arguments as they are."""
+    if example_inputs is None:
+        if split_points is not None:
+            raise PipeConfigError("split_points= name modules of a model split from its "
+                                  "graph: pass example_inputs= too (what the model is called "
+                                  "with)")
+        if not isinstance(model, nn.Sequential):
+            raise PipeConfigError(
+                f"Pipe takes an nn.Sequential, or any model with example_inputs= (what it is "
+                f"called with) to split it from its graph (got {type(model).__name__} without "
+                f"example_inputs); e.g. Pipe(model, example_inputs={{'input_ids': ids}}, "
+                f"split_points=['model.layers.2'])")
+        return model, balance, stages
+    if split_points is not None and stages is not None and stages != len(split_points) + 1:
+        raise PipeConfigError(f"stages={stages} disagrees with {len(split_points)} split "
+                              f"points (stages = split points + 1); give one of them")
+    if isinstance(balance, list | tuple):
+        raise PipeConfigError(
+            f"balance={list(balance)} counts layers of an nn.Sequential; a model split from "
+            f"its graph takes split_points=[module names], or stages=N with balance one of "
+            f"{_METHODS}")
+    placement = resolve_mesh(mesh, group)
+    world = bootstrap.world(placement.pp if placement is not None else group)
+    if split_points is None and stages is None:
+        count = len(devices) if devices is not None else (world[1] if world else 2)
+        stages = count * _stages_per_rank(schedule, None, None, count)
+    method = balance or "params"
+    if method not in _METHODS:
+        raise PipeConfigError(f"balance must be one of {_METHODS} (got {balance!r})")
+    pp = placement.pp if placement is not None else group
+    split = split_graph(model, example_inputs, split_points=split_points,
+                        stages=None if split_points is not None else stages, balance=method,
+                        agree=(lambda f: bootstrap.from_first_rank(pp, f)) if world else None)
+    return split, [1] * len(split), None
+
+
+def balance_layers(model: nn.Sequential, method: str, stages: int, sample: Any) -> list[int]:
+    """Layers per stage for `stages` stages of `model` by `method` (one of "uniform",
+    "params", "time", "size"), in this process."""
+    return _resolve_balance(model, method, stages, None, 1, sample, None, None)
 
 
 def make_schedule(arg: str | Schedule, balance: list[int], num_ranks: int, chunks: int,

@@ -12,6 +12,7 @@ from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.splitting import checks, partition
+from pipeline.splitting.traced import layer_key
 
 __all__ = ["full_state_dict", "load_training_state", "loadable", "tied_keys", "training_state"]
 
@@ -31,7 +32,7 @@ def full_state_dict(pipe: Any, dst: int) -> dict[str, torch.Tensor] | None:
     for i, name in enumerate(model._modules):
         rank = pipe._probe.rank_of(stage_of[i])
         for key in model._modules[name].state_dict():
-            owner[f"{name}.{key}"] = rank
+            owner[layer_key(model, name, key)] = rank
     for tie in pipe._ties:  # a tied weight's copies are reported by its owner's rank
         owner.update({k: pipe._probe.rank_of(tie.stage) for c in tie.copies for k in c.keys})
     try:

@@ -1,0 +1,102 @@
+"""`split`: any model into pipeline stages at module boundaries, from its exported graph."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from pipeline.errors import PipeConfigError
+from pipeline.splitting import cut as cutting
+from pipeline.splitting import trace
+from pipeline.splitting.traced import MODES, SplitModel, TracedStage, place_tensors
+
+__all__ = ["Agree", "block_points", "split"]
+
+
+Agree = Callable[[Callable[[], list[int]]], list[int]]
+
+
+def split(model: nn.Module, example_inputs: Any, *, split_points: Sequence[str] | None = None,
+          stages: int | None = None, balance: str = "params",
+          agree: Agree | None = None) -> SplitModel:
+    """Split `model` into stages at module boundaries: before each module named in
+    `split_points` (names from `model.named_modules()`, in the order they run), or into
+    `stages` parts at the model's repeated blocks, balanced by `balance` ("params",
+    "uniform", "time" or "size", as Pipe's balance). `example_inputs` is what the model is
+    called with (a tensor, a tuple of arguments, a dict of keyword arguments, or a pair
+    (args, kwargs)); it may live on the meta device, with the model. Returns an
+    nn.Sequential of stages to inspect or pass to Pipe; its tensors are the model's own
+    objects. `agree` (Pipe's, over processes) makes every rank take rank 0's profiled
+    split."""
+    if (split_points is None) == (stages is None):
+        raise PipeConfigError("give split points (split_points=['model.layers.2', ...]) or "
+                              "a stage count (stages=N), not both and not neither")
+    args, kwargs = trace.check_example(example_inputs)
+    programs = {mode: trace.export(model, args, kwargs, train=mode == "train")
+                for mode in MODES}
+    if split_points is None:
+        assert stages is not None
+        split_points = _choose(model, programs["train"], (args, kwargs), stages, balance,
+                               agree)
+    return _build(model, programs, split_points)
+
+
+def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[str]
+           ) -> SplitModel:
+    pieces = {mode: cutting.cut(ep, model, split_points) for mode, ep in programs.items()}
+    num = len(split_points) + 1
+    stages = [TracedStage(s, {m: pieces[m][s] for m in MODES}) for s in range(num)]
+    used = [set(itertools.chain.from_iterable(pieces[m][s].tensors for m in MODES))
+            for s in range(num)]
+    place_tensors(model, stages, used)
+    for stage in stages:
+        stage.compile()
+    train = programs["train"]
+    in_spec = train.call_spec.in_spec
+    constants = {i: value for i, (_, value, tensor) in enumerate(cutting.user_inputs(train))
+                 if not tensor}
+    return SplitModel(stages, in_spec, {m: programs[m].call_spec.out_spec for m in MODES},
+                      constants, split_points)
+
+
+def block_points(model: nn.Module, ep: Any) -> list[str]:
+    """The model's repeated blocks in run order (the children of its largest ModuleList or
+    Sequential that run): where an automatic split may begin a stage."""
+    order = cutting.module_order(ep)
+    groups: dict[str, list[str]] = {}
+    for name in order:
+        parent, _, last = name.rpartition(".")
+        if last.isdigit() and isinstance(model.get_submodule(parent) if parent else model,
+                                         nn.ModuleList | nn.Sequential):
+            groups.setdefault(parent, []).append(name)
+    if not groups:
+        raise PipeConfigError(
+            f"{type(model).__name__} has no ModuleList or Sequential of blocks to split "
+            f"between automatically: give split_points=[module names] (e.g. "
+            f"{order[1:3]})")
+    blocks = max(groups.values(), key=len)
+    return blocks
+
+
+def _choose(model: nn.Module, ep: Any, example: tuple[Any, Any], stages: int,
+            balance: str, agree: Agree | None) -> list[str]:
+    """Split points for `stages` stages: cut at every block, balance the pieces as Pipe
+    balances layers, keep the cuts between stages."""
+    from pipeline.splitting.config import balance_layers  # config imports this module
+
+    points = block_points(model, ep)[1:]  # the first block's stage starts with the model
+    if stages < 1 or stages > len(points) + 1:
+        raise PipeConfigError(
+            f"stages must be between 1 and {len(points) + 1} (the model has "
+            f"{len(points) + 1} blocks to split between), got {stages}")
+    if stages == 1:
+        return []
+    fine = _build(model, {m: ep for m in MODES}, points)
+
+    def sizes() -> list[int]:
+        return balance_layers(fine, balance, stages, fine.flatten(example))
+    chosen = agree(sizes) if agree is not None and balance in ("time", "size") else sizes()
+    return [points[b - 1] for b in list(itertools.accumulate(chosen))[:-1]]

@@ -1,0 +1,138 @@
+"""Capture a model's forward as one graph with torch.export, or say clearly why it cannot be.
+
+Non-strict export runs the model's own Python with fake tensors and records the aten ops it
+calls (the training IR: not functionalised, so dropout draws from the global generator and
+BatchNorm updates its running statistics in place, as in eager mode). Dim 0 of every input
+tensor is left symbolic, so one capture serves every micro-batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from pipeline.errors import PipeConfigError
+
+__all__ = ["ExportError", "check_example", "export"]
+
+
+class ExportError(PipeConfigError):
+    """torch.export could not capture the model (or captured it in a form Pipe cannot split)."""
+
+
+def check_example(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`example_inputs` as (args, kwargs): a tensor, a tuple of positional arguments, or a
+    pair (args tuple, kwargs dict), as torch.export takes them."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if (isinstance(example_inputs, tuple) and len(example_inputs) == 2
+            and isinstance(example_inputs[0], tuple) and isinstance(example_inputs[1], dict)):
+        return example_inputs[0], dict(example_inputs[1])
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    raise ExportError(
+        f"example_inputs must be a tensor, a tuple of positional arguments, a dict of keyword "
+        f"arguments or a pair (args, kwargs) (got {type(example_inputs).__name__}); e.g. "
+        f"example_inputs=((), {{'input_ids': ids}}) for model(input_ids=ids)")
+
+
+def export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+           train: bool) -> torch.export.ExportedProgram:
+    """The model's forward in `train` (or eval) mode as an ExportedProgram, with a symbolic
+    batch dimension; the model's own mode is restored afterwards."""
+    was_training = model.training
+    model.train(train)
+    stack: list[str] = []
+    try:
+        with _module_stack(model, stack):
+            ep = torch.export.export(model, args, kwargs, strict=False,
+                                     dynamic_shapes=_batch_dims(model, args, kwargs))
+    except ExportError:
+        raise
+    except Exception as exc:  # export raises many types; each becomes one clear refusal
+        raise _refusal(model, stack, exc) from exc
+    finally:
+        model.train(was_training)
+    _check_batch_dim(ep, args, kwargs)
+    return ep
+
+
+def _batch_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Dim 0 of every tensor symbolic, keyed by the forward's parameter names as export wants
+    (AUTO: export keeps it static only where the model needs it to be, which
+    `_check_batch_dim` then reports)."""
+    auto = torch.export.Dim.AUTO
+
+    def dims(value: Any) -> Any:
+        return pytree.tree_map(lambda v: {0: auto} if isinstance(v, torch.Tensor)
+                               and v.dim() > 0 else None, value)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ExportError(f"example_inputs do not fit {type(model).__name__}.forward: "
+                          f"{exc}") from None
+    return {name: dims(value) for name, value in bound.arguments.items()}
+
+
+def _check_batch_dim(ep: torch.export.ExportedProgram, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> None:
+    leaves = [v for v in pytree.tree_leaves((args, kwargs))
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    from pipeline.splitting.cut import user_inputs  # cut imports this module
+
+    tensors = [node for node, _, tensor in user_inputs(ep) if tensor]
+    for node, leaf in zip(tensors, leaves, strict=False):
+        size = node.meta["val"].shape[0]
+        if isinstance(size, int) and leaf.shape[0] > 1:
+            raise ExportError(
+                f"the model fixes the batch size of input {node.name!r} to {size} (export "
+                f"found code that depends on it), so its stages could not run micro-batches "
+                f"of another size: remove the dependence on the batch size, or split the "
+                f"model by hand into an nn.Sequential")
+
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
+    """Keep in `stack` the names of the modules whose forward is running, innermost last, so
+    a failure can name the module it happened in (non-strict export runs the model's
+    Python, so hooks fire)."""
+    handles = []
+    for name, module in model.named_modules():
+        def pre(_m: nn.Module, _a: Any, name: str = name) -> None:
+            stack.append(name or type(model).__name__)
+
+        def post(_m: nn.Module, _a: Any, _o: Any) -> None:
+            if stack:
+                stack.pop()
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _refusal(model: nn.Module, stack: list[str], exc: Exception) -> ExportError:
+    """The error a user sees: which module, which line of their code, what torch said, and
+    the two ways forward."""
+    where = stack[-1] if stack else type(model).__name__
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/pipeline/" not in f.filename]
+    line = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ExportError(
+        f"torch.export could not capture {type(model).__name__}: in module {where!r}{line}: "
+        f"{type(exc).__name__}: {said}. Pipe splits a model from its exported graph, so every "
+        f"module must be exportable: rewrite that construct (data-dependent Python control "
+        f"flow becomes torch.cond or a tensor expression), or split the model by hand into "
+        f"an nn.Sequential of stages and pass that to Pipe")

@@ -1,0 +1,275 @@
+"""A model split from its exported graph: stages that run that graph on the model's own tensors.
+
+`SplitModel` is an nn.Sequential of `TracedStage`s, so everything built for Sequential stages
+(schedules, recomputation, ties, dp x pp, checkpoints, the planner) takes it as it is. Each
+stage holds, under their names in the model, the model's own Parameter and buffer objects it
+reads: whole submodules where one stage uses all of a module (so `reset_parameters`, a
+user's `param_init` and BatchNorm hooks see real modules), `Mirror` containers where several
+stages share a module. Its state_dict keys are the model's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from pipeline.errors import PipeConfigError
+from pipeline.splitting.cut import Piece
+from pipeline.splitting.trace import check_example
+
+__all__ = ["MODES", "Mirror", "SplitModel", "TracedStage", "layer_key", "merge_into",
+           "place_tensors"]
+
+MODES = ("train", "eval")
+
+
+class Mirror(nn.Module):
+    """Stands for a module of the model whose tensors more than one stage reads: it holds
+    this stage's share of them (the same objects) under the module's attribute names."""
+
+
+class TracedStage(nn.Module):
+    """One stage: takes the tuple of values crossing into it and returns the tuple crossing
+    out, running the train or the eval graph as `self.training` says (model.eval() turns
+    dropout off and BatchNorm to its running statistics, as in the model)."""
+
+    def __init__(self, index: int, pieces: dict[str, Piece]) -> None:
+        super().__init__()
+        self.index = index
+        self.inputs = {m: tuple(p.inputs) for m, p in pieces.items()}
+        self.outputs = {m: tuple(p.outputs) for m, p in pieces.items()}
+        self.__dict__["_pieces"] = pieces  # compiled once the tensors are in place
+        self.__dict__["_code"] = {}
+
+    def compile(self) -> None:
+        """Generate each mode's forward, naming this stage's attributes."""
+        for mode, piece in self.__dict__.pop("_pieces").items():
+            graph = piece.graph
+            for node in graph.nodes:
+                if node.op == "get_attr" and (node.target in piece.submodules
+                                              or node.target in piece.constants):
+                    name = f"_{mode}{node.target if node.target.startswith('_') else '_'}"
+                    name = name + ("" if node.target.startswith("_") else str(node.target))
+                    if node.target in piece.submodules:
+                        self.add_module(name, piece.submodules[node.target])
+                    else:
+                        self.register_buffer(name, piece.constants[node.target],
+                                             persistent=False)
+                    node.target = name
+            module = fx.GraphModule(self, graph)
+            self.__dict__["_code"][mode] = type(module).forward
+
+    def forward(self, values: Any) -> tuple[Any, ...]:
+        values = values if isinstance(values, tuple) else (values,)
+        mode = "train" if self.training else "eval"
+        expected = self.inputs[mode]
+        if len(values) != len(expected):
+            raise PipeConfigError(
+                f"stage {self.index} takes {len(expected)} values in {mode} mode "
+                f"({', '.join(expected)}), got {len(values)}: a SplitModel's stages run "
+                f"in the mode it had when it was split, or after .train()/.eval()")
+        result: tuple[Any, ...] = self.__dict__["_code"][mode](self, *values)
+        return result
+
+    def extra_repr(self) -> str:
+        return (f"index={self.index}, takes={list(self.inputs['train'])}, "
+                f"gives={list(self.outputs['train'])}")
+
+
+class SplitModel(nn.Sequential):
+    """The stages of a model split at module boundaries (see `pipeline.split`). Calling it as
+    the model is called (`split(input_ids=...)`) runs the stages one after another; `Pipe`
+    takes it as one stage per layer."""
+
+    def __init__(self, stages: Sequence[TracedStage], in_spec: pytree.TreeSpec,
+                 out_specs: dict[str, pytree.TreeSpec], constants: dict[int, Any],
+                 split_points: Sequence[str]) -> None:
+        super().__init__(*stages)
+        self.in_spec = in_spec
+        self.out_specs = out_specs
+        self.constants = constants  # leaf index -> the fixed non-tensor value (use_cache)
+        self.split_points = list(split_points)
+        # Its state_dict speaks the model's keys: `split.load_state_dict(model.state_dict())`.
+        self._register_state_dict_hook(_model_keys)  # type: ignore[no-untyped-call]
+        self._register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+            _stage_keys, with_module=True)
+
+    def flatten(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        """The tensors of `inputs` (given as `example_inputs` was: a tensor, a tuple of
+        arguments, a dict of keyword arguments, or a pair (args, kwargs)) in the order the
+        first stage takes them; non-tensor arguments must equal those the model was split
+        with."""
+        args, kwargs = check_example(inputs)
+        names = list(_children(self.in_spec)[1].context)
+        if set(kwargs) != set(names):
+            raise PipeConfigError(
+                f"the model was split for keyword inputs {sorted(names)}; got "
+                f"{sorted(kwargs)}: pass the same keywords (as a dict, or a pair (args, "
+                f"kwargs))")
+        leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in names}))
+        if spec != self.in_spec:
+            raise PipeConfigError(
+                f"the inputs' structure {spec} differs from the one the model was split with "
+                f"{self.in_spec}: pass inputs shaped as example_inputs")
+        tensors = []
+        for i, leaf in enumerate(leaves):
+            if i in self.constants:
+                if leaf is not self.constants[i] and leaf != self.constants[i]:
+                    raise PipeConfigError(
+                        f"input leaf {i} is {leaf!r}, but the model was split with "
+                        f"{self.constants[i]!r}: non-tensor arguments are fixed when the "
+                        f"graph is captured; split again to change them")
+            else:
+                tensors.append(leaf)
+        return tuple(tensors)
+
+    def unflatten(self, outputs: Any, mode: str = "train") -> Any:
+        """The last stage's outputs as the model returns them (a ModelOutput, a dict...)."""
+        leaves = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        return pytree.tree_unflatten(leaves, self.out_specs[mode])
+
+    def with_outputs(self, loss_fn: Callable[[Any, Any], Any], mode: str
+                     ) -> Callable[[Any, Any], Any]:
+        """`loss_fn` called with the model's output as the model returns it."""
+        def loss(outputs: Any, target: Any) -> Any:
+            return loss_fn(self.unflatten(outputs, mode), target)
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        values: Any = self.flatten((args, kwargs))
+        for stage in self:
+            values = stage(values)
+        return self.unflatten(values, "train" if self.training else "eval")
+
+
+def _model_keys(module: SplitModel, state: dict[str, Any], prefix: str, _: Any) -> None:
+    """State-dict hook: `{prefix}{stage}.{key}` becomes `{prefix}{key}` (the first stage
+    holding a key reports it)."""
+    for key in [k for k in state if k.startswith(prefix)]:
+        stage, _, rest = key[len(prefix):].partition(".")
+        value = state.pop(key)
+        if stage.isdigit():
+            state.setdefault(prefix + rest, value)
+
+
+def _stage_keys(module: SplitModel, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load pre-hook: each model key goes to every stage that holds it."""
+    for index, stage in enumerate(module):
+        for key in nn.Module.state_dict(stage):
+            if prefix + key in state:
+                state[f"{prefix}{index}.{key}"] = state[prefix + key]
+    for key in {k for stage in module for k in nn.Module.state_dict(stage)}:
+        state.pop(prefix + key, None)
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    children = getattr(spec, "children", None)
+    if callable(children):
+        return list(children())
+    return list(spec.children_specs)
+
+
+def place_tensors(model: nn.Module, stages: Sequence[TracedStage],
+                  used: Sequence[set[str]]) -> None:
+    """Give each stage the model's tensors it reads (`used[s]`: names in the model), under
+    those names: a submodule whole where only that stage reads its tensors (and the object is
+    not placed in another stage already), else a Mirror holding the stage's share. Tensors no
+    stage reads go with the first stage, so the stages' keys are all of the model's."""
+    placed: dict[int, int] = {}
+
+    def users(prefix: str) -> list[int]:
+        return [s for s in range(len(stages))
+                if any(a == prefix or a.startswith(prefix + ".") for a in used[s])]
+
+    def place(prefix: str, module: nn.Module) -> None:
+        who = users(prefix)
+        s = who[0] if who else 0
+        if prefix and len(who) <= 1 and placed.get(id(module), s) == s:
+            if not who and not _has_tensors(module):
+                return
+            placed[id(module)] = s
+            _attach(stages[s], prefix, lambda parent, name: parent.add_module(name, module))
+            return
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None:
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            persistent = name not in module._non_persistent_buffers_set
+            for s in [s for s in range(len(stages)) if key in used[s]] or [0]:
+                _attach(stages[s], key, _setter(t, persistent))
+        for name, child in module._modules.items():
+            if child is not None:
+                place(f"{prefix}.{name}" if prefix else name, child)
+
+    place("", model)
+
+
+def _has_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _setter(t: torch.Tensor, persistent: bool) -> Callable[[nn.Module, str], None]:
+    def put(parent: nn.Module, name: str) -> None:
+        if isinstance(t, nn.Parameter):
+            parent.register_parameter(name, t)
+        else:
+            parent.register_buffer(name, t, persistent=persistent)
+    return put
+
+
+def _attach(stage: nn.Module, path: str, put: Callable[[nn.Module, str], None]) -> None:
+    """Walk `path` from `stage`, making Mirrors for the modules on the way, and `put` the
+    last part there."""
+    *parents, last = path.split(".")
+    node: nn.Module = stage
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = Mirror()
+            node.add_module(part, child)
+        node = child
+    if last not in node._modules and last not in node._parameters and last not in node._buffers:
+        put(node, last)
+
+
+def layer_key(model: nn.Module, name: str, key: str) -> str:
+    """The model's key of `key` in layer `name` of `model`: a SplitModel's stages already hold
+    their tensors by the split model's keys, an nn.Sequential's layers under their index."""
+    if isinstance(model, SplitModel):
+        return key
+    return f"{name}.{key}" if key else name
+
+
+def _internal(name: str) -> bool:
+    return name.startswith(("_train_", "_eval_"))
+
+
+def merge_into(target: nn.Module, source: nn.Module) -> None:
+    """Register `source`'s tensors and modules on `target` under the same names, so a Pipe
+    holding several stages shows one tree with the model's keys: the model's modules as they
+    are, Mirrors merged into fresh Mirrors (a stage's own Mirrors are left as they are)."""
+    for name, t in [*source._parameters.items(), *source._buffers.items()]:
+        if t is None or _internal(name) or name in target._parameters or name in target._buffers:
+            continue
+        if isinstance(t, nn.Parameter):
+            target.register_parameter(name, t)
+        else:
+            target.register_buffer(name, t,
+                                   persistent=name not in source._non_persistent_buffers_set)
+    for name, child in source._modules.items():
+        if child is None or _internal(name):
+            continue
+        have = target._modules.get(name)
+        if not isinstance(child, Mirror):
+            if have is None:
+                target.add_module(name, child)
+            continue
+        if have is None:
+            have = Mirror()
+            target.add_module(name, have)
+        if isinstance(have, Mirror):
+            merge_into(have, child)
