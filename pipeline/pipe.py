@@ -81,6 +81,7 @@ class Pipe(nn.Module):
         self.devices, self.world, self.group = layout.devices, layout.world, layout.group
         self.mesh = layout.mesh
         config.check_sharding(data_parallel, layout, schedule)
+        config.check_split(model, deferred_batch_norm)
         bounds, layers = layout.bounds, list(model)
         self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
         self._ties = ties.find_ties(model, self.balance)

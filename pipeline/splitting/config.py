@@ -18,10 +18,11 @@ from pipeline.splitting import checks
 from pipeline.splitting.partition import BalanceError, bounds, partition, split_sizes
 from pipeline.splitting.profile import layer_params, layer_sizes, layer_times
 from pipeline.splitting.split import split as split_graph
+from pipeline.splitting.traced import SplitModel
 from schedules import Schedule
 
-__all__ = ["Layout", "balance_layers", "check_arguments", "check_sharding", "make_schedule",
-           "resolve", "split_model"]
+__all__ = ["Layout", "balance_layers", "check_arguments", "check_sharding", "check_split",
+           "make_schedule", "resolve", "split_model"]
 
 _METHODS = ("uniform", "params", "time", "size")
 
@@ -201,6 +202,16 @@ def split_model(model: nn.Module, example_inputs: Any, split_points: Sequence[st
                         stages=None if split_points is not None else stages, balance=method,
                         agree=(lambda f: bootstrap.from_first_rank(pp, f)) if world else None)
     return split, [1] * len(split), None
+
+
+def check_split(model: nn.Sequential, deferred_batch_norm: object) -> None:
+    """What a model split from its graph cannot do."""
+    if deferred_batch_norm and isinstance(model, SplitModel):
+        raise PipeConfigError(
+            "deferred_batch_norm works on BatchNorm modules the stages call; a model split "
+            "from its graph runs batch_norm as an op, so its statistics would be left per "
+            "micro-batch: train with deferred_batch_norm=False (running statistics updated "
+            "per micro-batch, as GPipe does), or pass an nn.Sequential")
 
 
 def balance_layers(model: nn.Sequential, method: str, stages: int, sample: Any) -> list[int]:
