@@ -16,6 +16,7 @@ from pipeline.planner.link import TRANSPORTS, Link, measure_link
 from pipeline.planner.memory import format_bytes, optimizer_factor
 from pipeline.planner.search import predict, search
 from pipeline.planner.space import CHECKPOINTS, Candidate, Space
+from pipeline.splitting.traced import SplitModel
 from schedules import Timeline
 
 __all__ = ["Plan", "PlanError", "format_bytes", "format_table", "plan"]
@@ -222,7 +223,9 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
          contention: float | None = None) -> Plan:
     """Choose how to pipeline `model` over `ranks` ranks within `memory_per_rank` bytes each.
 
-    `sample` and `target` are one (global) batch, `loss_fn` the loss. Every registered schedule
+    `sample` and `target` are one (global) batch, `loss_fn` the loss. A `SplitModel` (see
+    `pipeline.split`, e.g. at every block) is planned as its pieces, its sample given as the
+    model takes it. Every registered schedule
     (or those named in `schedules`), each checkpoint mode, each dp x pp factorisation of
     `ranks` (`transport` "gloo" or "nccl"; threads run one pipeline) and each micro-batch
     count is a candidate; see `pipeline.planner.search` for how the search is exact or
@@ -238,6 +241,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                               f"{type(model).__name__})")
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise PipeConfigError(f"ranks must be an int >= 1 (got {ranks!r})")
+    if isinstance(model, SplitModel):  # pieces of a model split at its blocks
+        sample, loss_fn = model.flatten(sample), model.with_outputs(loss_fn, "train")
     if transport not in TRANSPORTS:
         raise PipeConfigError(f"transport must be one of {TRANSPORTS} (got {transport!r})")
     limits = _limits(memory_per_rank, ranks)
