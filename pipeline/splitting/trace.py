@@ -23,6 +23,12 @@ from pipeline.errors import PipeConfigError
 __all__ = ["ExportError", "check_example", "export"]
 
 
+# The training IR (dropout and in-place BatchNorm kept as in eager mode) is what `export`
+# returns from torch 2.6; torch 2.5 returned it from `export_for_training`.
+_EXPORT = (torch.export.export if hasattr(torch.export.Dim, "AUTO")
+           else getattr(torch.export, "export_for_training", torch.export.export))
+
+
 class ExportError(PipeConfigError):
     """torch.export could not capture the model (or captured it in a form Pipe cannot split)."""
 
@@ -54,8 +60,8 @@ def export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     stack: list[str] = []
     try:
         with _module_stack(model, stack):
-            ep = torch.export.export(model, args, kwargs, strict=False,
-                                     dynamic_shapes=_batch_dims(model, args, kwargs))
+            ep = _EXPORT(model, args, kwargs, strict=False,
+                         dynamic_shapes=_batch_dims(model, args, kwargs))
     except ExportError:
         raise
     except Exception as exc:  # export raises many types; each becomes one clear refusal
@@ -70,7 +76,8 @@ def _batch_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     """Dim 0 of every tensor symbolic, keyed by the forward's parameter names as export wants
     (AUTO: export keeps it static only where the model needs it to be, which
     `_check_batch_dim` then reports)."""
-    auto = torch.export.Dim.AUTO
+    # Before torch 2.6 there is no AUTO: one named dimension, shared by every input's dim 0.
+    auto = getattr(torch.export.Dim, "AUTO", None) or torch.export.Dim("batch")
 
     def dims(value: Any) -> Any:
         return pytree.tree_map(lambda v: {0: auto} if isinstance(v, torch.Tensor)
