@@ -134,9 +134,13 @@ def _refusal(model: nn.Module, stack: list[str], exc: Exception) -> ExportError:
     the two ways forward."""
     where = stack[-1] if stack else type(model).__name__
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/pipeline/" not in f.filename]
+              if "/torch/" not in f.filename and "/pipeline/" not in f.filename
+              and not f.filename.startswith("<")]
     line = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Cache" in said and "not a known type" in said:  # a Hugging Face KV cache as output
+        said = (f"{said.split(', which')[0]}, which export cannot flatten (the model returns "
+                f"its key/value cache: pass use_cache=False in example_inputs)")
     return ExportError(
         f"torch.export could not capture {type(model).__name__}: in module {where!r}{line}: "
         f"{type(exc).__name__}: {said}. Pipe splits a model from its exported graph, so every "
