@@ -20,6 +20,7 @@ __all__ = [
     "sequential_specs",
     "sync_programs",
     "synthetic_profile",
+    "traced_pipes",
     "wire_headers",
     "wire_values",
 ]
@@ -188,6 +189,26 @@ def padded_labels(draw: st.DrawFn, vocab: int, context: int) -> Any:
     if not (labels != -100).any():
         labels[draw(st.integers(0, rows - 1)), draw(st.integers(0, context - 1))] = 0
     return labels
+
+
+@st.composite
+def traced_pipes(draw: st.DrawFn, blocks: list[str]) -> dict[str, Any]:
+    """A Pipe over a model split from its graph at some of its `blocks` (module names in run
+    order; the first begins the first stage, so never a split point): schedule, recomputation
+    mode, chunks (1 to 8) and one "cpu" device per rank. Interleaved and zb-v hold two stages
+    per rank, so they draw an odd number of split points (2 or 4 stages on 1 or 2 ranks)."""
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]))
+    points = blocks[1:]
+    per_rank = 2 if schedule in ("interleaved", "zb-v") else 1
+    count = draw(st.sampled_from([n for n in range(1, len(points) + 1)
+                                  if (n + 1) % per_rank == 0]))
+    chosen = sorted(draw(st.lists(st.integers(0, len(points) - 1), min_size=count,
+                                  max_size=count, unique=True)))
+    return {"schedule": schedule,
+            "checkpoint": draw(st.sampled_from(["never", "except_last", "always"])),
+            "chunks": draw(st.integers(1, 8)),
+            "split_points": [points[i] for i in chosen],
+            "devices": ["cpu"] * ((count + 1) // per_rank)}
 
 
 _WIRE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",

@@ -204,7 +204,11 @@ def link(ties: Sequence[Tie], live: dict[str, nn.Parameter]) -> TieLink:
     for tie in ties:
         for copy in tie.copies:
             if copy.param is not None:
-                copy.param = live[copy.keys[0]]
+                # Found where the copy was put, not by its key: in a model split from its
+                # graph the owner's stage may hold the owner under the copy's key too (GPT-2's
+                # embedding reads `lm_head.weight`), and the Pipe's tree shows the owner there.
+                module, attr = copy.places[0]
+                copy.param = module._parameters[attr]
     return TieLink(ties, owners)
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
@@ -99,7 +101,8 @@ def _check_batch_dim(ep: torch.export.ExportedProgram, args: tuple[Any, ...],
     tensors = [node for node, _, tensor in user_inputs(ep) if tensor]
     for node, leaf in zip(tensors, leaves, strict=False):
         size = node.meta["val"].shape[0]
-        if isinstance(size, int) and leaf.shape[0] > 1:
+        # A batch dim export specialised is a SymInt with a constant value, not an int.
+        if is_concrete_int(size) and leaf.shape[0] > 1:
             raise ExportError(
                 f"the model fixes the batch size of input {node.name!r} to {size} (export "
                 f"found code that depends on it), so its stages could not run micro-batches "
@@ -129,13 +132,18 @@ def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
             h.remove()
 
 
+# Frames of torch, of this package and of generated code (`<string>`) are not the user's line;
+# by directory, not by a name in the path (a user's code may live in a folder `pipeline`).
+_NOT_USER_CODE = (os.path.dirname(torch.__file__) + os.sep,
+                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, "<")
+
+
 def _refusal(model: nn.Module, stack: list[str], exc: Exception) -> ExportError:
     """The error a user sees: which module, which line of their code, what torch said, and
     the two ways forward."""
     where = stack[-1] if stack else type(model).__name__
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/pipeline/" not in f.filename
-              and not f.filename.startswith("<")]
+              if not f.filename.startswith(_NOT_USER_CODE)]
     line = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "Cache" in said and "not a known type" in said:  # a Hugging Face KV cache as output
