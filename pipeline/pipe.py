@@ -104,7 +104,8 @@ class Pipe(nn.Module):
         for s in self.local_stages:
             device = self.devices[self._probe.rank_of(s)]
             for i in range(bounds[s], bounds[s + 1]):
-                layer = bootstrap.materialize(layers[i], device, name=names[i],
+                layer = bootstrap.materialize(layers[i], device,  # split: the model's keys
+                                              name=names[i] if self._io is None else "",
                                               param_init=param_init, exempt=copies)
                 if self._io is not None:  # the model's tree, by the model's keys
                     merge_into(self, layer)

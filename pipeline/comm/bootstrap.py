@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -78,8 +79,28 @@ def materialize(layer: nn.Module, device: torch.device, *, name: str,
     on_meta = any(t.is_meta for t in [*layer.parameters(), *layer.buffers()])
     if not on_meta:
         return layer.to(device)
+    # to_empty gives each module its own new tensor: a weight two modules share (a tie
+    # inside one stage: GPT-2's head and embedding) is shared again afterwards.
+    places: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    for module in layer.modules():
+        for table in (module._parameters, module._buffers):
+            for k, t in table.items():
+                if t is not None:
+                    places.setdefault(id(t), []).append((table, k))
     layer.to_empty(device=device)
+    for uses in places.values():
+        first_table, first_key = uses[0]
+        for table, k in uses[1:]:
+            table[k] = first_table[first_key]
     if param_init == "skip":
+        lost = [".".join(p for p in (name, path, k) if p)
+                for path, module in layer.named_modules()
+                for k in module._non_persistent_buffers_set if module._buffers.get(k) is not None]
+        if lost:  # no state_dict holds them: left as to_empty left them, uninitialised
+            warnings.warn(
+                f"param_init='skip' leaves the non-persistent buffers {lost} uninitialised "
+                f"(no state_dict holds them, so load_state_dict will not fill them): pass "
+                f"param_init=fn to compute them (e.g. rotary inv_freq)", stacklevel=3)
         return layer
     for path, module in layer.named_modules():
         own = [k for k, t in [*module._parameters.items(), *module._buffers.items()]

@@ -224,7 +224,11 @@ def _build(k: int, inputs: list[fx.Node], outputs: list[fx.Node] | None, output:
         if stage[node] != k:
             continue
         if node.op == "get_attr":
-            piece.submodules[str(node.target)] = _owner(node)
+            sub = _owner(node)
+            if isinstance(sub, fx.GraphModule):  # a higher-order op's body (no_grad, autocast)
+                _follow_the_inputs(sub.graph)
+                sub.recompile()
+            piece.submodules[str(node.target)] = sub
         env[node] = g.node_copy(node, lookup)
     if outputs is None:
         values = fx.node.map_arg(output.args[0], lookup)
@@ -233,7 +237,38 @@ def _build(k: int, inputs: list[fx.Node], outputs: list[fx.Node] | None, output:
                        if _is_size(n) else lookup(n) for n in outputs)
         piece.outputs = [n.name for n in outputs]
     g.output(tuple(values) if isinstance(values, list | tuple) else (values,))
+    _follow_the_inputs(g)
     return piece
+
+
+def _device_of(value: torch.Tensor) -> torch.device:
+    return value.device
+
+
+def _follow_the_inputs(g: fx.Graph) -> None:
+    """Export writes the device the model was traced on into the graph (`arange(device=meta)`,
+    `to(device=cpu)`, metadata asserts): a stage runs where its inputs arrive (the runtime
+    moves them to its device), so each device constant becomes the first input's device, and
+    the asserts, checks of the traced device only, go."""
+    first = next((n for n in g.nodes if n.op == "placeholder"), None)
+    device: fx.Node | None = None
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            g.erase_node(node)
+            continue
+        if first is None or not any(isinstance(v, torch.device) for v in
+                                    [*node.args, *node.kwargs.values()]):
+            continue
+        if device is None:
+            with g.inserting_after(first):
+                device = g.call_function(_device_of, (first,))
+
+        def swap(v: Any, device: fx.Node = device) -> Any:
+            return device if isinstance(v, torch.device) else v
+        node.args = tuple(swap(v) for v in node.args)
+        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
 
 
 def _owner(node: fx.Node) -> nn.Module:
