@@ -228,7 +228,8 @@ class Pipe(nn.Module):
         stage's rank and None on the others.
         """
         chunks = self.chunks if chunks is None else chunks
-        x = self._io.flatten(x) if self._io is not None else x
+        if self._io is not None and x is not None:  # None: a rank without the first stage
+            x = self._io.flatten(x)
         self._agreement.check(self, [(x, None)])
         inputs, _, _ = batches.share(self, x, None, None, chunks)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
@@ -308,7 +309,8 @@ class Pipe(nn.Module):
         checks.check_loss_fn(loss_fn)
         how = weighting.resolve(loss_fn, loss_reduction, loss_weight)
         if self._io is not None:  # the model's inputs flattened, its outputs rebuilt
-            pairs = [(self._io.flatten(x), t) for x, t in pairs]
+            # None: a rank without the first stage (multi-process), as for nn.Sequential
+            pairs = [(self._io.flatten(x) if x is not None else None, t) for x, t in pairs]
             loss_fn = self._io.with_outputs(loss_fn, _mode(self))
         self._agreement.check(self, pairs)
         if self._replicas is not None:
