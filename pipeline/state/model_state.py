@@ -54,7 +54,10 @@ def loadable(pipe: Any, state_dict: Any, strict: bool,
         state_dict = {k: v for k, v in state_dict.items() if k in mine}
     checks.check_state_dict(pipe.state_dict(), state_dict, strict)
     add, drop = pipe._tie_link.state_dict_keys()
-    state_dict = {k: v for k, v in state_dict.items() if k not in add}
+    # A key the owner's stage holds itself stays (a model split from its graph: GPT-2's
+    # embedding reads the tied weight as `lm_head.weight`, the head's copy's key too).
+    held = {k for k, _ in named_parameters}
+    state_dict = {k: v for k, v in state_dict.items() if k not in add or k in held}
     for k, p in named_parameters:
         if k in drop:  # the copy's current value; its owner's comes with the next run
             state_dict.setdefault(k, p.detach())
