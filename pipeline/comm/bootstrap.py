@@ -93,9 +93,11 @@ def materialize(layer: nn.Module, device: torch.device, *, name: str,
         for table, k in uses[1:]:
             table[k] = first_table[first_key]
     if param_init == "skip":
+        # In registration order (the set's order changes with the string hash seed).
         lost = [".".join(p for p in (name, path, k) if p)
                 for path, module in layer.named_modules()
-                for k in module._non_persistent_buffers_set if module._buffers.get(k) is not None]
+                for k, t in module._buffers.items()
+                if k in module._non_persistent_buffers_set and t is not None]
         if lost:  # no state_dict holds them: left as to_empty left them, uninitialised
             warnings.warn(
                 f"param_init='skip' leaves the non-persistent buffers {lost} uninitialised "
