@@ -1,0 +1,118 @@
+"""Models split from their exported graphs over 2 gloo processes, against the unsplit model:
+GPT-2 (its head tied to the embedding across the two ranks) and Llama (grouped-query
+attention, rotary positions, an attention mask crossing the cut). Each rank checks its own
+parameters against the unsplit model it builds itself; the tests check that the ranks
+together covered the whole model."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.launch import spawn
+from pipeline.state import sharded
+from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.pipeline import traced_workers
+from tests.pipeline.sharded_workers import assert_same, snapshot, unpack
+
+pytestmark = [pytest.mark.dist]
+pytest.importorskip("transformers")
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+MODES = ["never", "except_last", "always"]
+# GPT-2 (the tie across ranks) under every schedule and mode; Llama under every schedule once,
+# the modes turning with them (each mode at least once).
+COMBOS = {"gpt2": list(itertools.product(SCHEDULES, MODES)),
+          "llama": [(s, MODES[(i + 1) % 3]) for i, s in enumerate(SCHEDULES)]}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_trains_as_the_unsplit_model(name: str) -> None:
+    """`Pipe(model, example_inputs=..., split_points=...)` on 2 processes, 4 micro-batches
+    (one counting no token), 3 AdamW steps: every step's loss, every gradient and the whole
+    state after it equal the unsplit model's (two stages per rank for interleaved and
+    zb-v, whose last stage is on rank 0)."""
+    model = traced_workers.CASES[name]().model()
+    every_param = {n for n, _ in model.named_parameters()}
+    every_key = set(model.state_dict())
+    results = spawn(traced_workers.train_like_the_model, 2, name, COMBOS[name],
+                    timeout=SPAWN_TIMEOUT)
+    for c, (schedule, checkpoint) in enumerate(COMBOS[name]):
+        params = [set(r[c][0]) for r in results]
+        keys = [set(r[c][1]) for r in results]
+        what = f"{schedule}/{checkpoint}"
+        # Each rank held a part of the model and checked it; together, all of it.
+        assert params[0] and params[1] and not params[0] & params[1], what
+        assert params[0] | params[1] == every_param, what
+        assert keys[0] | keys[1] == every_key, what
+
+
+def test_batch_sizes_that_change_between_steps() -> None:
+    """7, 5, 8 and 4 rows in 4 micro-batches (2-2-2-1, 2-1-1-1, 2-2-2-2, 1-1-1-1): the
+    values crossing the cut change shape from step to step (a size carrier of 2 rows, then
+    of 1). With the labels given to the model (its own loss, `out.loss`), an int64 input
+    the first stage does not use crosses the cut to the head."""
+    runs = [("gpt2", "1f1b", False), ("gpt2", "zb-v", True), ("llama", "zb-v", False),
+            ("llama", "1f1b", True)]
+    sizes = [7, 5, 8, 4]
+    assert spawn(traced_workers.changing_batches, 2, runs, sizes,
+                 timeout=SPAWN_TIMEOUT) == [len(runs) * len(sizes)] * 2
+
+
+META_RUNS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
+
+
+def test_each_rank_materialises_only_its_stage_of_a_meta_model() -> None:
+    """Each rank builds the model on the meta device and traces it from meta (or real)
+    inputs; Pipe gives real storage to its own stage's tensors only (GPT-2's weights come
+    from `load_state_dict` after param_init="skip"; Llama's param_init computes the rotary
+    tables no state_dict holds), and the Pipe then infers and trains as the unsplit model
+    (checked on the ranks)."""
+    results = spawn(traced_workers.meta_stage, 2, META_RUNS, timeout=SPAWN_TIMEOUT)
+    for i, (name, meta_inputs) in enumerate(META_RUNS):
+        what = f"{name}, traced from {'meta' if meta_inputs else 'real'} inputs"
+        case = traced_workers.CASES[name]()
+        every = set(traced_workers.model_tensors(case.model()))
+        ranks = [r[i] for r in results]
+        for rank, found in enumerate(ranks):
+            sizes = (found["held bytes"], found["own bytes"], found["model bytes"])
+            # Exactly the unsplit model's tensors by the names this rank's stage reads: no
+            # tensor of the other stage, no weight held twice (a tie kept within the stage).
+            assert sizes[0] == sizes[1] < sizes[2], (what, rank, sizes)
+            # What this rank does not hold stayed on the meta device, unallocated.
+            assert every - set(found["names"]) <= set(found["still meta"]), (what, rank)
+        mine = [set(found["names"]) for found in ranks]
+        assert mine[0] | mine[1] == every, what
+        later, earlier = (tuple(f"{b}." for b in case.blocks[2:]),
+                          tuple(f"{b}." for b in case.blocks[:2]))
+        assert not any(n.startswith(later) for n in mine[0]), what
+        assert not any(n.startswith(earlier) for n in mine[1]), what
+
+
+@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
+def test_checkpoint_loads_into_another_split_and_the_plain_model(tmp_path: Path) -> None:
+    """`pipe.save` from GPT-2 split at its third block over 2 processes: `pipe.load` into the
+    model split at its second block (2 processes) and `sharded.load` into the plain model
+    give the same weights, buffers, AdamW state and learning rate, bit for bit (the tied
+    weight's state under the model's name for it); `full_state_dict` gives the
+    model's keys and values on rank 0 (checked on the rank, against the unsplit model)."""
+    results = spawn(traced_workers.save_and_gather, 2, str(tmp_path), timeout=SPAWN_TIMEOUT)
+    saved = unpack([r[0] for r in results])
+    gathered = unpack([results[0][1]])
+    assert results[1][1] is None
+    plain = traced_workers.CASES["gpt2"]().model()
+    assert sorted(gathered) == sorted(plain.state_dict())
+    for key, value in gathered.items():
+        assert torch.equal(value, saved[key]), key
+    assert any(k.endswith(": exp_avg_sq") for k in saved)
+
+    other = spawn(traced_workers.load_other_split, 2, str(tmp_path), timeout=SPAWN_TIMEOUT)
+    assert_same(unpack(other), saved, "split at another block")
+
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.5)
+    sharded.load(plain, tmp_path, optimizer)
+    assert_same(snapshot(plain, optimizer), saved, "plain model")
+    assert plain.lm_head.weight is plain.transformer.wte.weight  # still tied
