@@ -10,6 +10,7 @@ stages share a module. Its state_dict keys are the model's keys.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,8 +61,7 @@ class TracedStage(nn.Module):
                         self.register_buffer(name, piece.constants[node.target],
                                              persistent=False)
                     node.target = name
-            module = fx.GraphModule(self, graph)
-            self.__dict__["_code"][mode] = type(module).forward
+            self.__dict__["_code"][mode] = _compile(graph)
 
     def forward(self, values: Any) -> tuple[Any, ...]:
         values = values if isinstance(values, tuple) else (values,)
@@ -164,6 +164,27 @@ def _stage_keys(module: SplitModel, state: dict[str, Any], prefix: str, *_: Any)
                 state[f"{prefix}{index}.{key}"] = state[prefix + key]
     for key in {k for stage in module for k in nn.Module.state_dict(stage)}:
         state.pop(prefix + key, None)
+
+
+_OP = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
+
+
+def _compile(graph: fx.Graph) -> Callable[..., tuple[Any, ...]]:
+    """The graph's Python code, `forward(self, *inputs)`, each aten op called as the
+    dispatcher's own callable: FX writes `torch.ops.aten.linear.default(...)`, four attribute
+    lookups and a Python frame (OpOverload.__call__) per op, which a stage of many small ops
+    pays for every micro-batch (benchmarks/tracing.py)."""
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+
+    def direct(match: re.Match[str]) -> str:
+        name = "_op_" + "_".join(match.groups())
+        op = getattr(getattr(getattr(torch.ops, match[1]), match[2]), match[3])
+        namespace[name] = op._op if isinstance(op, torch._ops.OpOverload) else op
+        return name + "("
+    exec(compile(_OP.sub(direct, code.src), "<stage>", "exec"), namespace)
+    forward: Callable[..., tuple[Any, ...]] = namespace["forward"]
+    return forward
 
 
 def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
