@@ -238,7 +238,23 @@ def _build(k: int, inputs: list[fx.Node], outputs: list[fx.Node] | None, output:
         piece.outputs = [n.name for n in outputs]
     g.output(tuple(values) if isinstance(values, list | tuple) else (values,))
     _follow_the_inputs(g)
+    _drop_whole_slices(g)
     return piece
+
+
+def _drop_whole_slices(g: fx.Graph) -> None:
+    """`x[:, :]` exports as `slice(x, 1, 0, 2**63 - 1)`: a view of all of x, whose backward
+    still allocates zeros and copies into them. Each use reads x itself instead (a Llama layer
+    has two; benchmarks/tracing.py)."""
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+            continue
+        defaults = [None, 0, None, None, 1]  # (self, dim, start, end, step)
+        source, _dim, start, end, step = [*node.args, *defaults[len(node.args):]]
+        if start in (None, 0) and (end is None or end >= 2**62) and step == 1 \
+                and not node.kwargs:
+            node.replace_all_uses_with(source)
+            g.erase_node(node)
 
 
 def _device_of(value: torch.Tensor) -> torch.device:
