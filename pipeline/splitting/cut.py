@@ -249,8 +249,9 @@ def _drop_whole_slices(g: fx.Graph) -> None:
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
             continue
-        defaults = [None, 0, None, None, 1]  # (self, dim, start, end, step)
-        source, _dim, start, end, step = [*node.args, *defaults[len(node.args):]]
+        defaults: list[Any] = [None, 0, None, None, 1]  # (self, dim, start, end, step)
+        args: list[Any] = [*node.args, *defaults[len(node.args):]]
+        source, start, end, step = args[0], args[2], args[3], args[4]
         if start in (None, 0) and (end is None or end >= 2**62) and step == 1 \
                 and not node.kwargs:
             node.replace_all_uses_with(source)

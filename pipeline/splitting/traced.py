@@ -201,14 +201,30 @@ def place_tensors(model: nn.Module, stages: Sequence[TracedStage],
     not placed in another stage already), else a Mirror holding the stage's share. Tensors no
     stage reads go with the first stage, so the stages' keys are all of the model's."""
     placed: dict[int, int] = {}
+    # A tensor's readers by object: a name no stage reads (BERT's `cls.predictions.bias`,
+    # which is `decoder.bias`) goes with the first stage reading the object under another
+    # name, so no stage holds it only to make a tie of it.
+    tensors = {name: t for name, t in [*model.named_parameters(remove_duplicate=False),
+                                       *model.named_buffers(remove_duplicate=False)]}
+    readers: dict[int, list[int]] = {}
+    for s in range(len(stages)):
+        for name in sorted(used[s]):
+            if name in tensors and s not in readers.setdefault(id(tensors[name]), []):
+                readers[id(tensors[name])].append(s)
 
     def users(prefix: str) -> list[int]:
         return [s for s in range(len(stages))
                 if any(a == prefix or a.startswith(prefix + ".") for a in used[s])]
 
+    def home(module: nn.Module) -> int:
+        """The first stage reading any tensor of `module` (under any name), else the first."""
+        found = [r for t in [*module.parameters(), *module.buffers()]
+                 for r in readers.get(id(t), [])]
+        return min(found, default=0)
+
     def place(prefix: str, module: nn.Module) -> None:
         who = users(prefix)
-        s = who[0] if who else 0
+        s = who[0] if who else home(module)
         if prefix and len(who) <= 1 and placed.get(id(module), s) == s:
             if not who and not _has_tensors(module):
                 return
@@ -220,7 +236,8 @@ def place_tensors(model: nn.Module, stages: Sequence[TracedStage],
                 continue
             key = f"{prefix}.{name}" if prefix else name
             persistent = name not in module._non_persistent_buffers_set
-            for s in [s for s in range(len(stages)) if key in used[s]] or [0]:
+            for s in [s for s in range(len(stages)) if key in used[s]] or [
+                    min(readers.get(id(t), [0]))]:
                 _attach(stages[s], key, _setter(t, persistent))
         for name, child in module._modules.items():
             if child is not None:

@@ -1,6 +1,7 @@
 """Models split from their exported graphs over 2 gloo processes, against the unsplit model:
-GPT-2 (its head tied to the embedding across the two ranks) and Llama (grouped-query
-attention, rotary positions, an attention mask crossing the cut). Each rank checks its own
+GPT-2 (its head tied to the embedding across the two ranks), Llama (grouped-query
+attention, rotary positions, an attention mask crossing the cut), BERT (its decoder tied) and
+a U-Net (BatchNorm, skip connections over the cut). Each rank checks its own
 parameters against the unsplit model it builds itself; the tests check that the ranks
 together covered the whole model."""
 
@@ -25,11 +26,15 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 MODES = ["never", "except_last", "always"]
 # GPT-2 (the tie across ranks) under every schedule and mode; Llama under every schedule once,
 # the modes turning with them (each mode at least once).
+# BERT (its decoder tied across ranks) and the U-Net (BatchNorm; skip connections over the
+# cut) under a schedule of each kind, every mode once.
 COMBOS = {"gpt2": list(itertools.product(SCHEDULES, MODES)),
-          "llama": [(s, MODES[(i + 1) % 3]) for i, s in enumerate(SCHEDULES)]}
+          "llama": [(s, MODES[(i + 1) % 3]) for i, s in enumerate(SCHEDULES)],
+          "bert": [("1f1b", "always"), ("zb-v", "never"), ("gpipe", "except_last")],
+          "unet": [("zb-h1", "except_last"), ("gpipe", "always"), ("1f1b", "never")]}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "unet"])
 def test_trains_as_the_unsplit_model(name: str) -> None:
     """`Pipe(model, example_inputs=..., split_points=...)` on 2 processes, 4 micro-batches
     (one counting no token), 3 AdamW steps: every step's loss, every gradient and the whole

@@ -12,6 +12,7 @@ from pipeline.comm.bootstrap import materialize
 from tests.models_traced import (
     Case,
     assert_same_training,
+    bert_case,
     gpt2_case,
     llama_case,
     pipe_steps,
@@ -74,3 +75,17 @@ def test_skipping_initialisation_warns_of_buffers_no_state_dict_holds() -> None:
     with pytest.warns(UserWarning, match=r"non-persistent buffers \['model.rotary_emb.inv_freq"):
         Pipe(model, example_inputs=meta_inputs, split_points=[case.blocks[2]],
              devices=["cpu", "cpu"], param_init="skip").close()
+
+
+def test_a_name_no_stage_reads_makes_no_tie() -> None:
+    """BERT's `cls.predictions.bias` is `decoder.bias`: the graph reads it as the latter, in
+    the last stage. The unread name once went to the first stage, making a tie whose owner
+    never used the weight (across processes under zb-v its update was lost)."""
+    case = bert_case()
+    pipe = Pipe(case.model(), example_inputs=case.inputs, split_points=case.blocks[1:],
+                devices=["cpu", "cpu"], schedule="zb-v")
+    assert [(t.key, [c.stage for c in t.copies]) for t in pipe._ties] == [
+        ("bert.embeddings.word_embeddings.weight", [3])]
+    last = pipe.partitions[3][0]
+    assert last.cls.predictions.bias is last.cls.predictions.decoder.bias
+    pipe.close()
