@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-import schedules
 from pipeline.comm import bootstrap
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
@@ -23,6 +22,7 @@ from pipeline.runtime.batchnorm import DeferredBatchNorm, check_mode
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.executor import Executor
 from pipeline.runtime.microbatch import backward_inputs, gather
+from pipeline.runtime.programs import Programs
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.versions import WeightVersions
@@ -30,7 +30,7 @@ from pipeline.runtime.weighting import LossWeight
 from pipeline.splitting import checks, config
 from pipeline.splitting.traced import SplitModel, merge_into
 from pipeline.state import model_state
-from schedules import Action, Op, Schedule, Syncs, Timeline
+from schedules import Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
@@ -88,10 +88,12 @@ class Pipe(nn.Module):
         if self._ties and data_parallel == "fsdp":
             raise PipeConfigError("data_parallel='fsdp' does not shard weights tied across "
                                   "stages: use data_parallel='replicate' for this model")
-        self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, per (chunks, batches)
-        self._programs: dict[tuple[int, int, bool], Schedule] = {}  # see `program`
+        self._programs = Programs(schedule, self.balance, self.num_ranks,
+                                  [(t.stage, [c.stage for c in t.copies]) for t in self._ties],
+                                  dp=False, processes=bool(self.world))
         # The placement comes from the schedule.
-        self._probe = self._schedule(1, 1) if not isinstance(schedule, Schedule) else schedule
+        self._probe = (self._programs.schedule(1, 1) if not isinstance(schedule, Schedule)
+                       else schedule)
         self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
                              else tuple(range(len(self.balance))))
         ties.untie(self._ties, self.local_stages)
@@ -124,6 +126,7 @@ class Pipe(nn.Module):
                                    broadcast_buffers=broadcast_buffers)
                           if self.mesh is not None and self.mesh.dp_size > 1 and self.world
                           else None)
+        self._programs.dp = self._replicas is not None  # dp's syncs join the programs
         over_dp = self._replicas is not None and deferred_batch_norm == "global"
         self._batch_norm = (DeferredBatchNorm(
             [self.partitions[s] for s in self.local_stages], chunks,
@@ -135,15 +138,6 @@ class Pipe(nn.Module):
         self._register_state_dict_hook(model_state.tied_keys)  # type: ignore[no-untyped-call]
 
     # -- configuration --------------------------------------------------------------------------
-    def _schedule(self, chunks: int, num_batches: int) -> Schedule:
-        """The lowered, validated schedule for `chunks` micro-batches x `num_batches` batches,
-        built once and reused by every step of that shape."""
-        key = (chunks, num_batches)
-        if key not in self._schedules:
-            self._schedules[key] = config.make_schedule(self._schedule_arg, self.balance,
-                                                 self.num_ranks, chunks, num_batches)
-        return self._schedules[key]
-
     def program(self, chunks: int | None = None, *, batches: int = 1, scaler: bool = False,
                 train: bool = True) -> Schedule:
         """The program a step of `chunks` micro-batches (default the Pipe's) x `batches`
@@ -151,27 +145,13 @@ class Pipe(nn.Module):
         weights refreshed and their gradients added, the dp reductions launched and awaited,
         the GradScaler's overflow agreed across processes with `scaler=True`), validated; with
         `train=False`, the forward-only program `pipe(x)` runs. See schedules/program.py."""
-        chunks = self.chunks if chunks is None else chunks
-        agree = scaler and train and bool(self.world)  # one process: one scaler sees all
-        key = (chunks, batches if train else 0, agree)
-        if key not in self._programs:
-            syncs = Syncs.of(((t.stage, [c.stage for c in t.copies]) for t in self._ties),
-                             dp=train and self._replicas is not None, scaler=agree)
-            if train:
-                built = schedules.validate(schedules.program(self._schedule(chunks, batches),
-                                                             syncs))
-            else:  # forward-only schedules leave the validator's rules for training
-                built = schedules.program(self._forward_only(chunks), syncs)
-            self._programs[key] = built
-        return self._programs[key]
+        return self._programs.program(self.chunks if chunks is None else chunks,
+                                      batches=batches, scaler=scaler, train=train)
 
     @property
     def multi_batch(self) -> bool:
         """Whether `step_many` runs several batches as one schedule (weight-versioned, 2BW)."""
-        arg = self._schedule_arg
-        if isinstance(arg, Schedule):
-            return arg.num_batches > 1
-        return schedules.info(arg).multi_batch
+        return self._programs.multi_batch
 
     # -- running --------------------------------------------------------------------------------
     def _run(self, program: Schedule, step: StepInputs, optimizer: Any = None) -> StepResult:
@@ -209,16 +189,6 @@ class Pipe(nn.Module):
     def _share(self, values: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Last stage's result to every rank (multi-process); as is in one process."""
         return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
-
-    def _forward_only(self, chunks: int) -> Schedule:
-        """The schedule's forwards in its order, lowered; inference uses the current weights."""
-        key = (chunks, 0)  # no batch count is 0: a key of its own in the cache
-        if key not in self._schedules:
-            compute = self._schedule(chunks, 1).compute_only()
-            self._schedules[key] = schedules.lower(compute.replace(actions=tuple(
-                tuple(Action(a.stage, Op.F, a.microbatch) for a in row if a.op is Op.F)
-                for row in compute.actions)))
-        return self._schedules[key]
 
     def forward(self, x: Any, *, chunks: int | None = None) -> Any:
         """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph),

@@ -113,7 +113,8 @@ def test_every_schedule_and_mode_on_uneven_chunks(schedule: str, checkpoint: str
     _assert_same_grads(model, reference)
     # The recorded timeline is the schedule as it ran.
     ran = pipe.last_timeline()
-    assert len(ran.events) == sum(a.is_compute for row in pipe._schedule(4, 1).actions for a in row)
+    actions = pipe._programs.schedule(4, 1).actions
+    assert len(ran.events) == sum(a.is_compute for row in actions for a in row)
 
 
 def test_dropout_under_always_replays_the_mask() -> None:
@@ -155,6 +156,6 @@ def test_simulated_and_measured_peaks_agree() -> None:
         balance = _balance(schedule, [2] * 4)
         pipe = Pipe(model, balance, chunks=6, schedule=schedule)
         pipe.step(torch.randn(12, 4), torch.randn(12, 4), nn.MSELoss())
-        plan = schedules.simulate(pipe._schedule(6, 1))
+        plan = schedules.simulate(pipe._programs.schedule(6, 1))
         assert [s["peak_stashed_microbatches"] for s in pipe.memory_stats()] == list(
             plan.peak_activations), schedule

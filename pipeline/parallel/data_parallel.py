@@ -126,10 +126,13 @@ class GradSync:
                     flat[numel + i] = 1
                 offset += p.numel()
             flat[:numel].div_(dist.get_world_size(self.group))
+            # Launched before the call: gloo may finish (and stamp `done`) before it returns,
+            # and a launch stamped after its end made a negative span.
+            launched = time.perf_counter()
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             done: list[float] = []
             work.get_future().then(lambda _f, done=done: done.append(time.perf_counter()))
-            self._buckets.append(_Bucket(chunk, flat, work, time.perf_counter(), done))
+            self._buckets.append(_Bucket(chunk, flat, work, launched, done))
 
     def finish(self) -> None:
         """Wait for every reduction of the step and write the averages into `.grad`."""

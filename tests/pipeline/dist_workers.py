@@ -184,7 +184,7 @@ def one_message_per_transfer(rank: int) -> tuple[int, int]:
         for link in links:
             del link.send
     sends = sum(not a.is_compute and a.op.value.startswith("SEND")
-                for a in pipe._schedule(4, 1).actions[rank])
+                for a in pipe._programs.schedule(4, 1).actions[rank])
     results = 1 if rank == 1 else 0  # the last stage shares the loss with rank 0
     return len(calls), sends + results
 

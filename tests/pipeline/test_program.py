@@ -23,7 +23,7 @@ def test_the_pipe_runs_its_program_and_the_timeline_shows_its_syncs() -> None:
     pipe.step(x, y, lm_loss)
     program = pipe.program()
     assert program.syncs == Syncs.of([(0, [1])])  # wte (stage 0) tied to the head (stage 1)
-    assert program == schedules.program(pipe._schedule(2, 1), program.syncs)
+    assert program == schedules.program(pipe._programs.schedule(2, 1), program.syncs)
     assert [str(a) for a in program.actions[0] if a.op in SYNC_OPS] == [
         "0SEND_T1", "0RECV_G1", "0TIE_ADD1"]
     assert [str(a) for a in program.actions[1] if a.op in SYNC_OPS] == [
