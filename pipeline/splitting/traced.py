@@ -53,8 +53,7 @@ class TracedStage(nn.Module):
             for node in graph.nodes:
                 if node.op == "get_attr" and (node.target in piece.submodules
                                               or node.target in piece.constants):
-                    name = f"_{mode}{node.target if node.target.startswith('_') else '_'}"
-                    name = name + ("" if node.target.startswith("_") else str(node.target))
+                    name = f"_{mode}_{str(node.target).lstrip('_')}"  # each mode its own
                     if node.target in piece.submodules:
                         self.add_module(name, piece.submodules[node.target])
                     else:
