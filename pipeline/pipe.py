@@ -13,7 +13,7 @@ from pipeline.comm import bootstrap
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel import agreement, ties
+from pipeline.parallel import agreement, tensor_parallel, ties
 from pipeline.parallel.clipping import clip_grad_norm
 from pipeline.parallel.data_parallel import Replicas
 from pipeline.parallel.scaling import agree_on_overflow
@@ -65,6 +65,7 @@ class Pipe(nn.Module):
         broadcast_buffers: bool = True,
         example_inputs: Any = None,
         split_points: Sequence[str] | None = None,
+        tp_plan: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         model, balance, stages = config.split_model(model, example_inputs, split_points,
@@ -82,12 +83,14 @@ class Pipe(nn.Module):
         self.mesh = layout.mesh
         config.check_sharding(data_parallel, layout, schedule)
         config.check_split(model, deferred_batch_norm)
+        self._tp_plan = tensor_parallel.check_plan(tp_plan, self.mesh)
         bounds, layers = layout.bounds, list(model)
         self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
         self._ties = ties.find_ties(model, self.balance)
         if self._ties and data_parallel == "fsdp":
             raise PipeConfigError("data_parallel='fsdp' does not shard weights tied across "
                                   "stages: use data_parallel='replicate' for this model")
+        config.check_tensor_parallel(self._tp_plan, model, self._ties)
         self._programs = Programs(schedule, self.balance, self.num_ranks,
                                   [(t.stage, [c.stage for c in t.copies]) for t in self._ties],
                                   dp=False, processes=bool(self.world))
@@ -113,6 +116,10 @@ class Pipe(nn.Module):
                     merge_into(self, layer)
                 else:
                     self.add_module(names[i], layer)
+        if self._tp_plan is not None and self.mesh is not None:  # before anything holds params
+            tensor_parallel.apply_plan(self, self._tp_plan, self.mesh, model)
+            for s in self.local_stages:
+                self.partitions[s].register_forward_hook(_settled)
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._agreement = agreement.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
@@ -323,14 +330,17 @@ class Pipe(nn.Module):
         `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the plain model: over
         every stage (all ranks: every rank calls it), each tied weight once; `inf` too. With a
         GradScaler, call `scaler.unscale_(optimizer)` first."""
-        exchange = None
+        exchange = over_tp = None
         if self.world:
             transport = self._executor.transport
             assert isinstance(transport, ProcessTransport)
             exchange = transport.exchange
+            if self._tp_plan is not None and self.mesh is not None:
+                over_tp = tensor_parallel.gather_over_tp(self.mesh, transport.wait_work)
         try:
             return clip_grad_norm(self.parameters(), max_norm, norm_type,
-                                  error_if_nonfinite=error_if_nonfinite, exchange=exchange)
+                                  error_if_nonfinite=error_if_nonfinite, exchange=exchange,
+                                  over_tp=over_tp)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 
@@ -429,6 +439,10 @@ class Pipe(nn.Module):
 
 def _mode(module: nn.Module) -> str:
     return "train" if module.training else "eval"
+
+
+def _settled(module: nn.Module, inputs: Any, outputs: Any) -> Any:
+    return tensor_parallel.settle(outputs)
 
 
 def _step_seed() -> int:

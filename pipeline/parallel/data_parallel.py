@@ -22,65 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
+from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.parallel.mesh import Mesh
+from pipeline.parallel.tensor_parallel import like_param, local_tensor
 
-__all__ = ["SHARDING", "GradSync", "Mesh", "Replicas", "resolve_mesh"]
+__all__ = ["SHARDING", "GradSync", "Replicas"]
 
 SHARDING = ("replicate", "fsdp")
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Where this process sits: its pipeline group ("pp"), its replica group ("dp", None for a
-    1-D mesh), its coordinates, and every global rank of the mesh."""
-
-    pp: Any
-    dp: Any
-    dp_mesh: Any  # the 1-D "dp" sub-mesh (FSDP2 shards over it)
-    dp_rank: int
-    dp_size: int
-    pp_rank: int
-    pp_size: int
-    ranks: tuple[int, ...]
-
-    def pp_peer(self, pp_rank: int) -> str:
-        """A rank of this pipeline, named with its place in the mesh."""
-        g = dist.get_global_rank(self.pp, pp_rank)
-        return f"rank {pp_rank} (global rank {g}, dp {self.dp_rank}, pp {pp_rank})"
-
-    def dp_peer(self, dp_rank: int) -> str:
-        """A replica of this rank, named with its place in the mesh."""
-        assert self.dp is not None
-        g = dist.get_global_rank(self.dp, dp_rank)
-        return f"global rank {g} (dp {dp_rank}, pp {self.pp_rank})"
-
-
-def resolve_mesh(mesh: Any, group: Any) -> Mesh | None:
-    """A `DeviceMesh` with dimensions named "dp" and "pp" (or only "pp"), checked."""
-    if mesh is None:
-        return None
-    if group is not None:
-        raise PipeConfigError("pass either mesh= or group=, not both: a mesh's 'pp' dimension "
-                              "is the pipeline's group")
-    names = getattr(mesh, "mesh_dim_names", None)
-    if names is None or not hasattr(mesh, "get_group"):
-        raise PipeTypeError(
-            f"mesh must be a torch.distributed.device_mesh.DeviceMesh with named dimensions "
-            f"(got {type(mesh).__name__}); e.g. init_device_mesh('cpu', (2, 2), "
-            f"mesh_dim_names=('dp', 'pp'))")
-    if sorted(names) not in (["dp", "pp"], ["pp"]):
-        raise PipeConfigError(
-            f"the mesh's dimensions must be named ('dp', 'pp') or ('pp',) (got {names}); "
-            f"'pp' carries the pipeline, 'dp' its replicas")
-    pp = mesh.get_group("pp")
-    dp = mesh.get_group("dp") if "dp" in names else None
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    return Mesh(pp, dp, mesh["dp"] if dp is not None else None,
-                dist.get_rank(dp) if dp is not None else 0,
-                dist.get_world_size(dp) if dp is not None else 1, dist.get_rank(pp),
-                dist.get_world_size(pp), ranks)
 
 
 @dataclass
@@ -117,14 +67,16 @@ class GradSync:
     def stage_done(self, stage: int) -> None:
         params = [p for p in self.stages[stage].parameters() if p.requires_grad]
         for chunk in _chunks(params):
-            numel = sum(p.numel() for p in chunk)
-            flat = chunk[0].new_zeros(numel + len(chunk))  # the same layout on every replica
+            # Under tp, each replica reduces its own shards (its dp group shares its tp rank).
+            numel = sum(local_tensor(p).numel() for p in chunk)
+            flat = local_tensor(chunk[0]).new_zeros(numel + len(chunk))  # same on every replica
             offset = 0
             for i, p in enumerate(chunk):
+                n = local_tensor(p).numel()
                 if p.grad is not None:
-                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                    flat[offset:offset + n].copy_(local_tensor(p.grad).reshape(-1))
                     flat[numel + i] = 1
-                offset += p.numel()
+                offset += n
             flat[:numel].div_(dist.get_world_size(self.group))
             # Launched before the call: gloo may finish (and stamp `done`) before it returns,
             # and a launch stamped after its end made a negative span.
@@ -144,14 +96,15 @@ class GradSync:
                 present = (bucket.flat[numel:] > 0).tolist()
                 offset = 0
                 for p, anywhere in zip(bucket.params, present, strict=True):
-                    average = bucket.flat[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                    shard = local_tensor(p)
+                    average = bucket.flat[offset:offset + shard.numel()].view_as(shard)
+                    offset += shard.numel()
                     if not anywhere:
                         continue  # no replica has a gradient: None stays None
                     if p.grad is None:
-                        p.grad = average.clone()
+                        p.grad = like_param(p, average.clone())
                     else:
-                        p.grad.copy_(average)
+                        local_tensor(p.grad).copy_(average)
             end = time.perf_counter()
             spans = [(b.launched, b.done[0] if b.done else end) for b in self._buckets]
             busy = _union(spans)
@@ -172,7 +125,7 @@ def _chunks(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
     out: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = local_tensor(p).numel() * p.element_size()
         if (not out or size + nbytes > BUCKET_BYTES or out[-1][0].dtype != p.dtype
                 or out[-1][0].device != p.device):
             out.append([])

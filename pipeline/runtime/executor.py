@@ -16,7 +16,7 @@ from pipeline.comm.failures import PeerTimeout, PipelineAborted
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.threads import ThreadTransport
 from pipeline.errors import PipelineError
-from pipeline.parallel.data_parallel import Mesh
+from pipeline.parallel.mesh import Mesh
 from pipeline.runtime.stage import StageRuntime, StepInputs, StepResult
 from pipeline.runtime.workers import RankWorkers
 from schedules import SYNC_OPS, Action, Op, Schedule, Timeline

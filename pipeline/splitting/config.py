@@ -12,7 +12,8 @@ from torch import nn
 import schedules
 from pipeline.comm import bootstrap
 from pipeline.errors import PipeConfigError
-from pipeline.parallel.data_parallel import SHARDING, Mesh, resolve_mesh
+from pipeline.parallel.data_parallel import SHARDING
+from pipeline.parallel.mesh import Mesh, resolve_mesh
 from pipeline.runtime.recompute import CHECKPOINT_MODES
 from pipeline.splitting import checks
 from pipeline.splitting.partition import BalanceError, bounds, partition, split_sizes
@@ -212,6 +213,25 @@ def check_split(model: nn.Sequential, deferred_batch_norm: object) -> None:
             "from its graph runs batch_norm as an op, so its statistics would be left per "
             "micro-batch: train with deferred_batch_norm=False (running statistics updated "
             "per micro-batch, as GPipe does), or pass an nn.Sequential")
+
+
+def check_tensor_parallel(tp_plan: dict[str, Any] | None, model: nn.Module,
+                          ties: Sequence[Any]) -> None:
+    """What tensor parallelism inside stages cannot do (yet), with the reason."""
+    if tp_plan is None:
+        return
+    if ties:
+        names = ", ".join(repr(t.key) for t in ties)
+        raise PipeConfigError(
+            f"tp_plan with weights tied across stages ({names}) is not supported: a tied "
+            f"weight is refreshed and its gradient added as a whole tensor, not as tp "
+            f"shards. Untie them (e.g. give the head its own weight), or keep both users of "
+            f"the tied weight in one stage")
+    if isinstance(model, SplitModel):
+        raise PipeConfigError(
+            "tp_plan on a model split from its graph is not supported: the traced stages "
+            "call ops, not the modules a ParallelStyle hooks into. Split the model into an "
+            "nn.Sequential of its blocks (docs/any-model.md) to shard it with tp_plan")
 
 
 def balance_layers(model: nn.Sequential, method: str, stages: int, sample: Any) -> list[int]:

@@ -1,0 +1,163 @@
+"""Tensor parallelism inside stages: torch's `parallelize_module` over the mesh's "tp" group.
+
+Each rank holds its stages' layers; a plan in torch's form (module-name pattern to
+`ParallelStyle`, the names the user's model has) is applied to the layers this rank holds,
+after they are materialised and before anything captures their parameters. Stages then
+exchange activations rank to rank within the same "tp" coordinate, as torchtitan does: what a
+stage's last module leaves (replicated, or a sequence shard) is what travels.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.parallel.mesh import Mesh
+
+__all__ = ["apply_plan", "check_plan", "gather_over_tp", "like_param", "local_tensor",
+           "matches", "settle", "sharded_params"]
+
+
+def check_plan(tp_plan: Any, mesh: Mesh | None) -> dict[str, Any] | None:
+    """The plan, checked against the mesh: a "tp" dimension needs a plan and a plan needs one."""
+    tp = mesh.tp_size if mesh is not None and mesh.tp is not None else None
+    if tp_plan is None:
+        if tp is not None and tp > 1:
+            raise PipeConfigError(
+                f"the mesh has a 'tp' dimension of size {tp} but no tp_plan was given: pass "
+                f"tp_plan={{'<module name>': ColwiseParallel(), ...}} (torch.distributed."
+                f"tensor.parallel styles) saying how each stage's modules are sharded")
+        return None
+    if tp is None:
+        raise PipeConfigError(
+            "tp_plan= shards stages over a mesh's 'tp' dimension, and no mesh with one was "
+            "given: pass mesh=init_device_mesh(device, (dp, pp, tp), "
+            "mesh_dim_names=('dp', 'pp', 'tp'))")
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(tp_plan, Mapping):
+        raise PipeTypeError(f"tp_plan must be a dict from module-name pattern to a "
+                            f"ParallelStyle (got {type(tp_plan).__name__})")
+    for key, style in tp_plan.items():
+        if not isinstance(key, str) or not key:
+            raise PipeTypeError(f"tp_plan's keys are module names or fnmatch patterns of "
+                                f"them, as model.named_modules() gives (got {key!r})")
+        if not isinstance(style, ParallelStyle):
+            raise PipeTypeError(f"tp_plan[{key!r}] must be a torch.distributed.tensor."
+                                f"parallel ParallelStyle (got {type(style).__name__})")
+    return dict(tp_plan)
+
+
+def matches(module: nn.Module, pattern: str) -> list[str]:
+    """The names of `module`'s submodules `pattern` selects, as `parallelize_module` reads a
+    plan's key: dotted, each part an fnmatch pattern of a child's name."""
+    found = [("", module)]
+    for token in pattern.split("."):
+        found = [(f"{name}.{child_name}" if name else child_name, child)
+                 for name, m in found for child_name, child in m.named_children()
+                 if fnmatch(child_name, token)]
+    return [name for name, _ in found]
+
+
+def apply_plan(root: nn.Module, plan: dict[str, Any], mesh: Mesh, model: nn.Module) -> bool:
+    """Shard the layers `root` holds (registered under the model's names) by `plan` over
+    the mesh's "tp" group; True if any was. Every key must name a module of `model` (the
+    whole model: a key may select layers another rank holds)."""
+    for key in plan:
+        if not matches(model, key):
+            names = [n for n, _ in model.named_modules() if n]
+            near = difflib.get_close_matches(key, names, n=3)
+            raise PipeConfigError(
+                f"tp_plan key {key!r} selects no module of the model"
+                + (f"; did you mean {', '.join(map(repr, near))}?" if near else
+                   f" (its modules are named like {names[:4]})"))
+    mine = {key: style for key, style in plan.items() if matches(root, key)}
+    if not mine:
+        return False
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(root, mesh.tp_mesh, mine)
+    return True
+
+
+class _Settled(torch.autograd.Function):
+    """An `AsyncCollectiveTensor` waited for and unwrapped into a plain tensor, its gradient
+    passed through: what a stage sends is the tensor's memory, so the collective that makes
+    it must be done first."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return value.wait()  # type: ignore[attr-defined, no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def settle(values: Any) -> Any:
+    """A stage's outputs with every pending collective result (RowwiseParallel's output,
+    by default) waited for: a tuple or a single value, as the stage returned it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def one(v: Any) -> Any:
+        return _Settled.apply(v) if isinstance(v, AsyncCollectiveTensor) else v
+
+    if isinstance(values, tuple):
+        return tuple(one(v) for v in values)
+    return one(values)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a parameter or gradient under tp); `t` otherwise."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before its import
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t._local_tensor  # type: ignore[no-any-return]
+    return t
+
+
+def gather_over_tp(mesh: Mesh, wait: Callable[[Any, str], None]) -> Callable[
+        [torch.Tensor], torch.Tensor]:
+    """A function stacking a (k,) CPU tensor from every rank of this rank's "tp" group into
+    (tp, k), in tp rank order; `wait` is the transport's failure-aware wait."""
+    import torch.distributed as dist
+
+    def gather(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_empty(mesh.tp_size * values.numel())  # gloo gathers flat
+        work = dist.all_gather_into_tensor(out, values.contiguous().reshape(-1),
+                                           group=mesh.tp, async_op=True)
+        wait(work, "the gradient norms' exchange over tp")
+        return out.view(mesh.tp_size, *values.shape)
+
+    return gather
+
+
+def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's values) as a gradient for `param`: a DTensor laid out as `param`
+    is, under tp; `local` itself otherwise."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(param, dtensor.DTensor):
+        return dtensor.DTensor.from_local(local, param.device_mesh, param.placements,
+                                          shape=param.shape, stride=param.stride(),
+                                          run_check=False)
+    return local
+
+
+def sharded_params(params: Iterable[torch.Tensor]) -> list[bool]:
+    """Per parameter: whether it is a DTensor with a shard of its own on this rank (True), or
+    a full copy every tp rank holds (False): a norm counts the first on every rank and the
+    second once."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    out = []
+    for p in params:
+        if dtensor is not None and isinstance(p, dtensor.DTensor):
+            out.append(any(pl.is_shard() for pl in p.placements))
+        else:
+            out.append(False)
+    return out
