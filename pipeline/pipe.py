@@ -176,6 +176,8 @@ class Pipe(nn.Module):
                 self._batch_norm.begin()
             self._timeline, self._stats = self._executor.run(program, step, result,
                                                              self.checkpoint)
+            if self._tp_plan is not None:
+                tensor_parallel.grads_as_params(self.parameters())
             if self._batch_norm is not None:
                 self._batch_norm.commit()
             if dp and self._replicas is not None:
@@ -210,7 +212,7 @@ class Pipe(nn.Module):
         self._agreement.check(self, [(x, None)])
         inputs, _, _ = batches.share(self, x, None, None, chunks)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
-                          _step_seed(), caller=CallerState.capture(),
+                          self._seed(), caller=CallerState.capture(),
                           syncs=StepSyncs(ties=self._tie_link))
         with torch.no_grad():  # the program refreshes the copies of tied weights
             result = self._run(self.program(chunks, train=False), step)
@@ -294,11 +296,20 @@ class Pipe(nn.Module):
             self._replicas.agree(self, len(pairs))
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         program = self.program(self.chunks, batches=len(pairs), scaler=scaler is not None)
-        step = batches.step_inputs(self, program, pairs, loss_fn, how, scaler, _step_seed())
+        step = batches.step_inputs(self, program, pairs, loss_fn, how, scaler, self._seed())
         result = self._run(program, step, optimizer)
         if result.input_grads:
             backward_inputs([x for x, _ in pairs], result.input_grads, self.chunks)
         return self._losses(result, len(pairs))
+
+    def _seed(self) -> int:
+        """The step's seed: drawn here; under tp, tp rank 0's (see `agree_on_seed`)."""
+        seed = _step_seed()
+        if self._tp_plan is not None and self.mesh is not None and self.world:
+            transport = self._executor.transport
+            assert isinstance(transport, ProcessTransport)
+            seed = tensor_parallel.agree_on_seed(seed, self.mesh, transport.wait_work)
+        return seed
 
     def _agree_on_overflow(self, scaler: Any) -> None:
         """The program's OVERFLOW: this rank's scaler sees an overflow if any rank had one."""

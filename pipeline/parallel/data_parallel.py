@@ -24,7 +24,7 @@ from torch import nn
 
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel.mesh import Mesh
-from pipeline.parallel.tensor_parallel import like_param, local_tensor
+from pipeline.parallel.tensor_parallel import grads_as_params, like_param, local_tensor
 
 __all__ = ["SHARDING", "GradSync", "Replicas"]
 
@@ -66,6 +66,7 @@ class GradSync:
 
     def stage_done(self, stage: int) -> None:
         params = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        grads_as_params(params)  # under tp: partial sums reduced first (every replica alike)
         for chunk in _chunks(params):
             # Under tp, each replica reduces its own shards (its dp group shares its tp rank).
             numel = sum(local_tensor(p).numel() for p in chunk)

@@ -21,8 +21,9 @@ from torch import nn
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.parallel.mesh import Mesh
 
-__all__ = ["apply_plan", "check_plan", "gather_over_tp", "like_param", "local_tensor",
-           "matches", "settle", "sharded_params"]
+__all__ = ["agree_on_seed", "apply_plan", "check_plan", "full_tensor", "gather_over_tp",
+           "grads_as_params", "like_param", "local_tensor", "matches", "settle", "shard_like",
+           "sharded_params"]
 
 
 def check_plan(tp_plan: Any, mesh: Mesh | None) -> dict[str, Any] | None:
@@ -78,7 +79,9 @@ def apply_plan(root: nn.Module, plan: dict[str, Any], mesh: Mesh, model: nn.Modu
                 f"tp_plan key {key!r} selects no module of the model"
                 + (f"; did you mean {', '.join(map(repr, near))}?" if near else
                    f" (its modules are named like {names[:4]})"))
-    mine = {key: style for key, style in plan.items() if matches(root, key)}
+    # Each key as the names it selects here (in the plan's order: styles on one module apply
+    # in turn): a pattern selecting nothing in some layers is no mistake, torch warns of it.
+    mine = {name: style for key, style in plan.items() for name in matches(root, key)}
     if not mine:
         return False
     from torch.distributed.tensor.parallel import parallelize_module
@@ -93,21 +96,27 @@ class _Settled(torch.autograd.Function):
     it must be done first."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return value.wait()  # type: ignore[attr-defined, no-any-return]
+    def forward(ctx: Any, value: Any) -> Any:
+        return value.wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         return grad
 
 
 def settle(values: Any) -> Any:
-    """A stage's outputs with every pending collective result (RowwiseParallel's output,
-    by default) waited for: a tuple or a single value, as the stage returned it."""
+    """A stage's outputs as plain tensors of this rank's values: every pending collective
+    result (RowwiseParallel's output, by default) waited for, every DTensor its local shard;
+    a tuple or a single value, as the stage returned it."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
 
     def one(v: Any) -> Any:
-        return _Settled.apply(v) if isinstance(v, AsyncCollectiveTensor) else v
+        if isinstance(v, DTensor):  # a style that keeps DTensors: its local shard travels
+            v = v.to_local()
+        if isinstance(v, AsyncCollectiveTensor):
+            return _Settled.apply(v)  # type: ignore[no-untyped-call]
+        return v
 
     if isinstance(values, tuple):
         return tuple(one(v) for v in values)
@@ -138,14 +147,63 @@ def gather_over_tp(mesh: Mesh, wait: Callable[[Any, str], None]) -> Callable[
     return gather
 
 
+def agree_on_seed(seed: int, mesh: Mesh, wait: Callable[[Any, str], None]) -> int:
+    """tp rank 0's `seed`, on every rank of the "tp" group: the ranks of a stage's shards run
+    one forward, so they draw the same dropout masks (a replicated activation stays equal
+    on every tp rank, as on one device) whatever seeds the processes were given."""
+    import torch.distributed as dist
+
+    value = torch.tensor([seed], dtype=torch.int64)
+    work = dist.broadcast(value, group=mesh.tp, group_src=0, async_op=True)
+    wait(work, "the step's seed from tp rank 0")
+    return int(value.item())
+
+
+def grads_as_params(params: Iterable[torch.Tensor]) -> None:
+    """Each DTensor gradient laid out as its parameter: a weight every tp rank holds whole
+    but computes from a shard of the data (a LayerNorm under SequenceParallel) gets a
+    partial-sum gradient from autograd, reduced here over "tp", so that each rank's `.grad`
+    holds its shard's (or the whole) gradient, as clipping, dp and optimizers read it. Every
+    tp rank calls this for the same parameters, in the same order."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return
+    with torch.no_grad():
+        for p in params:
+            g = p.grad
+            if isinstance(g, dtensor.DTensor) and g.placements != getattr(p, "placements", None):
+                p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+
+
+def full_tensor(t: Any) -> Any:
+    """The whole of a DTensor (a collective over "tp": every tp rank calls it, in the same
+    order); anything else as it is."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t.full_tensor()
+    return t
+
+
+def shard_like(current: Any, value: Any) -> Any:
+    """`value` (a whole tensor, as the plain model's state_dict has it) as this rank's part
+    of `current` when that is a DTensor (cut locally: every rank has the whole value)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if (dtensor is not None and isinstance(current, dtensor.DTensor)
+            and isinstance(value, torch.Tensor) and not isinstance(value, dtensor.DTensor)):
+        return dtensor.distribute_tensor(value.to(current.device), current.device_mesh,
+                                         current.placements, src_data_rank=None)
+    return value
+
+
 def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (this rank's values) as a gradient for `param`: a DTensor laid out as `param`
     is, under tp; `local` itself otherwise."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(param, dtensor.DTensor):
-        return dtensor.DTensor.from_local(local, param.device_mesh, param.placements,
-                                          shape=param.shape, stride=param.stride(),
-                                          run_check=False)
+        made: torch.Tensor = dtensor.DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape,
+            stride=param.stride(), run_check=False)
+        return made
     return local
 
 

@@ -202,6 +202,14 @@ class Executor:
             transport.abort(rank, str(exc))
             raise PipelineError(str(exc)) from exc
         except BaseException as exc:
+            try:  # a collective inside a stage (tp) breaks when a peer that failed exits:
+                assert isinstance(transport, ProcessTransport)
+                transport.check_failed()  # that peer's report is the failure to name
+            except PipelineAborted as first:
+                _log.info("rank %d: step aborted: %s", rank, first)
+                raise PipelineError(str(first)) from exc
+            except PeerFailure:
+                pass
             message = self._failure(rank, rt.current, exc)
             _log.warning("%s", message)
             transport.abort(rank, message)

@@ -11,6 +11,7 @@ from pipeline.comm import collectives
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.parallel.tensor_parallel import full_tensor, shard_like
 from pipeline.splitting import checks, partition
 from pipeline.splitting.traced import layer_key
 
@@ -26,6 +27,11 @@ def full_state_dict(pipe: Any, dst: int) -> dict[str, torch.Tensor] | None:
         return dict(pipe.state_dict())
     if pipe._replicas is not None and pipe._replicas.mesh.dp_rank != 0:
         return None  # every replica holds the same weights: the first one gathers them
+    state = dict(pipe.state_dict())
+    if pipe._tp_plan is not None:  # every tp rank gathers its shards; tp rank 0's pipeline
+        state = {k: full_tensor(v) for k, v in state.items()}  # sends them on
+        if pipe.mesh.tp_rank != 0:
+            return None
     owner = {}
     model: nn.Sequential = pipe.__dict__["_full_model"]
     stage_of = partition.stage_of(pipe.balance)
@@ -38,8 +44,7 @@ def full_state_dict(pipe: Any, dst: int) -> dict[str, torch.Tensor] | None:
     try:
         transport = pipe._executor.transport
         assert isinstance(transport, ProcessTransport)
-        return collectives.gather_state_dict(model, dict(pipe.state_dict()), owner,
-                                             transport, dst)
+        return collectives.gather_state_dict(model, state, owner, transport, dst)
     except (PipelineAborted, PeerFailure) as exc:
         raise PipelineError(str(exc)) from None
 
@@ -52,7 +57,10 @@ def loadable(pipe: Any, state_dict: Any, strict: bool,
     if pipe.world:
         mine = set(pipe.state_dict())
         state_dict = {k: v for k, v in state_dict.items() if k in mine}
-    checks.check_state_dict(pipe.state_dict(), state_dict, strict)
+    own = pipe.state_dict()
+    checks.check_state_dict(own, state_dict, strict)
+    # Under tp, a whole tensor loads as this rank's shard of it.
+    state_dict = {k: shard_like(own[k], v) if k in own else v for k, v in state_dict.items()}
     add, drop = pipe._tie_link.state_dict_keys()
     # A key the owner's stage holds itself stays (a model split from its graph: GPT-2's
     # embedding reads the tied weight as `lm_head.weight`, the head's copy's key too).

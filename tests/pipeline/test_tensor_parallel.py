@@ -1,0 +1,87 @@
+"""Tensor parallelism inside stages over gloo processes: Pipes on (dp, pp, tp) meshes of
+1x2x2 and 2x1x2 against one device (an MLP, a transformer under Megatron's plan and its
+sequence-parallel variant), dropout replayed under recomputation, checkpoints across
+layouts, refusals, and failures named by their coordinates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.launch import spawn
+from pipeline.state import sharded
+from tests import models_tp
+from tests.limits import SPAWN_TIMEOUT
+from tests.pipeline import tp_workers
+from tests.pipeline.sharded_workers import unpack
+
+pytestmark = [pytest.mark.dist]
+
+RUNS_1X2X2 = [("mlp", "", "gpipe", "never"), ("mlp", "", "1f1b", "always"),
+              ("transformer", "megatron", "1f1b", "never"),
+              ("transformer", "megatron", "gpipe", "always"),
+              ("transformer", "sp", "1f1b", "except_last"),
+              ("transformer", "sp", "gpipe", "always"),
+              ("transformer", "megatron", "zb-h1", "never")]
+RUNS_2X1X2 = [("mlp", "", "1f1b", "never"), ("transformer", "megatron", "gpipe", "always"),
+              ("transformer", "sp", "1f1b", "never")]
+
+
+@pytest.mark.parametrize(("shape", "runs"), [((1, 2, 2), RUNS_1X2X2), ((2, 1, 2), RUNS_2X1X2)],
+                         ids=["1x2x2", "2x1x2"])
+def test_trains_as_one_device(shape: tuple[int, int, int],
+                              runs: list[tuple[str, str, str, str]]) -> None:
+    """Two AdamW steps: losses, every gradient (clipped on the second step, the norm too)
+    and the weights after equal one device's, for each run; together the ranks checked
+    every parameter of the model."""
+    results = spawn(tp_workers.train_like_one_device, 4, shape, runs, timeout=SPAWN_TIMEOUT)
+    for i, (name, *_rest) in enumerate(runs):
+        model = models_tp.mlp() if name == "mlp" else models_tp.transformer()
+        every = {n for n, _ in model.named_parameters()}
+        assert set().union(*(r[i] for r in results)) == every, runs[i]
+
+
+def test_dropout_replays_and_tp_ranks_agree() -> None:
+    losses = spawn(tp_workers.dropout_replay, 4, timeout=SPAWN_TIMEOUT)
+    # Each pipeline (tp coordinate) computed its loss from its own shards: equal losses
+    # mean the tp ranks drew the same masks.
+    assert losses[0] == losses[1] == losses[2] == losses[3]
+
+
+def test_checkpoint_loads_across_layouts_and_into_a_plain_model(tmp_path: Path) -> None:
+    """Saved at 1x2x2 (dp x pp x tp), loaded at 1x4x1 and into the plain model: the
+    weights after the step, whole, each time; `full_state_dict` gathers them too."""
+    path = tmp_path / "ckpt"
+    saved = spawn(tp_workers.save_at, 4, str(path), timeout=SPAWN_TIMEOUT)
+    whole = unpack([state for state, _ in saved])
+    assert saved[0][1] is not None and all(full is None for _, full in saved[1:])
+    full = unpack([saved[0][1]])
+    plain = models_tp.transformer(seed=7)
+    assert set(whole) == set(plain.state_dict()) == set(full)
+    for k, v in whole.items():
+        torch.testing.assert_close(full[k], v, rtol=0, atol=0, msg=k)
+    sharded.load(plain, path)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(v, whole[k], rtol=0, atol=0, msg=k)
+    loaded = spawn(tp_workers.load_elsewhere, 4, str(path), timeout=SPAWN_TIMEOUT)
+    got = unpack(loaded)
+    assert set(got) == set(whole)
+    for k, v in got.items():
+        torch.testing.assert_close(v, whole[k], rtol=0, atol=0, msg=k)
+
+
+def test_refusals() -> None:
+    for messages in spawn(tp_workers.errors, 4, timeout=SPAWN_TIMEOUT):
+        no_plan, typo, tied = messages
+        assert "'tp' dimension of size 2 but no tp_plan" in no_plan
+        assert "'*.atn.q' selects no module" in typo and "did you mean" in typo
+        assert "tied across stages" in tied and "'0.weight'" in tied
+
+
+def test_a_failure_is_named_by_its_coordinates() -> None:
+    messages = spawn(tp_workers.failure_names_coordinates, 4, timeout=SPAWN_TIMEOUT)
+    assert "a loss that fails on one shard" in messages[3]
+    for m in messages[:3]:
+        assert "tp 1" in m, m

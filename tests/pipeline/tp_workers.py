@@ -1,0 +1,213 @@
+"""Functions run on spawned gloo ranks by tests/pipeline/test_tensor_parallel.py: Pipes on a
+(dp, pp, tp) mesh against one device (importable by child processes, so they live in a
+module of their own)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline import Pipe, PipeConfigError, PipelineError
+from tests import models_tp
+from tests.pipeline.sharded_workers import pack
+from tests.pipeline.traced_workers import STATE_TOL, TOL
+
+__all__ = ["dropout_replay", "errors", "failure_names_coordinates", "load_elsewhere",
+           "save_at", "train_like_one_device"]
+
+BALANCE = {("mlp", 1): [6], ("mlp", 2): [3, 3], ("transformer", 1): [7],
+           ("transformer", 2): [4, 3], ("transformer", 4): [2, 2, 2, 1], ("mlp", 4): [2, 1, 1, 2]}
+STEPS = 2
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...] = ("dp", "pp", "tp")) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _build(name: str, dropout: float = 0.0) -> nn.Sequential:
+    return models_tp.mlp() if name == "mlp" else models_tp.transformer(dropout=dropout)
+
+
+def _plan(name: str, variant: str) -> dict[str, Any]:
+    return (models_tp.mlp_plan() if name == "mlp"
+            else models_tp.transformer_plan(sequence_parallel=variant == "sp"))
+
+
+def _loss(name: str) -> Callable[[Any, Any], torch.Tensor]:
+    return nn.MSELoss() if name == "mlp" else models_tp.token_loss
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (every tp rank calls this for every DTensor, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _step(pipe: Pipe, name: str, step: int, mesh: Any) -> torch.Tensor:
+    """One step on this replica's rows of the global batch; ranks pass what their stages
+    need (None for the rest), as ranks of a real job would."""
+    x, y = models_tp.batch(name, step)
+    dp = mesh["dp"].size()
+    d = mesh.get_local_rank("dp")
+    x, y = x.chunk(dp)[d], y.chunk(dp)[d]
+    first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+    return pipe.step(x if first else None, y if last else None, _loss(name))
+
+
+def train_like_one_device(rank: int, shape: tuple[int, int, int],
+                          runs: list[tuple[str, str, str, str]]) -> list[list[str]]:
+    """For each (model, plan variant, schedule, checkpoint): two AdamW steps of a Pipe on the
+    mesh and of the model on one device (the global batch); every step's loss, every
+    gradient (after `clip_grad_norm_` on the second step, with the norm) and every weight
+    after the steps must agree. Returns the parameter names each run checked."""
+    mesh = _mesh(shape)
+    checked = []
+    for name, variant, schedule, checkpoint in runs:
+        what = f"{name}/{variant}/{schedule}/{checkpoint} at {shape}"
+        ref = _build(name)
+        pipe = Pipe(_build(name), balance=BALANCE[(name, shape[1])], chunks=2, mesh=mesh,
+                    tp_plan=_plan(name, variant), schedule=schedule, checkpoint=checkpoint)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        refs = dict(ref.named_parameters())
+        for step in range(STEPS):
+            loss = _step(pipe, name, step, mesh)
+            x, y = models_tp.batch(name, step)
+            ref_loss = _loss(name)(ref(x), y)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=what)
+            if step == 1:
+                norm = pipe.clip_grad_norm_(0.05)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                torch.testing.assert_close(norm, ref_norm, **TOL, msg=what)
+            for n, p in pipe.named_parameters():
+                assert p.grad is not None, (what, n)
+                torch.testing.assert_close(_full(p.grad), refs[n].grad, **TOL,
+                                           msg=f"{what}: {n}'s gradient, step {step}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        names = []
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(_full(p.detach()), refs[n].detach(), **STATE_TOL,
+                                       msg=f"{what}: {n} after the steps")
+            names.append(n)
+        pipe.close()
+        checked.append(names)
+    return checked
+
+
+def dropout_replay(rank: int) -> list[float]:
+    """The transformer with dropout (after attention and MLP, where activations are whole on
+    every tp rank, and on the MLP's hidden units, where each tp rank holds its shard) on
+    1x2x2, every process seeded differently: recomputation ("always") replays the masks of
+    the forward it recomputes, so its gradients equal those of "never" bit for bit; and the
+    tp ranks drew the same masks (tp rank 0's seed), so they computed one loss. Returns
+    this rank's losses."""
+    mesh = _mesh((1, 2, 2))
+    grads = {}
+    losses = []
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(1234 + rank)  # what a user might do; the ranks must still agree
+        pipe = Pipe(_build("transformer", dropout=0.3), balance=[4, 3], chunks=2, mesh=mesh,
+                    tp_plan=_plan("transformer", "megatron"), checkpoint=checkpoint)
+        torch.manual_seed(99)  # the step's seed: the same draw for both runs
+        losses.append(float(_step(pipe, "transformer", 0, mesh)))
+        grads[checkpoint] = {n: _full(p.grad).clone() for n, p in pipe.named_parameters()
+                             if p.grad is not None}
+        pipe.close()
+    assert grads["never"].keys() == grads["always"].keys()
+    for n, g in grads["never"].items():
+        assert torch.equal(g, grads["always"][n]), f"{n}: recomputation drew other masks"
+    no_dropout = Pipe(_build("transformer"), balance=[4, 3], chunks=2, mesh=mesh,
+                      tp_plan=_plan("transformer", "megatron"))
+    plain = float(_step(no_dropout, "transformer", 0, mesh))
+    assert abs(plain - losses[0]) > 1e-3, "dropout changed nothing: the test would be vacuous"
+    no_dropout.close()
+    return losses
+
+
+def save_at(rank: int, path: str) -> tuple[bytes, bytes | None]:
+    """1x2x2: one AdamW step of the transformer, then `pipe.save(path)`; returns the whole
+    model's state (every tp rank gathers each DTensor) for the loads to compare with."""
+    mesh = _mesh((1, 2, 2))
+    pipe = Pipe(_build("transformer"), balance=[4, 3], chunks=2, mesh=mesh,
+                tp_plan=_plan("transformer", "megatron"))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    _step(pipe, "transformer", 0, mesh)
+    opt.step()
+    pipe.save(Path(path))
+    state = {k: _full(v).detach().clone() for k, v in pipe.state_dict().items()}
+    full = pipe.full_state_dict()
+    pipe.close()
+    # A whole state_dict loads into a tp Pipe as each rank's shards.
+    other = models_tp.transformer(seed=3).state_dict()
+    fresh = Pipe(_build("transformer"), balance=[4, 3], chunks=2, mesh=mesh,
+                 tp_plan=_plan("transformer", "megatron"))
+    fresh.load_state_dict(other)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(_full(v), other[k]), k
+    fresh.close()
+    return pack(state), pack(full) if full is not None else None
+
+
+def load_elsewhere(rank: int, path: str) -> bytes:
+    """1x4x1 (no tp): `pipe.load(path)` of what 1x2x2 saved; returns this rank's state."""
+    mesh = _mesh((1, 4), ("dp", "pp"))
+    pipe = Pipe(models_tp.transformer(seed=7), balance=[2, 2, 2, 1], chunks=4, mesh=mesh)
+    pipe.load(Path(path))
+    state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+    pipe.close()
+    return pack(state)
+
+
+def errors(rank: int) -> list[str]:
+    """Mistakes with tp, each refused with its reason on every rank (1x2x2)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    mesh = _mesh((1, 2, 2))
+    seen = []
+
+    def refused(**kwargs: Any) -> None:
+        try:
+            Pipe(**{"model": _build("transformer"), "balance": [4, 3], "mesh": mesh,
+                    **kwargs})
+        except PipeConfigError as exc:
+            seen.append(str(exc))
+        else:
+            raise AssertionError(f"accepted {kwargs}")
+
+    refused()  # a tp dimension and no plan
+    refused(tp_plan={"*.atn.q": ColwiseParallel()})  # a typo
+    tied = models_tp.transformer()
+    tied[6].weight = tied[0].weight
+    refused(model=tied, tp_plan=_plan("transformer", "megatron"))
+    return seen
+
+
+def failure_names_coordinates(rank: int) -> str:
+    """1x2x2: the loss raises on the last stage's tp rank 1 (global rank 3) only; every rank
+    fails with a PipelineError, and the others' name where the failure was."""
+    mesh = _mesh((1, 2, 2))
+    pipe = Pipe(_build("mlp"), balance=[3, 3], chunks=2, mesh=mesh, tp_plan=_plan("mlp", ""),
+                timeout=60)
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if rank == 3:
+            raise ValueError("a loss that fails on one shard")
+        return nn.functional.mse_loss(out, target)
+
+    x, y = models_tp.batch("mlp", 0)
+    try:
+        pipe.step(x, y, loss)
+    except PipelineError as exc:
+        return str(exc)
+    raise AssertionError("the step did not fail")
