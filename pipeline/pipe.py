@@ -341,17 +341,14 @@ class Pipe(nn.Module):
         `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the plain model: over
         every stage (all ranks: every rank calls it), each tied weight once; `inf` too. With a
         GradScaler, call `scaler.unscale_(optimizer)` first."""
-        exchange = over_tp = None
+        exchange = None
         if self.world:
             transport = self._executor.transport
             assert isinstance(transport, ProcessTransport)
             exchange = transport.exchange
-            if self._tp_plan is not None and self.mesh is not None:
-                over_tp = tensor_parallel.gather_over_tp(self.mesh, transport.wait_work)
         try:
             return clip_grad_norm(self.parameters(), max_norm, norm_type,
-                                  error_if_nonfinite=error_if_nonfinite, exchange=exchange,
-                                  over_tp=over_tp)
+                                  error_if_nonfinite=error_if_nonfinite, exchange=exchange)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 

@@ -21,9 +21,8 @@ from torch import nn
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.parallel.mesh import Mesh
 
-__all__ = ["agree_on_seed", "apply_plan", "check_plan", "full_tensor", "gather_over_tp",
-           "grads_as_params", "like_param", "local_tensor", "matches", "settle", "shard_like",
-           "sharded_params"]
+__all__ = ["agree_on_seed", "apply_plan", "check_plan", "full_tensor",
+           "grads_as_params", "like_param", "local_tensor", "matches", "settle", "shard_like"]
 
 
 def check_plan(tp_plan: Any, mesh: Mesh | None) -> dict[str, Any] | None:
@@ -131,22 +130,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def gather_over_tp(mesh: Mesh, wait: Callable[[Any, str], None]) -> Callable[
-        [torch.Tensor], torch.Tensor]:
-    """A function stacking a (k,) CPU tensor from every rank of this rank's "tp" group into
-    (tp, k), in tp rank order; `wait` is the transport's failure-aware wait."""
-    import torch.distributed as dist
-
-    def gather(values: torch.Tensor) -> torch.Tensor:
-        out = values.new_empty(mesh.tp_size * values.numel())  # gloo gathers flat
-        work = dist.all_gather_into_tensor(out, values.contiguous().reshape(-1),
-                                           group=mesh.tp, async_op=True)
-        wait(work, "the gradient norms' exchange over tp")
-        return out.view(mesh.tp_size, *values.shape)
-
-    return gather
-
-
 def agree_on_seed(seed: int, mesh: Mesh, wait: Callable[[Any, str], None]) -> int:
     """tp rank 0's `seed`, on every rank of the "tp" group: the ranks of a stage's shards run
     one forward, so they draw the same dropout masks (a replicated activation stays equal
@@ -205,17 +188,3 @@ def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
             stride=param.stride(), run_check=False)
         return made
     return local
-
-
-def sharded_params(params: Iterable[torch.Tensor]) -> list[bool]:
-    """Per parameter: whether it is a DTensor with a shard of its own on this rank (True), or
-    a full copy every tp rank holds (False): a norm counts the first on every rank and the
-    second once."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    out = []
-    for p in params:
-        if dtensor is not None and isinstance(p, dtensor.DTensor):
-            out.append(any(pl.is_shard() for pl in p.placements))
-        else:
-            out.append(False)
-    return out

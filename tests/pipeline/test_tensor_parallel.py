@@ -29,14 +29,22 @@ RUNS_2X1X2 = [("mlp", "", "1f1b", "never"), ("transformer", "megatron", "gpipe",
               ("transformer", "sp", "1f1b", "never")]
 
 
-@pytest.mark.parametrize(("shape", "runs"), [((1, 2, 2), RUNS_1X2X2), ((2, 1, 2), RUNS_2X1X2)],
-                         ids=["1x2x2", "2x1x2"])
+RUNS_FSDP = [("mlp", "", "gpipe", "always"), ("transformer", "megatron", "1f1b", "never"),
+             ("transformer", "sp", "1f1b", "except_last")]
+
+
+@pytest.mark.parametrize(("shape", "runs", "data_parallel"),
+                         [((1, 2, 2), RUNS_1X2X2, "replicate"),
+                          ((2, 1, 2), RUNS_2X1X2, "replicate"),
+                          ((2, 1, 2), RUNS_FSDP, "fsdp")],
+                         ids=["1x2x2", "2x1x2", "2x1x2-fsdp"])
 def test_trains_as_one_device(shape: tuple[int, int, int],
-                              runs: list[tuple[str, str, str, str]]) -> None:
+                              runs: list[tuple[str, str, str, str]], data_parallel: str) -> None:
     """Two AdamW steps: losses, every gradient (clipped on the second step, the norm too)
     and the weights after equal one device's, for each run; together the ranks checked
     every parameter of the model."""
-    results = spawn(tp_workers.train_like_one_device, 4, shape, runs, timeout=SPAWN_TIMEOUT)
+    results = spawn(tp_workers.train_like_one_device, 4, shape, runs, data_parallel,
+                    timeout=SPAWN_TIMEOUT)
     for i, (name, *_rest) in enumerate(runs):
         model = models_tp.mlp() if name == "mlp" else models_tp.transformer()
         every = {n for n, _ in model.named_parameters()}

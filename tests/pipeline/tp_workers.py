@@ -62,18 +62,21 @@ def _step(pipe: Pipe, name: str, step: int, mesh: Any) -> torch.Tensor:
 
 
 def train_like_one_device(rank: int, shape: tuple[int, int, int],
-                          runs: list[tuple[str, str, str, str]]) -> list[list[str]]:
+                          runs: list[tuple[str, str, str, str]],
+                          data_parallel: str = "replicate") -> list[list[str]]:
     """For each (model, plan variant, schedule, checkpoint): two AdamW steps of a Pipe on the
     mesh and of the model on one device (the global batch); every step's loss, every
     gradient (after `clip_grad_norm_` on the second step, with the norm) and every weight
-    after the steps must agree. Returns the parameter names each run checked."""
+    after the steps must agree (`data_parallel="fsdp"`: FSDP2 over "dp", TP over "tp", as
+    torchtitan composes them). Returns the parameter names each run checked."""
     mesh = _mesh(shape)
     checked = []
     for name, variant, schedule, checkpoint in runs:
-        what = f"{name}/{variant}/{schedule}/{checkpoint} at {shape}"
+        what = f"{name}/{variant}/{schedule}/{checkpoint} at {shape}, {data_parallel}"
         ref = _build(name)
         pipe = Pipe(_build(name), balance=BALANCE[(name, shape[1])], chunks=2, mesh=mesh,
-                    tp_plan=_plan(name, variant), schedule=schedule, checkpoint=checkpoint)
+                    tp_plan=_plan(name, variant), schedule=schedule, checkpoint=checkpoint,
+                    data_parallel=data_parallel)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         refs = dict(ref.named_parameters())
