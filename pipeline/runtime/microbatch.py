@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from pipeline.errors import PipeConfigError
 
 __all__ = ["MicroBatchError", "Packed", "as_tuple", "backward_inputs", "batch_size", "from_tuple",
-           "gather", "leading_rows", "like", "scatter"]
+           "gather", "leading_rows", "like", "scatter", "sendable"]
 
 
 class MicroBatchError(PipeConfigError):
@@ -128,3 +129,22 @@ def backward_inputs(batches: list[Any], grads: dict[int, tuple[torch.Tensor | No
             gradients.append(grad)  # type: ignore[arg-type]
     if tensors:
         torch.autograd.backward(tensors, gradients)
+
+
+def sendable(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`values` as tensors whose memory can be sent: a pending collective's result (torch's
+    `AsyncCollectiveTensor`, what tensor parallelism's backward may leave as an input's
+    gradient) waited for, a DTensor as its local shard; plain tensors as they are."""
+    if all(type(v) is torch.Tensor or not isinstance(v, torch.Tensor) for v in values):
+        return values  # the common case, without looking further
+    collectives = sys.modules.get("torch.distributed._functional_collectives")
+    dtensor = sys.modules.get("torch.distributed.tensor")
+
+    def plain(v: Any) -> Any:
+        if dtensor is not None and isinstance(v, dtensor.DTensor):
+            v = v.to_local()
+        if collectives is not None and isinstance(v, collectives.AsyncCollectiveTensor):
+            v = v.wait()
+        return v
+
+    return tuple(plain(v) for v in values)

@@ -15,7 +15,7 @@ from pipeline.comm.transport import Transport, move
 from pipeline.errors import PipeConfigError
 from pipeline.runtime.batchnorm import microbatch_scope
 from pipeline.runtime.context import CallerState
-from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like
+from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like, sendable
 from pipeline.runtime.recompute import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.runtime.saved_bytes import SavedBytes
 from pipeline.runtime.split_backward import (
@@ -345,7 +345,7 @@ class StageRuntime:
             params = self._params(action, step)
             input_grads, stash.weight_grad = backward_input(roots, grads, stash.inputs, params)
         if s > 0:
-            self._give(("B", s - 1, m), tuple(input_grads))
+            self._give(("B", s - 1, m), sendable(tuple(input_grads)))
         elif any(g is not None for g in input_grads):
             result.input_grads[m] = tuple(input_grads)
 

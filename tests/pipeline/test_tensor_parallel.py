@@ -24,7 +24,9 @@ RUNS_1X2X2 = [("mlp", "", "gpipe", "never"), ("mlp", "", "1f1b", "always"),
               ("transformer", "megatron", "gpipe", "always"),
               ("transformer", "sp", "1f1b", "except_last"),
               ("transformer", "sp", "gpipe", "always"),
-              ("transformer", "megatron", "zb-h1", "never")]
+              ("transformer", "megatron", "zb-h1", "never"),
+              ("transformer", "megatron", "interleaved", "except_last"),
+              ("transformer", "sp", "zb-v", "never")]
 RUNS_2X1X2 = [("mlp", "", "1f1b", "never"), ("transformer", "megatron", "gpipe", "always"),
               ("transformer", "sp", "1f1b", "never")]
 

@@ -14,7 +14,7 @@ from torch import nn
 from pipeline import Pipe, PipeConfigError, PipelineError
 from tests import models_tp
 from tests.pipeline.sharded_workers import pack
-from tests.pipeline.traced_workers import STATE_TOL, TOL
+from tests.pipeline.traced_workers import STATE_TOL, TOL, TWO_PER_RANK
 
 __all__ = ["dropout_replay", "errors", "failure_names_coordinates", "load_elsewhere",
            "save_at", "train_like_one_device"]
@@ -74,7 +74,8 @@ def train_like_one_device(rank: int, shape: tuple[int, int, int],
     for name, variant, schedule, checkpoint in runs:
         what = f"{name}/{variant}/{schedule}/{checkpoint} at {shape}, {data_parallel}"
         ref = _build(name)
-        pipe = Pipe(_build(name), balance=BALANCE[(name, shape[1])], chunks=2, mesh=mesh,
+        stages = shape[1] * (2 if schedule in TWO_PER_RANK else 1)
+        pipe = Pipe(_build(name), balance=BALANCE[(name, stages)], chunks=2, mesh=mesh,
                     tp_plan=_plan(name, variant), schedule=schedule, checkpoint=checkpoint,
                     data_parallel=data_parallel)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
