@@ -117,6 +117,10 @@ class Pipe(nn.Module):
                 else:
                     self.add_module(names[i], layer)
         if self._tp_plan is not None and self.mesh is not None:  # before anything holds params
+            # Agreed first: sharding runs collectives over "tp" that must match.
+            tensor_parallel.agree(tensor_parallel.describe(
+                self._tp_plan, balance=self.balance, schedule=self._probe.name, chunks=chunks,
+                checkpoint=checkpoint, data_parallel=data_parallel), self.mesh)
             tensor_parallel.apply_plan(self, self._tp_plan, self.mesh, model)
             for s in self.local_stages:
                 self.partitions[s].register_forward_hook(_settled)

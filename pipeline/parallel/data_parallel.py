@@ -187,7 +187,7 @@ class Replicas:
             self._agree(pipe, num_batches)
 
     def _agree(self, pipe: Any, num_batches: int) -> None:
-        mine = json.dumps({"mesh": [self.mesh.dp_size, self.mesh.pp_size],
+        mine = json.dumps({"mesh": [self.mesh.dp_size, self.mesh.pp_size, self.mesh.tp_size],
                            "balance": pipe.balance, "schedule": str(pipe._probe.name),
                            "chunks": pipe.chunks, "checkpoint": pipe.checkpoint,
                            "batches per call": num_batches}, sort_keys=True)

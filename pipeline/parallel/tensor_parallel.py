@@ -10,6 +10,8 @@ stage's last module leaves (replicated, or a sequence shard) is what travels.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatch
@@ -21,7 +23,7 @@ from torch import nn
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.parallel.mesh import Mesh
 
-__all__ = ["agree_on_seed", "apply_plan", "check_plan", "full_tensor",
+__all__ = ["agree", "agree_on_seed", "apply_plan", "check_plan", "describe", "full_tensor",
            "grads_as_params", "like_param", "local_tensor", "matches", "settle", "shard_like"]
 
 
@@ -128,6 +130,35 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if dtensor is not None and isinstance(t, dtensor.DTensor):
         return t._local_tensor  # type: ignore[no-any-return]
     return t
+
+
+def describe(plan: dict[str, Any], **settings: Any) -> str:
+    """What the tp ranks of a stage must share: the plan (each key's style, with its
+    settings) and the pipeline's settings."""
+    styles = {key: [type(style).__name__, sorted((k, repr(v)) for k, v in vars(style).items())]
+              for key, style in plan.items()}
+    return json.dumps({"tp_plan": styles, **settings}, sort_keys=True, default=repr)
+
+
+def agree(description: str, mesh: Mesh) -> None:
+    """Refuse, on every rank of the "tp" group, a configuration that differs between them
+    (each would wait in collectives the others never make): one all-gather of a digest,
+    before the plan is applied (a peer that fails before it ends it when its process
+    exits)."""
+    import torch.distributed as dist
+
+    digest = torch.frombuffer(bytearray(hashlib.sha256(description.encode()).digest()),
+                              dtype=torch.uint8)
+    every = digest.new_empty(mesh.tp_size * digest.numel())
+    dist.all_gather_into_tensor(every, digest, group=mesh.tp)
+    seen = every.view(mesh.tp_size, -1)
+    differ = [r for r in range(mesh.tp_size) if not torch.equal(seen[r], seen[0])]
+    if differ:
+        raise PipeConfigError(
+            f"the tp ranks at {mesh.coordinates.rsplit(', tp', 1)[0]} disagree on their "
+            f"configuration: tp rank(s) {differ} differ from tp rank 0. Every rank must build "
+            f"Pipe with the same tp_plan, balance, schedule, chunks and checkpoint; this "
+            f"rank's (tp {mesh.tp_rank}): {description}")
 
 
 def agree_on_seed(seed: int, mesh: Mesh, wait: Callable[[Any, str], None]) -> int:

@@ -84,7 +84,8 @@ def test_checkpoint_loads_across_layouts_and_into_a_plain_model(tmp_path: Path) 
 
 def test_refusals() -> None:
     for messages in spawn(tp_workers.errors, 4, timeout=SPAWN_TIMEOUT):
-        no_plan, typo, tied = messages
+        no_plan, typo, tied, disagree = messages
+        assert "disagree on their configuration: tp rank(s) [1] differ" in disagree
         assert "'tp' dimension of size 2 but no tp_plan" in no_plan
         assert "'*.atn.q' selects no module" in typo and "did you mean" in typo
         assert "tied across stages" in tied and "'0.weight'" in tied
