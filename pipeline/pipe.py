@@ -70,7 +70,7 @@ class Pipe(nn.Module):
         super().__init__()
         model, balance, stages = config.split_model(model, example_inputs, split_points,
                                                     balance, stages, devices, schedule,
-                                                    group, mesh)
+                                                    group, mesh, tp_plan)
         self.timeout = config.check_arguments(model, chunks, checkpoint, param_init, timeout,
                                               devices)
         self.chunks = chunks

@@ -72,9 +72,11 @@ def apply_plan(root: nn.Module, plan: dict[str, Any], mesh: Mesh, model: nn.Modu
     """Shard the layers `root` holds (registered under the model's names) by `plan` over
     the mesh's "tp" group; True if any was. Every key must name a module of `model` (the
     whole model: a key may select layers another rank holds)."""
+    # A model split from its graph holds the model's modules in its stages, by their names.
+    roots: list[nn.Module] = list(model.children()) if _split_from_graph(model) else [model]
     for key in plan:
-        if not matches(model, key):
-            names = [n for n, _ in model.named_modules() if n]
+        if not any(matches(r, key) for r in roots):
+            names = sorted({n for r in roots for n, _ in r.named_modules() if n})
             near = difflib.get_close_matches(key, names, n=3)
             raise PipeConfigError(
                 f"tp_plan key {key!r} selects no module of the model"
@@ -89,6 +91,12 @@ def apply_plan(root: nn.Module, plan: dict[str, Any], mesh: Mesh, model: nn.Modu
 
     parallelize_module(root, mesh.tp_mesh, mine)
     return True
+
+
+def _split_from_graph(model: nn.Module) -> bool:
+    from pipeline.splitting.traced import SplitModel  # the splitting package imports this one
+
+    return isinstance(model, SplitModel)
 
 
 class _Settled(torch.autograd.Function):

@@ -14,8 +14,10 @@ from pipeline.comm import bootstrap
 from pipeline.errors import PipeConfigError
 from pipeline.parallel.data_parallel import SHARDING
 from pipeline.parallel.mesh import Mesh, resolve_mesh
+from pipeline.parallel.tensor_parallel import matches
 from pipeline.runtime.recompute import CHECKPOINT_MODES
 from pipeline.splitting import checks
+from pipeline.splitting.outline import held_whole, whole_modules
 from pipeline.splitting.partition import BalanceError, bounds, partition, split_sizes
 from pipeline.splitting.profile import layer_params, layer_sizes, layer_times
 from pipeline.splitting.split import split as split_graph
@@ -166,10 +168,11 @@ def _resolve_balance(model: nn.Sequential, balance: Sequence[int] | str | None,
 def split_model(model: nn.Module, example_inputs: Any, split_points: Sequence[str] | None,
                 balance: Sequence[int] | str | None, stages: int | None,
                 devices: Sequence[str | torch.device] | None, schedule: str | Schedule,
-                group: Any, mesh: Any) -> tuple[nn.Sequential, Sequence[int] | str | None,
-                                                int | None]:
+                group: Any, mesh: Any, tp_plan: Any = None
+                ) -> tuple[nn.Sequential, Sequence[int] | str | None, int | None]:
     """With `example_inputs`, the model split from its exported graph (one layer per stage)
-    and the balance and stage count that say so; else the arguments as they are."""
+    and the balance and stage count that say so; else the arguments as they are. The
+    modules a `tp_plan` shards are kept whole (pipeline/splitting/outline.py)."""
     if example_inputs is None:
         if split_points is not None:
             raise PipeConfigError("split_points= name modules of a model split from its "
@@ -199,9 +202,12 @@ def split_model(model: nn.Module, example_inputs: Any, split_points: Sequence[st
     if method not in _METHODS:
         raise PipeConfigError(f"balance must be one of {_METHODS} (got {balance!r})")
     pp = placement.pp if placement is not None else group
+    whole = (whole_modules(model, [n for key in tp_plan for n in matches(model, key)])
+             if isinstance(tp_plan, dict) else [])
     split = split_graph(model, example_inputs, split_points=split_points,
                         stages=None if split_points is not None else stages, balance=method,
-                        agree=(lambda f: bootstrap.from_first_rank(pp, f)) if world else None)
+                        agree=(lambda f: bootstrap.from_first_rank(pp, f)) if world else None,
+                        keep_whole=whole)
     return split, [1] * len(split), None
 
 
@@ -228,10 +234,16 @@ def check_tensor_parallel(tp_plan: dict[str, Any] | None, model: nn.Module,
             f"shards. Untie them (e.g. give the head its own weight), or keep both users of "
             f"the tied weight in one stage")
     if isinstance(model, SplitModel):
-        raise PipeConfigError(
-            "tp_plan on a model split from its graph is not supported: the traced stages "
-            "call ops, not the modules a ParallelStyle hooks into. Split the model into an "
-            "nn.Sequential of its blocks (docs/any-model.md) to shard it with tp_plan")
+        # Traced ops call no module a ParallelStyle hooks into: what the plan shards must
+        # run as modules, kept whole when the model was split.
+        traced = [n for key in tp_plan for stage in model for n in matches(stage, key)
+                  if not held_whole(n, model.whole)]
+        if traced:
+            raise PipeConfigError(
+                f"tp_plan shards {traced[:3]}, which this split model runs as traced ops "
+                f"(a ParallelStyle hooks module calls): split it inside Pipe, "
+                f"Pipe(model, example_inputs=..., split_points=..., tp_plan=...), which keeps "
+                f"them whole, or pipeline.split(..., keep_whole=[their parent modules])")
 
 
 def balance_layers(model: nn.Sequential, method: str, stages: int, sample: Any) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from pipeline.splitting.outline import OUTLINED
 from pipeline.splitting.trace import ExportError
 
 __all__ = ["Piece", "SplitPointError", "cut", "module_order", "size_carrier", "user_inputs"]
@@ -230,6 +231,8 @@ def _build(k: int, inputs: list[fx.Node], outputs: list[fx.Node] | None, output:
                 sub.recompile()
             piece.submodules[str(node.target)] = sub
         env[node] = g.node_copy(node, lookup)
+        # A module kept whole (pipeline/splitting/outline.py) reads its own tensors.
+        piece.tensors.extend(n for n in node.meta.get(OUTLINED, ()) if n not in piece.tensors)
     if outputs is None:
         values = fx.node.map_arg(output.args[0], lookup)
     else:

@@ -11,6 +11,7 @@ from torch import nn
 from pipeline.errors import PipeConfigError
 from pipeline.splitting import cut as cutting
 from pipeline.splitting import trace
+from pipeline.splitting.outline import outline
 from pipeline.splitting.traced import MODES, SplitModel, TracedStage, place_tensors
 
 __all__ = ["Agree", "block_points", "split"]
@@ -21,7 +22,7 @@ Agree = Callable[[Callable[[], list[int]]], list[int]]
 
 def split(model: nn.Module, example_inputs: Any, *, split_points: Sequence[str] | None = None,
           stages: int | None = None, balance: str = "params",
-          agree: Agree | None = None) -> SplitModel:
+          agree: Agree | None = None, keep_whole: Sequence[str] = ()) -> SplitModel:
     """Split `model` into stages at module boundaries: before each module named in
     `split_points` (names from `model.named_modules()`, in the order they run), or into
     `stages` parts at the model's repeated blocks, balanced by `balance` ("params",
@@ -30,18 +31,34 @@ def split(model: nn.Module, example_inputs: Any, *, split_points: Sequence[str] 
     (args, kwargs)); it may live on the meta device, with the model. Returns an
     nn.Sequential of stages to inspect or pass to Pipe; its tensors are the model's own
     objects. `agree` (Pipe's, over processes) makes every rank take rank 0's profiled
-    split."""
+    split. Modules named in `keep_whole` run as modules (their own forward, hooks and
+    all) rather than as their traced ops: what tensor parallelism needs (Pipe chooses
+    them from its `tp_plan`; see pipeline/splitting/outline.py)."""
     if (split_points is None) == (stages is None):
         raise PipeConfigError("give split points (split_points=['model.layers.2', ...]) or "
                               "a stage count (stages=N), not both and not neither")
     args, kwargs = trace.check_example(example_inputs)
-    programs = {mode: trace.export(model, args, kwargs, train=mode == "train")
+    keep_whole = list(keep_whole)
+    for name in keep_whole:
+        if name not in dict(model.named_modules()) or not name:
+            raise PipeConfigError(f"keep_whole names modules of the model; {name!r} is not "
+                                  f"one")
+    programs = {mode: trace.export(model, args, kwargs, train=mode == "train",
+                                   preserve=keep_whole)
                 for mode in MODES}
+    for ep in programs.values():
+        outline(ep, model, keep_whole)
     if split_points is None:
         assert stages is not None
         split_points = _choose(model, programs["train"], (args, kwargs), stages, balance,
                                agree)
-    return _build(model, programs, split_points)
+    inside = [p for p in split_points if any(p.startswith(w + ".") for w in keep_whole)]
+    if inside:
+        raise PipeConfigError(f"split points {inside} lie inside modules kept whole "
+                              f"({keep_whole}): a stage cannot begin inside a module call")
+    split = _build(model, programs, split_points)
+    split.whole = tuple(keep_whole)
+    return split
 
 
 def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[str]

@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,16 +54,18 @@ def check_example(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-           train: bool) -> torch.export.ExportedProgram:
+           train: bool, preserve: Sequence[str] = ()) -> torch.export.ExportedProgram:
     """The model's forward in `train` (or eval) mode as an ExportedProgram, with a symbolic
-    batch dimension; the model's own mode is restored afterwards."""
+    batch dimension (and the call signatures of the modules named in `preserve`); the
+    model's own mode is restored afterwards."""
     was_training = model.training
     model.train(train)
     stack: list[str] = []
     try:
         with _module_stack(model, stack):
             ep = _EXPORT(model, args, kwargs, strict=False,
-                         dynamic_shapes=_batch_dims(model, args, kwargs))
+                         dynamic_shapes=_batch_dims(model, args, kwargs),
+                         preserve_module_call_signature=tuple(preserve))
     except ExportError:
         raise
     except Exception as exc:  # export raises many types; each becomes one clear refusal

@@ -92,6 +92,7 @@ class SplitModel(nn.Sequential):
         self.out_specs = out_specs
         self.constants = constants  # leaf index -> the fixed non-tensor value (use_cache)
         self.split_points = list(split_points)
+        self.whole: tuple[str, ...] = ()  # modules run whole (pipeline/splitting/outline.py)
         # Its state_dict speaks the model's keys: `split.load_state_dict(model.state_dict())`.
         self._register_state_dict_hook(_model_keys)  # type: ignore[no-untyped-call]
         self._register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]

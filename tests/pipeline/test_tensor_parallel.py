@@ -53,6 +53,23 @@ def test_trains_as_one_device(shape: tuple[int, int, int],
         assert set().union(*(r[i] for r in results)) == every, runs[i]
 
 
+LLAMA_RUNS = [("1f1b", "never"), ("gpipe", "always"), ("interleaved", "except_last")]
+
+
+def test_llama_split_by_module_names_with_a_tp_plan() -> None:
+    """Hugging Face Llama (grouped-query attention, rotary tables and the mask crossing the
+    cut) split from its graph at module names, its attention and MLP sharded by Megatron's
+    plan (kept whole as modules inside the traced stages): two AdamW steps equal the unsplit
+    model's; the ranks together checked every parameter."""
+    pytest.importorskip("transformers")
+    from tests.models_traced import llama_case
+
+    results = spawn(tp_workers.llama_like_one_device, 4, LLAMA_RUNS, timeout=SPAWN_TIMEOUT)
+    every = {n for n, _ in llama_case().model().named_parameters()}
+    for i, run in enumerate(LLAMA_RUNS):
+        assert set().union(*(r[i] for r in results)) == every, run
+
+
 def test_dropout_replays_and_tp_ranks_agree() -> None:
     losses = spawn(tp_workers.dropout_replay, 4, timeout=SPAWN_TIMEOUT)
     # Each pipeline (tp coordinate) computed its loss from its own shards: equal losses

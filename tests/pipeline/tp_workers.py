@@ -16,8 +16,9 @@ from tests import models_tp
 from tests.pipeline.sharded_workers import pack
 from tests.pipeline.traced_workers import STATE_TOL, TOL, TWO_PER_RANK
 
-__all__ = ["dropout_replay", "errors", "failure_names_coordinates", "load_elsewhere",
-           "save_at", "train_like_one_device"]
+__all__ = ["dropout_replay", "errors", "failure_names_coordinates",
+           "llama_like_one_device", "llama_plan", "load_elsewhere", "save_at",
+           "train_like_one_device"]
 
 BALANCE = {("mlp", 1): [6], ("mlp", 2): [3, 3], ("transformer", 1): [7],
            ("transformer", 2): [4, 3], ("transformer", 4): [2, 2, 2, 1], ("mlp", 4): [2, 1, 1, 2]}
@@ -220,3 +221,60 @@ def failure_names_coordinates(rank: int) -> str:
     except PipelineError as exc:
         return str(exc)
     raise AssertionError("the step did not fail")
+
+
+def llama_plan() -> dict[str, Any]:
+    """Megatron's plan for Hugging Face Llama's attention and MLP (as torchtitan's)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = "model.layers.*."
+    return {**{f"{layer}self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            f"{layer}self_attn.o_proj": RowwiseParallel(),
+            **{f"{layer}mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")},
+            f"{layer}mlp.down_proj": RowwiseParallel()}
+
+
+
+def llama_like_one_device(rank: int, runs: list[tuple[str, str]]) -> list[list[str]]:
+    """Hugging Face Llama split by module names inside Pipe (`example_inputs=`,
+    `split_points=`) with a tp plan for its attention and MLP, on 1x2x2 (two stages per rank
+    for interleaved): two AdamW steps whose losses, gradients and weights equal the unsplit
+    model's on one device. Returns the parameter names each run checked."""
+    from tests.models_traced import llama_case, token_count
+
+    mesh = _mesh((1, 2, 2))
+    case = llama_case()
+    checked = []
+    for schedule, checkpoint in runs:
+        what = f"llama/{schedule}/{checkpoint}"
+        points = (["model.layers.1", "model.layers.2", "model.layers.3"]
+                  if schedule in TWO_PER_RANK else ["model.layers.2"])
+        ref = case.model()
+        pipe = Pipe(case.model(), example_inputs=case.inputs, split_points=points, chunks=2,
+                    mesh=mesh, tp_plan=llama_plan(), schedule=schedule, checkpoint=checkpoint)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        refs = dict(ref.named_parameters())
+        first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+        for step in range(STEPS):
+            loss = pipe.step(case.inputs if first else None, case.labels if last else None,
+                             case.loss, loss_weight=token_count)
+            ref_loss = case.loss(ref(**case.inputs), case.labels)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=what)
+            for n, p in pipe.named_parameters():
+                assert p.grad is not None, (what, n)
+                torch.testing.assert_close(_full(p.grad), refs[n].grad, **TOL,
+                                           msg=f"{what}: {n}'s gradient, step {step}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        names = []
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(_full(p.detach()), refs[n].detach(), **STATE_TOL,
+                                       msg=f"{what}: {n} after the steps")
+            names.append(n)
+        pipe.close()
+        checked.append(names)
+    return checked
