@@ -4,6 +4,7 @@ module of their own)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,53 @@ def _step(pipe: Pipe, name: str, step: int, mesh: Any) -> torch.Tensor:
     return pipe.step(x if first else None, y if last else None, _loss(name))
 
 
+def _ref_loss(ref: nn.Module, name: str, step: int) -> torch.Tensor:
+    x, y = models_tp.batch(name, step)
+    return _loss(name)(ref(x), y)
+
+
+def _llama_step(pipe: Pipe, case: Any, step: int) -> torch.Tensor:
+    from tests.models_traced import token_count
+
+    first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+    return pipe.step(case.inputs if first else None, case.labels if last else None, case.loss,
+                     loss_weight=token_count)
+
+
+def _compare(pipe: Pipe, ref: nn.Module, pipe_step: Callable[[int], torch.Tensor],
+             ref_step: Callable[[int], torch.Tensor], what: str, *, lr: float,
+             clip: float | None = None) -> list[str]:
+    """`STEPS` AdamW steps of `pipe` and of `ref` (the model on one device): each step's loss,
+    every gradient (clipped to `clip` on the second step, with the norm compared) and every
+    weight after the steps agree. Returns the names of the parameters this rank checked."""
+    opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    refs = dict(ref.named_parameters())
+    for step in range(STEPS):
+        loss = pipe_step(step)
+        ref_loss = ref_step(step)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=what)
+        if step == 1 and clip is not None:
+            norm = pipe.clip_grad_norm_(clip)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            torch.testing.assert_close(norm, ref_norm, **TOL, msg=what)
+        for n, p in pipe.named_parameters():
+            assert p.grad is not None, (what, n)
+            torch.testing.assert_close(_full(p.grad), refs[n].grad, **TOL,
+                                       msg=f"{what}: {n}'s gradient, step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    names = []
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(_full(p.detach()), refs[n].detach(), **STATE_TOL,
+                                   msg=f"{what}: {n} after the steps")
+        names.append(n)
+    return names
+
+
 def train_like_one_device(rank: int, shape: tuple[int, int, int],
                           runs: list[tuple[str, str, str, str]],
                           data_parallel: str = "replicate") -> list[list[str]]:
@@ -79,32 +127,8 @@ def train_like_one_device(rank: int, shape: tuple[int, int, int],
         pipe = Pipe(_build(name), balance=BALANCE[(name, stages)], chunks=2, mesh=mesh,
                     tp_plan=_plan(name, variant), schedule=schedule, checkpoint=checkpoint,
                     data_parallel=data_parallel)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        refs = dict(ref.named_parameters())
-        for step in range(STEPS):
-            loss = _step(pipe, name, step, mesh)
-            x, y = models_tp.batch(name, step)
-            ref_loss = _loss(name)(ref(x), y)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=what)
-            if step == 1:
-                norm = pipe.clip_grad_norm_(0.05)
-                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-                torch.testing.assert_close(norm, ref_norm, **TOL, msg=what)
-            for n, p in pipe.named_parameters():
-                assert p.grad is not None, (what, n)
-                torch.testing.assert_close(_full(p.grad), refs[n].grad, **TOL,
-                                           msg=f"{what}: {n}'s gradient, step {step}")
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        names = []
-        for n, p in pipe.named_parameters():
-            torch.testing.assert_close(_full(p.detach()), refs[n].detach(), **STATE_TOL,
-                                       msg=f"{what}: {n} after the steps")
-            names.append(n)
+        names = _compare(pipe, ref, functools.partial(_step, pipe, name, mesh=mesh),
+                         functools.partial(_ref_loss, ref, name), what, lr=1e-2, clip=0.05)
         pipe.close()
         checked.append(names)
     return checked
@@ -240,7 +264,7 @@ def llama_like_one_device(rank: int, runs: list[tuple[str, str]]) -> list[list[s
     `split_points=`) with a tp plan for its attention and MLP, on 1x2x2 (two stages per rank
     for interleaved): two AdamW steps whose losses, gradients and weights equal the unsplit
     model's on one device. Returns the parameter names each run checked."""
-    from tests.models_traced import llama_case, token_count
+    from tests.models_traced import llama_case
 
     mesh = _mesh((1, 2, 2))
     case = llama_case()
@@ -252,29 +276,9 @@ def llama_like_one_device(rank: int, runs: list[tuple[str, str]]) -> list[list[s
         ref = case.model()
         pipe = Pipe(case.model(), example_inputs=case.inputs, split_points=points, chunks=2,
                     mesh=mesh, tp_plan=llama_plan(), schedule=schedule, checkpoint=checkpoint)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        refs = dict(ref.named_parameters())
-        first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
-        for step in range(STEPS):
-            loss = pipe.step(case.inputs if first else None, case.labels if last else None,
-                             case.loss, loss_weight=token_count)
-            ref_loss = case.loss(ref(**case.inputs), case.labels)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=what)
-            for n, p in pipe.named_parameters():
-                assert p.grad is not None, (what, n)
-                torch.testing.assert_close(_full(p.grad), refs[n].grad, **TOL,
-                                           msg=f"{what}: {n}'s gradient, step {step}")
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        names = []
-        for n, p in pipe.named_parameters():
-            torch.testing.assert_close(_full(p.detach()), refs[n].detach(), **STATE_TOL,
-                                       msg=f"{what}: {n} after the steps")
-            names.append(n)
+        names = _compare(pipe, ref, functools.partial(_llama_step, pipe, case),
+                         lambda _i, ref=ref: case.loss(ref(**case.inputs), case.labels),
+                         what, lr=1e-3)
         pipe.close()
         checked.append(names)
     return checked

@@ -96,7 +96,7 @@ def test_recomputation_replays_dropout_inside_kept_modules() -> None:
 def test_refusals() -> None:
     case = gpt2_case()
     model = case.model()
-    with pytest.raises(PipeConfigError, match="'transformer.h.9' is not one"):
+    with pytest.raises(PipeConfigError, match=r"'transformer\.h\.9' is not one"):
         pipeline.split(model, case.inputs, split_points=["transformer.h.2"],
                        keep_whole=["transformer.h.9"])
     with pytest.raises(PipeConfigError, match="lie inside modules kept whole"):
