@@ -70,6 +70,10 @@ def test_llama_split_by_module_names_with_a_tp_plan() -> None:
         assert set().union(*(r[i] for r in results)) == every, run
 
 
+def test_2bw_follows_its_stale_update_rule_under_tp() -> None:
+    assert spawn(tp_workers.two_bw_rule, 4, timeout=SPAWN_TIMEOUT) == [2] * 4
+
+
 def test_dropout_replays_and_tp_ranks_agree() -> None:
     losses = spawn(tp_workers.dropout_replay, 4, timeout=SPAWN_TIMEOUT)
     # Each pipeline (tp coordinate) computed its loss from its own shards: equal losses

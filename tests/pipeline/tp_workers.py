@@ -19,7 +19,7 @@ from tests.pipeline.traced_workers import STATE_TOL, TOL, TWO_PER_RANK
 
 __all__ = ["dropout_replay", "errors", "failure_names_coordinates",
            "llama_like_one_device", "llama_plan", "load_elsewhere", "save_at",
-           "train_like_one_device"]
+           "train_like_one_device", "two_bw_rule"]
 
 BALANCE = {("mlp", 1): [6], ("mlp", 2): [3, 3], ("transformer", 1): [7],
            ("transformer", 2): [4, 3], ("transformer", 4): [2, 2, 2, 1], ("mlp", 4): [2, 1, 1, 2]}
@@ -282,3 +282,34 @@ def llama_like_one_device(rank: int, runs: list[tuple[str, str]]) -> list[list[s
         pipe.close()
         checked.append(names)
     return checked
+
+
+def two_bw_rule(rank: int) -> int:
+    """PipeDream-2BW on 1x2x2 with the MLP's plan: `step` and `step_many` follow the
+    one-step-stale rule W(t+1) = W(t) - lr * grad f(W(t-1)) on one device (losses and the
+    weights after three batches). Returns the runs checked."""
+    from tests.pipeline.test_pipe import _two_bw_reference
+
+    mesh = _mesh((1, 2, 2))
+    data, lr = [models_tp.batch("mlp", t) for t in range(3)], 0.5
+    final = models_tp.mlp()
+    expected = _two_bw_reference(final, data, lr)
+    ref = dict(final.named_parameters())
+    for many in (False, True):
+        pipe = Pipe(models_tp.mlp(), [3, 3], chunks=2, schedule="2bw", mesh=mesh,
+                    tp_plan=models_tp.mlp_plan())
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
+        if many:
+            losses = [v.item() for v in pipe.step_many(data, nn.MSELoss(), optimizer)]
+        else:
+            losses = []
+            for x, y in data:
+                optimizer.zero_grad()
+                losses.append(pipe.step(x, y, nn.MSELoss()).item())
+                optimizer.step()
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(_full(p.detach()), ref[name].detach(), **TOL,
+                                       msg=f"step_many={many}: {name}")
+        pipe.close()
+    return 2
