@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.env import environment
 from benchmarks.models import get_model
+from benchmarks.planning_calibrate import calibrate
 from benchmarks.planning_record import (
     config_rows,
     error_sources,
@@ -101,6 +102,15 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     measured = measure(name, configs, transport=transport, ranks=ranks, turns=turns, steps=steps,
                        warmup=warmup)
     rows = config_rows(entries, measured, predict, contention)
+
+    def step_time(c: Config, factor: float) -> float:
+        got = predict(c, factor).step_time
+        assert got is not None
+        return got
+
+    what_if = calibrate(configs, [r["measured"]["median_s"] for r in rows],
+                        [max(r["predicted"]["anatomy"]["compute_actions"]) for r in rows],
+                        step_time, contention)
     results = {}
     for b in budgets:
         chosen = from_candidate(plans[b].chosen)
@@ -117,6 +127,7 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
                                            "per_byte_s": link.per_byte},
         "contention": contention, "default_config": default.key,
         "orders": turns, "results": results, "error_sources": error_sources(rows),
+        "what_if": what_if,
         "configs": rows, "elapsed_s": time.perf_counter() - began,
     }
 
@@ -155,8 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunks", default="1,2,4,8")
     parser.add_argument("--budgets", default=",".join(BUDGETS),
                         help="default: the default's predicted peak; none: unbounded")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per turn")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per turn")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per turn")
     parser.add_argument("--vary", type=int, default=3,
                         help="predicted-fastest configurations whose split is varied")

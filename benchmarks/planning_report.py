@@ -85,6 +85,23 @@ def _sources(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| model | transport | median \\|error\\|, contention as measured | ... the "
+             "contention that fits best | ... and a cost per step and per action | fitted "
+             "(each half) |", "|---|---|---|---|---|---|"]
+    for r in records:
+        w = r.get("what_if", {})
+        if "fitted" not in w:
+            continue
+        fitted = "; ".join(f"{f['contention_alone']:.1f}x; {f['contention']:.1f}x with "
+                           f"{f['per_step_s'] * 1e3:+.2f} ms + {f['per_action_s'] * 1e6:+.0f} "
+                           f"us/action" for f in w["fitted"])
+        lines.append(f"| {r['model']} | {r['transport']} ({r['contention']:.2f}x) | "
+                     f"{_pct(w['as_measured'])} | {_pct(w['contention'])} | "
+                     f"{_pct(w['contention_and_overheads'])} | {fitted} |")
+    return lines
+
+
 def _fastest(r: dict[str, Any], top: int) -> list[str]:
     rows = sorted(r["configs"], key=lambda c: c["measured"]["median_s"])[:top]
     lines = [f"**{r['model']}, {r['transport']}**: the {top} fastest of {len(r['configs'])} "
@@ -123,7 +140,11 @@ def report(records: Sequence[dict[str, Any]], command: str = "", top: int = 5) -
               "of the span from the first action to the last (bubbles, transfers, overhead "
               "between actions), and the time before the first and after the last action "
               "(which the simulator does not have). Then the median |error| were each part "
-              "predicted exactly.", "", *_sources(records), ""]
+              "predicted exactly.", "", *_sources(records), "",
+              "What two changes to the cost model's inputs would do, each fitted on half the "
+              "configurations and scored (median |error|) on the other half, both ways round: "
+              "the contention factor, and then a cost per step and per compute action of the "
+              "busiest rank.", "", *_what_if(records), ""]
     for r in records:
         lines += [*_fastest(r, top), ""]
     return "\n".join(lines)

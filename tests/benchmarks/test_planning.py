@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from benchmarks.planning import main, profile_rows
+from benchmarks.planning_calibrate import calibrate, fit_line, halves
 from benchmarks.planning_record import config_rows, error_sources, results_for, round_seconds
 from benchmarks.planning_report import report
 from benchmarks.planning_rounds import Measured, Turn, merge, orders, run_rounds
@@ -314,6 +315,29 @@ def test_the_error_parts_add_up_on_a_real_timeline() -> None:
     assert parts["compute"] == pytest.approx(0.6 - 0.7)
     assert parts["outside"] == pytest.approx(-0.2)
     assert sum(parts[k] for k in ("compute", "idle", "outside")) == pytest.approx(1.2 - 1.7)
+
+
+def test_calibration_finds_the_contention_and_overheads_behind_the_measurements() -> None:
+    configs = [_config(chunks=m, balance=b) for m in (1, 2, 4, 8) for b in ((2, 3), (3, 2))]
+    actions = [2 * c.chunks for c in configs]
+    work = [0.01 * (1 + i % 3) + 0.002 * c.chunks for i, c in enumerate(configs)]
+
+    def predict(c: Config, contention: float) -> float:  # the overlapped half slows down
+        i = configs.index(c)
+        return work[i] * (0.5 + 0.5 * contention)
+
+    measured = [predict(c, 2.0) + 0.003 + 0.0002 * a for c, a in zip(configs, actions,
+                                                                     strict=True)]
+    got = calibrate(configs, measured, actions, predict, contention=1.2)
+    assert got["as_measured"] > 0.2
+    assert [f["contention"] for f in got["fitted"]] != [1.2, 1.2]
+    assert got["contention_and_overheads"] < 1e-6  # exact once both are fitted
+    for f in got["fitted"]:
+        assert f["contention"] == pytest.approx(2.0)
+        assert f["per_step_s"] == pytest.approx(0.003) and f["per_action_s"] == \
+            pytest.approx(0.0002)
+    assert halves(5) == ([0, 2, 4], [1, 3])
+    assert fit_line([1.0, 2.0, 3.0], [3.0, 5.0, 7.0]) == pytest.approx((1.0, 2.0))
 
 
 @pytest.mark.slow
