@@ -99,8 +99,10 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     print(f"{name} {transport}: {len(configs)} configurations, {rounds} rounds", file=sys.stderr,
           flush=True)
     turns = orders(len(configs), rounds, seed)
+    start = time.perf_counter()
     measured = measure(name, configs, transport=transport, ranks=ranks, turns=turns, steps=steps,
                        warmup=warmup)
+    measure_s = time.perf_counter() - start
     rows = config_rows(entries, measured, predict, contention)
 
     def step_time(c: Config, factor: float) -> float:
@@ -128,7 +130,7 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
         "contention": contention, "default_config": default.key,
         "orders": turns, "results": results, "error_sources": error_sources(rows),
         "what_if": what_if,
-        "configs": rows, "elapsed_s": time.perf_counter() - began,
+        "configs": rows, "measure_s": measure_s, "elapsed_s": time.perf_counter() - began,
     }
 
 
@@ -185,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.planning " + shlex.join(sys.argv[1:] if argv is None
                                                              else list(argv))
     records = []
+    began = time.perf_counter()
     for name in args.models.split(","):
         spec = get_model(name)
         model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
@@ -209,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = report(records, command)
     write_atomic(args.out / "report.md", text)
     print(text)
+    print(f"{time.perf_counter() - began:.0f} s in all; measuring "
+          f"{sum(r['measure_s'] for r in records):.0f} s", file=sys.stderr)
     return 0
 
 

@@ -140,6 +140,14 @@ def error_sources(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         a["message_wait_s"] for a in r["measured"]["anatomy"]) for r in rows])
     out["message_wait_predicted_s"] = med([r["predicted"]["anatomy"]["message_wait_s"]
                                            for r in rows])
+    # By micro-batch count: at one micro-batch a 2-rank pipeline's ranks never compute at once
+    # (each waits for the other), so its slowdown is the compute's own, contention aside.
+    out["by_chunks"] = {str(m): {
+        "n": len(group), "median_error": med([r["error"] for r in group]),
+        "slowdown_measured": med([r["slowdown"]["measured"] for r in group]),
+        "slowdown_predicted": med([r["slowdown"]["predicted"] for r in group])}
+        for m in sorted({r["config"]["chunks"] for r in rows})
+        for group in [[r for r in rows if r["config"]["chunks"] == m]]}
     return out
 
 

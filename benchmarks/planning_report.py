@@ -85,6 +85,18 @@ def _sources(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _by_chunks(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| model | transport | micro-batches: configurations, median error, busiest rank's "
+             "slowdown measured / predicted |", "|---|---|---|"]
+    for r in records:
+        cells = [f"m={m}: {g['n']}, {_pct(g['median_error'])}, "
+                 + ("-" if g["slowdown_measured"] is None else
+                    f"{g['slowdown_measured']:.2f} / {g['slowdown_predicted']:.2f}")
+                 for m, g in r["error_sources"].get("by_chunks", {}).items()]
+        lines.append(f"| {r['model']} | {r['transport']} | {'; '.join(cells)} |")
+    return lines
+
+
 def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| model | transport | median \\|error\\|, contention as measured | ... the "
              "contention that fits best | ... and a cost per step and per action | fitted "
@@ -141,6 +153,9 @@ def report(records: Sequence[dict[str, Any]], command: str = "", top: int = 5) -
               "between actions), and the time before the first and after the last action "
               "(which the simulator does not have). Then the median |error| were each part "
               "predicted exactly.", "", *_sources(records), "",
+              "By micro-batch count (at one micro-batch two ranks never compute at once, so "
+              "the slowdown there is the compute's own, contention aside):", "",
+              *_by_chunks(records), "",
               "What two changes to the cost model's inputs would do, each fitted on half the "
               "configurations and scored (median |error|) on the other half, both ways round: "
               "the contention factor, and then a cost per step and per compute action of the "

@@ -239,6 +239,7 @@ def measure(model: str, configs: Sequence[Config], *, transport: str, ranks: int
             raw = [run_rounds(configs, turns, runner, _progress(len(turns)))]
         finally:
             torch.set_num_threads(threads)
+            gc.unfreeze()  # what the turns froze is collectable again
     else:
         raw = spawn(_process, ranks, model, list(configs), [list(o) for o in turns], steps,
                     warmup, ranks, timeout=4 * 3600.0)

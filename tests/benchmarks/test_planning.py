@@ -261,6 +261,10 @@ def test_every_measurement_is_stored_with_its_prediction() -> None:
         assert parts["compute"] + parts["idle"] + parts["outside"] == \
             pytest.approx(parts["total"])
         assert parts["total"] == pytest.approx(r["predicted"]["step_s"] - r["mean_step_s"])
+    by_chunks = record["error_sources"]["by_chunks"]
+    assert sorted(by_chunks, key=int) == sorted({str(r["config"]["chunks"]) for r in rows},
+                                                key=int)
+    assert sum(g["n"] for g in by_chunks.values()) == len(rows)
     json.dumps(record)  # the record is what results.json holds
 
 
