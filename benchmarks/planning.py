@@ -46,6 +46,7 @@ from benchmarks.planning_space import (
     Config,
     Entry,
     Predictor,
+    allreduce_seconds,
     build_space,
     from_candidate,
     predictor,
@@ -70,7 +71,8 @@ def profile_rows(batch: int, ranks: int, chunks: Sequence[int], processes: bool)
 
 def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets: Sequence[str],
         rounds: int, steps: int, warmup: int, vary: int, seed: int, replicates: int,
-        profile: ModelProfile, out: Path | None = None) -> dict[str, Any]:
+        profile: ModelProfile, profile_repeats: int = 5, out: Path | None = None
+        ) -> dict[str, Any]:
     """Plan, measure every configuration alike, and build the record of one model and
     transport (timelines of the plan's, the default's and the fastest's steps into `out`)."""
     began = time.perf_counter()
@@ -103,7 +105,9 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     measured = measure(name, configs, transport=transport, ranks=ranks, turns=turns, steps=steps,
                        warmup=warmup)
     measure_s = time.perf_counter() - start
-    rows = config_rows(entries, measured, predict, contention)
+    drift = _drift(model, x, y, loss, profile, profile_repeats, contention, ranks)
+    rows = config_rows(entries, measured, predict, contention,
+                       lambda c: allreduce_seconds(profile, link, c))
 
     def step_time(c: Config, factor: float) -> float:
         got = predict(c, factor).step_time
@@ -125,13 +129,37 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     return {
         "model": name, "transport": transport, "ranks": ranks, "chunks": list(chunks),
         "rounds": rounds, "steps": steps, "warmup": warmup, "seed": seed,
-        "replicates": replicates, "link": {"latency_s": link.latency,
-                                           "per_byte_s": link.per_byte},
-        "contention": contention, "default_config": default.key,
+        "replicates": replicates,
+        "link": {"latency_s": link.latency, "per_byte_s": link.per_byte,
+                 "collective_latency_s": link.collective_latency,
+                 "collective_per_byte_s": link.collective_per_byte},
+        "contention": contention, "drift": drift, "default_config": default.key,
         "orders": turns, "results": results, "error_sources": error_sources(rows),
         "what_if": what_if,
         "configs": rows, "measure_s": measure_s, "elapsed_s": time.perf_counter() - began,
     }
+
+
+def _drift(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss: Any,
+           profile: ModelProfile, repeats: int, contention: float, ranks: int
+           ) -> dict[str, Any]:
+    """The planner's inputs measured again after the steps: per micro-batch size the profiled
+    forward + backward of all layers now / then, and the contention factor now. On a shared
+    machine these are snapshots; how far they moved bounds how well any prediction can do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        again = profile_model(model, x, y, loss, rows=sorted(profile.by_rows), repeats=repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+    def total(costs: Any) -> float:
+        return float(sum(costs.forward) + sum(costs.backward))
+
+    return {"profile_after_over_before": {str(r): total(again.at(r)) / total(profile.at(r))
+                                          for r in sorted(profile.by_rows)},
+            "contention_before": contention,
+            "contention_after": measure_contention(model, x, ranks=ranks)}
 
 
 def _timelines(out: Path, name: str, transport: str, entries: Sequence[Entry],
@@ -200,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = run(name, transport, ranks=args.ranks, chunks=chunks, budgets=budgets,
                          rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                          vary=args.vary, seed=args.seed, replicates=args.replicates,
-                         profile=profile, out=args.out)
+                         profile=profile, profile_repeats=args.profile_repeats,
+                         out=args.out)
             records.append(record)
             for b, res in record["results"].items():
                 print(f"{name} {transport} budget {b}: plan rank {res['plan']['rank']} of "

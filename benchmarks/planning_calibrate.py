@@ -10,7 +10,7 @@ from benchmarks.planning_space import Config
 
 __all__ = ["GRID", "calibrate", "fit_line", "halves"]
 
-GRID = tuple(1.0 + 0.1 * i for i in range(21))  # contention factors tried: 1.0 .. 3.0
+GRID = tuple(1.0 + 0.1 * i for i in range(31))  # contention factors tried: 1.0 .. 4.0
 
 
 def halves(n: int) -> tuple[list[int], list[int]]:

@@ -38,11 +38,12 @@ def round_seconds(measured: Sequence[Sequence[Measured]]) -> list[list[float]]:
 
 
 def config_rows(entries: Sequence[Entry], measured: Sequence[Sequence[Measured]],
-                predict: Callable[[Config, float], Candidate], contention: float
-                ) -> list[dict[str, Any]]:
+                predict: Callable[[Config, float], Candidate], contention: float,
+                allreduce: Callable[[Config], float] = lambda c: 0.0) -> list[dict[str, Any]]:
     """Per configuration: what it is and why it was measured, its prediction (with the
     measured contention and without any), every measured step (per round) with the anatomy of
-    its timeline, the peaks, the error and where the error comes from."""
+    its timeline, the peaks, the error and where the error comes from; under dp, the
+    all-reduce's seconds measured (`allreduce`: the planner's for the busiest rank)."""
     rounds = round_seconds(measured)
     out = []
     for i, entry in enumerate(entries):
@@ -58,6 +59,8 @@ def config_rows(entries: Sequence[Entry], measured: Sequence[Sequence[Measured]]
         mean_step = statistics.fmean(a.step for a in shapes)
         median = statistics.median(rounds[i])
         alone_busy = max(anatomy(alone.timeline).busy)
+        reduced = [s for row in measured for s in row[i].allreduce_s]
+        exposed = [s for row in measured for s in row[i].exposed_s]
         out.append({
             "key": c.key, "aliases": entry.aliases, "origins": entry.origins,
             "config": asdict(c),
@@ -80,6 +83,10 @@ def config_rows(entries: Sequence[Entry], measured: Sequence[Sequence[Measured]]
                          if alone_busy > 0 else math.nan,
                          "predicted": max(planned.busy) / alone_busy
                          if alone_busy > 0 else math.nan},
+            "data_parallel": None if c.dp == 1 else {
+                "allreduce_s": [_r(s) for s in reduced], "exposed_s": [_r(s) for s in exposed],
+                "predicted_allreduce_s": allreduce(c),
+                "predicted_exposed_s": guess.allreduce_time},
         })
     return out
 
@@ -148,6 +155,13 @@ def error_sources(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "slowdown_predicted": med([r["slowdown"]["predicted"] for r in group])}
         for m in sorted({r["config"]["chunks"] for r in rows})
         for group in [[r for r in rows if r["config"]["chunks"] == m]]}
+    dp = [r for r in rows if r["data_parallel"] and r["data_parallel"]["allreduce_s"]]
+    out["data_parallel"] = None if not dp else {
+        "n": len(dp), "median_error": med([r["error"] for r in dp]),
+        **{f"{k}_measured_s": med([statistics.median(r["data_parallel"][f"{k}_s"]) for r in dp])
+           for k in ("allreduce", "exposed")},
+        **{f"{k}_predicted_s": med([r["data_parallel"][f"predicted_{k}_s"] for r in dp])
+           for k in ("allreduce", "exposed")}}
     return out
 
 

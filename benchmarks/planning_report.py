@@ -97,6 +97,32 @@ def _by_chunks(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _data_parallel(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| model | transport | dp > 1 configurations | their median error | all-reduce ms "
+             "measured / predicted | exposed ms measured / predicted |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        d = r["error_sources"].get("data_parallel")
+        if d:
+            lines.append(
+                f"| {r['model']} | {r['transport']} | {d['n']} | {_pct(d['median_error'])} | "
+                f"{_ms(d['allreduce_measured_s'])} / {_ms(d['allreduce_predicted_s'])} | "
+                f"{_ms(d['exposed_measured_s'])} / {_ms(d['exposed_predicted_s'])} |")
+    return lines
+
+
+def _drift(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| model | transport | profile after / before the steps (rows per micro-batch) | "
+             "contention before / after |", "|---|---|---|---|"]
+    for r in records:
+        d = r.get("drift")
+        if d:
+            ratios = ", ".join(f"{k}: {v:.2f}" for k, v in d["profile_after_over_before"].items())
+            lines.append(f"| {r['model']} | {r['transport']} | {ratios} | "
+                         f"{d['contention_before']:.2f} / {d['contention_after']:.2f} |")
+    return lines
+
+
 def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| model | transport | median \\|error\\|, contention as measured | ... the "
              "contention that fits best | ... and a cost per step and per action | fitted "
@@ -156,6 +182,12 @@ def report(records: Sequence[dict[str, Any]], command: str = "", top: int = 5) -
               "By micro-batch count (at one micro-batch two ranks never compute at once, so "
               "the slowdown there is the compute's own, contention aside):", "",
               *_by_chunks(records), "",
+              "Data parallelism: the gradient all-reduce over dp per step (the busiest "
+              "process's, `pipe.data_parallel_stats()`) and what the step waited for it after "
+              "its last action, medians over the configurations, against the planner's:", "",
+              *_data_parallel(records), "",
+              "The cost model's inputs measured again after the steps (the planner's are "
+              "snapshots taken before them):", "", *_drift(records), "",
               "What two changes to the cost model's inputs would do, each fitted on half the "
               "configurations and scored (median |error|) on the other half, both ways round: "
               "the contention factor, and then a cost per step and per compute action of the "

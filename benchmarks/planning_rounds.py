@@ -35,6 +35,9 @@ class Turn:
     pp_ranks: list[int]
     dp_rank: int = 0
     peaks: list[int] = field(default_factory=list)
+    # Under dp, each timed step's `pipe.data_parallel_stats()`: the seconds this process's
+    # gradient all-reduces ran and the seconds the step waited for them after its last action.
+    dp_stats: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -42,11 +45,14 @@ class Measured:
     """One configuration in one round, every process merged: each timed step's seconds (the
     first process's start to the last one's end), each step's timeline (the first replica's
     ranks, counted from the step's first action) and, from the memory round, the peak bytes
-    per pipeline rank (the largest over replicas)."""
+    per pipeline rank (the largest over replicas); under dp, each step's all-reduce seconds
+    and the seconds the step waited for them (each the largest over processes)."""
 
     step_s: list[float]
     timelines: list[Timeline]
     peaks: list[int]
+    allreduce_s: list[float] = field(default_factory=list)
+    exposed_s: list[float] = field(default_factory=list)
 
 
 def orders(n: int, rounds: int, seed: int) -> list[list[int]]:
@@ -148,6 +154,8 @@ class _Runner:
                     t0 = float(timeline.meta["t0"])
                     turn.events.append([(e.rank, str(e.action), t0 + e.start, t0 + e.end)
                                         for e in timeline.events])
+                    if c.dp > 1:
+                        turn.dp_stats.append(pipe.data_parallel_stats())
             finally:
                 gc.enable()
             if memory:
@@ -204,7 +212,13 @@ def merge(per_process: Sequence[Sequence[Sequence[Turn]]], configs: Sequence[Con
             for t in turns:
                 for rank, b in zip(t.pp_ranks, t.peaks, strict=False):
                     peaks[rank] = max(peaks.get(rank, 0), b)
-            row.append(Measured(step_s, timelines, [peaks[q] for q in sorted(peaks)]))
+            reduced = [t for t in turns if t.dp_stats]
+            row.append(Measured(
+                step_s, timelines, [peaks[q] for q in sorted(peaks)],
+                [max(t.dp_stats[k]["allreduce_s"] for t in reduced) for k in range(steps)]
+                if reduced else [],
+                [max(t.dp_stats[k]["exposed_s"] for t in reduced) for k in range(steps)]
+                if reduced else []))
         out.append(row)
     return out
 

@@ -10,8 +10,8 @@ from typing import Any
 import schedules
 from pipeline.planner import Candidate, Link, ModelProfile, Plan, predict
 
-__all__ = ["Config", "Entry", "Predictor", "balance_neighbours", "build_space", "dedupe",
-           "from_candidate", "index_of", "predictor"]
+__all__ = ["Config", "Entry", "Predictor", "allreduce_seconds", "balance_neighbours",
+           "build_space", "dedupe", "from_candidate", "index_of", "predictor"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,19 @@ def predictor(profile: ModelProfile, link: Link) -> Predictor:
                        checkpoint=c.checkpoint, balance=c.balance, options=c.options, dp=c.dp,
                        pp=c.pp, contention=contention)
     return run
+
+
+def allreduce_seconds(profile: ModelProfile, link: Link, c: Config) -> float:
+    """The planner's time for a rank's dp all-reduces, the busiest rank's: each of its stages'
+    trainable bytes reduced over dp (`Link.allreduce`), in sequence; 0 without dp."""
+    if c.dp == 1:
+        return 0.0
+    edges = [0]
+    for b in c.balance:
+        edges.append(edges[-1] + b)
+    order = _schedule(c.schedule, c.pp, c.chunks, c.options)
+    return max(sum(link.allreduce(profile.static_bytes(edges[s], edges[s + 1])[1], c.dp)
+                   for s in order.stages_of(r)) for r in range(c.pp))
 
 
 def balance_neighbours(balance: Sequence[int]) -> list[tuple[int, ...]]:

@@ -20,6 +20,7 @@ from benchmarks.planning_rounds import Measured, Turn, merge, orders, run_rounds
 from benchmarks.planning_space import (
     Config,
     Entry,
+    allreduce_seconds,
     balance_neighbours,
     build_space,
     dedupe,
@@ -215,14 +216,28 @@ def test_profile_rows_cover_every_replica_batch_and_chunk_count() -> None:
 
 def test_merge_times_a_step_from_the_first_start_to_the_last_end() -> None:
     c = replace(_config(balance=(5,)), pp=1, dp=2)
-    first = Turn([(10.0, 10.5)], [[(0, "0F0", 10.1, 10.3)]], [0], 0, [100])
-    second = Turn([(10.2, 10.7)], [[(0, "0F0", 10.0, 10.6)]], [0], 1, [300])
+    first = Turn([(10.0, 10.5)], [[(0, "0F0", 10.1, 10.3)]], [0], 0, [100],
+                 [{"allreduce_s": 0.02, "exposed_s": 0.01}])
+    second = Turn([(10.2, 10.7)], [[(0, "0F0", 10.0, 10.6)]], [0], 1, [300],
+                  [{"allreduce_s": 0.01, "exposed_s": 0.03}])
     (row,) = merge([[[first]], [[second]]], [c])
     (got,) = row
     assert got.step_s == [pytest.approx(0.7)]
     assert got.peaks == [300]  # the larger replica's
+    assert got.allreduce_s == [0.02] and got.exposed_s == [0.03]  # the busiest process's
     (tl,) = got.timelines  # the first replica's ranks, from its first action
     assert [(e.start, e.end) for e in tl.events] == [(0.0, pytest.approx(0.2))]
+
+
+def test_the_planners_all_reduce_is_the_busiest_ranks_stages_in_sequence() -> None:
+    link = Link("gloo", 0.0, 0.0, collective_latency=1e-3, collective_per_byte=1e-9)
+    profile = fakes.planning_profile()  # 1 KiB of trainable weights per layer
+    whole = Config("gpipe", (), 2, "never", (5,), 2, 1)
+    assert allreduce_seconds(profile, link, whole) == pytest.approx(2 * (1e-3 + 2560e-9))
+    split = Config("interleaved", (("stages_per_rank", 2),), 2, "never", (1, 1, 2, 1), 2, 2)
+    assert allreduce_seconds(profile, link, split) == pytest.approx(  # rank 0: stages 0 and 2
+        2 * (2e-3 + 1536e-9))
+    assert allreduce_seconds(profile, link, replace(whole, dp=1, pp=2, balance=(2, 3))) == 0.0
 
 
 def _record(rounds: int = 4) -> tuple[dict[str, Any], list[Entry]]:
@@ -354,4 +369,5 @@ def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     (record,) = data["records"]
     assert all(len(c["measured"]["round_s"]) == 2 for c in record["configs"])
+    assert set(record["drift"]["profile_after_over_before"]) == {"8", "16"}  # m = 2, 1
     assert (tmp_path / "timelines" / "tiny-threads-plan-none-measured.json").exists()
