@@ -1,21 +1,4 @@
-"""The planner's choice against every configuration of its space, each measured alike.
-
-    python -m benchmarks.planning --out benchmarks/results/planning
-
-For each model and transport (p ranks, 2 by default): profile the model once (one thread),
-measure the link and how much ranks computing at once slow each other; take the default
-configuration (dp 1, `1f1b`, `balance="params"`, `chunks=p`, `checkpoint="except_last"`) and
-plan under each budget: "default" (the default's predicted peak per rank) and "none"
-(unbounded; with processes the planner also chooses dp x pp). Then measure, alike, every
-configuration predicted to fit either budget (each schedule, checkpoint mode, chunk count and
-dp x pp shape with the split the planner gives it), the splits one layer away from the
-`--vary` predicted-fastest ones' under each budget (the plan's first), and the default;
-configurations that run the same program are measured once. Every configuration takes one turn
-per round, in an order shuffled anew each round; the plan and the default are two of them.
-Reported per budget: the plan's and the default's rank among the configurations whose measured
-peak fits, their regret against the fastest of them, with bootstrap intervals over the rounds;
-per configuration, the predicted and measured step, and where the difference lies.
-"""
+"""The planner's choice against every configuration of its space, each measured alike."""
 
 from __future__ import annotations
 
@@ -51,14 +34,39 @@ from benchmarks.planning_space import (
     from_candidate,
     predictor,
 )
-from pipeline.planner import ModelProfile, measure_contention, measure_link, plan, profile_model
+from pipeline.planner import (
+    ModelProfile,
+    PlanError,
+    measure_contention,
+    measure_link,
+    plan,
+    profile_model,
+)
 from pipeline.splitting.partition import partition
 from pipeline.splitting.profile import layer_params
 from schedules.files import write_atomic
 
-__all__ = ["BUDGETS", "main", "profile_rows", "run"]
+__all__ = ["BUDGETS", "USAGE", "main", "profile_rows", "run"]
 
 BUDGETS = ("default", "none")
+
+USAGE = """\
+    python -m benchmarks.planning --out benchmarks/results/planning
+
+For each model and transport (p ranks, 2 by default): profile the model once (one thread),
+measure the link and how much ranks computing at once slow each other; take the default
+configuration (dp 1, `1f1b`, `balance="params"`, `chunks=p`, `checkpoint="except_last"`) and
+plan under each budget: "default" (the default's predicted peak per rank) and "none"
+(unbounded; with processes the planner also chooses dp x pp). Then measure, alike, every
+configuration predicted to fit either budget (each schedule, checkpoint mode, chunk count and
+dp x pp shape with the split the planner gives it), the splits one layer away from the
+`--vary` predicted-fastest ones' under each budget (the plan's first), and the default;
+configurations that run the same program are measured once. Every configuration takes one turn
+per round, in an order shuffled anew each round; the plan and the default are two of them.
+Reported per budget: the plan's and the default's rank among the configurations whose measured
+peak fits, their regret against the fastest of them, with bootstrap intervals over the rounds;
+per configuration, the predicted and measured step, and where the difference lies.
+"""
 
 
 def profile_rows(batch: int, ranks: int, chunks: Sequence[int], processes: bool) -> list[int]:
@@ -87,13 +95,19 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     guess = predict(default, contention)
     assert guess.peak_bytes is not None
     limits = {"default": max(guess.peak_bytes), "none": math.inf}
-    plans, planning_s = {}, {}
+    plans, planning_s, failed = {}, {}, {}
+    chunks = sorted({*chunks, ranks})  # the default's own chunk count is always a candidate
     for b in budgets:
         start = time.perf_counter()
-        plans[b] = plan(model, x, y, loss, ranks=ranks, profile=profile, link=link,
-                        memory_per_rank=None if math.isinf(limits[b]) else limits[b],
-                        chunks=chunks, transport="threads" if threads else "gloo",
-                        data_parallel=[1] if threads else None, contention=contention)
+        try:
+            plans[b] = plan(model, x, y, loss, ranks=ranks, profile=profile, link=link,
+                            memory_per_rank=None if math.isinf(limits[b]) else limits[b],
+                            chunks=chunks, transport="threads" if threads else "gloo",
+                            data_parallel=[1] if threads else None, contention=contention)
+        except PlanError as exc:  # a finding, not a reason to lose the other budgets' runs
+            failed[b] = str(exc)
+            print(f"{name} {transport} budget {b}: no plan: {exc}", file=sys.stderr)
+            continue
         planning_s[b] = time.perf_counter() - start
     entries = build_space(plans, limits, default, vary=vary, contention=contention,
                           profile=profile, link=link)
@@ -118,7 +132,7 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
                         [max(r["predicted"]["anatomy"]["compute_actions"]) for r in rows],
                         step_time, contention)
     results = {}
-    for b in budgets:
+    for b in plans:
         chosen = from_candidate(plans[b].chosen)
         results[b] = results_for(rows, entries, limits[b], chosen, default,
                                  replicates=replicates, seed=seed)
@@ -134,7 +148,8 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
                  "collective_latency_s": link.collective_latency,
                  "collective_per_byte_s": link.collective_per_byte},
         "contention": contention, "drift": drift, "default_config": default.key,
-        "orders": turns, "results": results, "error_sources": error_sources(rows),
+        "orders": turns, "results": results, "plan_errors": failed,
+        "error_sources": error_sources(rows),
         "what_if": what_if,
         "configs": rows, "measure_s": measure_s, "elapsed_s": time.perf_counter() - began,
     }
@@ -188,12 +203,13 @@ def _timelines(out: Path, name: str, transport: str, entries: Sequence[Entry],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.planning", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planning", description=USAGE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,transformer,unbalanced")
     parser.add_argument("--transports", default="threads,processes")
-    parser.add_argument("--ranks", type=int, default=2, help="p: processes or threads, <= 4")
-    parser.add_argument("--chunks", default="1,2,4,8")
+    parser.add_argument("--ranks", type=int, default=2, help="p: processes or threads, 2 to 4")
+    parser.add_argument("--chunks", default="1,2,4,8",
+                        help="micro-batch counts (p, the default's, is always added)")
     parser.add_argument("--budgets", default=",".join(BUDGETS),
                         help="default: the default's predicted peak; none: unbounded")
     parser.add_argument("--rounds", type=int, default=10)
@@ -207,9 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out/planning"))
     args = parser.parse_args(argv)
     budgets = args.budgets.split(",")
-    if not set(budgets) <= set(BUDGETS) or not 1 <= args.ranks <= 4 or args.rounds < 2:
-        parser.error(f"--budgets among {BUDGETS}, --ranks 1 to 4, --rounds >= 2")
-    chunks = [int(c) for c in args.chunks.split(",")]
+    if not set(budgets) <= set(BUDGETS) or not 2 <= args.ranks <= 4 or args.rounds < 2:
+        parser.error(f"--budgets among {BUDGETS}, --ranks 2 to 4, --rounds >= 2")
+    chunks = sorted({*(int(c) for c in args.chunks.split(",")), args.ranks})
     transports = args.transports.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.planning " + shlex.join(sys.argv[1:] if argv is None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.planner import format_bytes
+
 __all__ = ["report"]
 
 
@@ -34,7 +36,7 @@ def _standings(records: Sequence[dict[str, Any]]) -> list[str]:
     for r in records:
         for budget, res in r["results"].items():
             limit = res["limit_bytes"]
-            size = "none" if limit is None else f"{limit / 2**20:.1f} MiB"
+            size = "none" if limit is None else format_bytes(limit)
             plan, default, n = res["plan"], res["default"], res["eligible"]
             note = "" if plan["fits_measured"] else " (over budget, measured)"
             lines.append(
@@ -43,6 +45,10 @@ def _standings(records: Sequence[dict[str, Any]]) -> list[str]:
                 f"{plan['p_best']:.2f} | {_rank(default, n)} | {_regret(default)} | "
                 f"{res['best']['key']} | {_ms(res['best']['median_s'])} | "
                 f"{_pct(res['noise']['median_cv'])} |")
+    for r in records:
+        for budget, why in r.get("plan_errors", {}).items():
+            lines.append(f"| {r['model']} | {r['transport']} | {budget} | - | the planner found "
+                         f"no configuration: {why} | | | | | | | | |")
     return lines
 
 

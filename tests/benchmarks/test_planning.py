@@ -37,7 +37,7 @@ from benchmarks.planning_stats import (
     spearman,
     standing,
 )
-from pipeline.planner import Link, Plan, plan, predict
+from pipeline.planner import Link, Plan, PlanError, plan, predict
 from tests.benchmarks import fakes
 
 
@@ -357,6 +357,61 @@ def test_calibration_finds_the_contention_and_overheads_behind_the_measurements(
             pytest.approx(0.0002)
     assert halves(5) == ([0, 2, 4], [1, 3])
     assert fit_line([1.0, 2.0, 3.0], [3.0, 5.0, 7.0]) == pytest.approx((1.0, 2.0))
+
+
+def _fake_run(monkeypatch: pytest.MonkeyPatch, *, refuse_budgets: bool = False
+              ) -> dict[str, Any]:
+    """`planning.run` on the tiny model with every measurement faked: the synthetic profile
+    (5 layers, batch 16, as tiny), a free link, no contention, and steps that take 1.1x their
+    prediction."""
+    import benchmarks.planning as planning
+
+    profile = fakes.planning_profile()
+    predict = predictor(profile, Link.free())
+
+    def fake_measure(name: str, configs: list[Config], *, transport: str, ranks: int,
+                     turns: list[list[int]], steps: int, warmup: int) -> list[list[Measured]]:
+        seconds = {c.key: 1.1 * (predict(c, 1.0).step_time or 0.0) for c in configs}
+        raw = run_rounds(configs, turns, fakes.planning_turn(lambda c, k: seconds[c.key], []))
+        return merge([raw], configs)
+
+    def fake_plan(*args: Any, **kwargs: Any) -> Plan:
+        if refuse_budgets and kwargs["memory_per_rank"] is not None:
+            raise PlanError("nothing fits", 1.0, ())
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "measure_link", lambda transport: Link.free())
+    monkeypatch.setattr(planning, "measure_contention", lambda *a, **k: 1.0)
+    monkeypatch.setattr(planning, "profile_model", lambda *a, **k: profile)
+    monkeypatch.setattr(planning, "measure", fake_measure)
+    monkeypatch.setattr(planning, "plan", fake_plan)
+    return planning.run("tiny", "threads", ranks=2, chunks=[1, 2], budgets=["default", "none"],
+                        rounds=3, steps=1, warmup=1, vary=1, seed=0, replicates=50,
+                        profile=profile)
+
+
+def test_a_run_measures_the_plans_and_default_among_everything_else(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    record = _fake_run(monkeypatch)
+    keys = [c["key"] for c in record["configs"]]
+    assert len(keys) == len(set(keys)) > 10
+    assert all(sorted(o) == list(range(len(keys))) for o in record["orders"])
+    assert all(len(c["measured"]["round_s"]) == 3 for c in record["configs"])
+    assert set(record["results"]) == {"default", "none"} and record["plan_errors"] == {}
+    for res in record["results"].values():
+        assert res["plan"]["key"] in keys and res["default"]["key"] in keys
+        assert res["measured"] == len(keys)
+    origins = [o for c in record["configs"] for o in c["origins"]]
+    assert {"plan:default", "plan:none", "default"} <= set(origins)
+    json.dumps(record)
+
+
+def test_a_budget_the_planner_cannot_meet_is_reported_not_fatal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    record = _fake_run(monkeypatch, refuse_budgets=True)
+    assert record["plan_errors"] == {"default": "nothing fits"}
+    assert set(record["results"]) == {"none"}
+    assert "the planner found no configuration: nothing fits" in report([record])
 
 
 @pytest.mark.slow
