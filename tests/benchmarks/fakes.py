@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from benchmarks.config import Group
 from benchmarks.harness import Measured, Sample, variant_keys
+from benchmarks.planning_rounds import Turn
+from benchmarks.planning_space import Config
 from benchmarks.records import schedule_for
+from pipeline.planner import LayerCosts, ModelProfile
 from schedules import Costs, simulate
 
 ENV = {"torch": "2.x", "python": "3.x", "platform": "test", "cpu": "test cpu", "gpu": None,
@@ -63,3 +68,36 @@ def measured(g: Group, m: int, repeats: int = 3) -> Measured:
 def no_run(*args: object, **kwargs: object) -> None:
     """Stands in for `benchmarks.cli.run_group` where a test must not measure anything."""
     raise AssertionError("measured despite a bad argument")
+
+
+def planning_profile(layers: int = 5, batch: int = 16,
+                     rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> ModelProfile:
+    """A model profile without profiling: layer i's forward takes (i + 1) ms at a full batch,
+    scaled by rows (so splits and chunk counts matter), backward twice that; 1 KiB of weights
+    and 64 bytes of input and saved tensors per row, per layer."""
+    by_rows = {}
+    for r in rows:
+        share = r / batch
+        forward = tuple(0.001 * (i + 1) * share for i in range(layers))
+        by_rows[r] = LayerCosts(r, forward, tuple(2 * f for f in forward), forward, forward,
+                                (64.0 * r,) * layers, (64.0 * r,) * layers)
+    params = tuple(((i, 1024, True),) for i in range(layers))
+    return ModelProfile(layers, params, (0,) * layers, by_rows, batch)
+
+
+def planning_turn(seconds: Callable[[Config, int], float], calls: list[tuple[str, bool]]
+                  ) -> Callable[[Config, bool], Turn]:
+    """A turn that takes `seconds(config, its call number)` per step, on one process of two
+    pipeline ranks, and records (config key, memory) of each call in `calls`."""
+    clock = [0.0]
+
+    def turn(c: Config, memory: bool) -> Turn:
+        calls.append((c.key, memory))
+        took = seconds(c, sum(1 for k, _ in calls if k == c.key))
+        start = clock[0]
+        clock[0] += took + 1.0
+        events = [[(r, f"{r}F0", start + 0.1 * took * r, start + 0.1 * took * (r + 1))
+                   for r in range(c.pp)]]
+        return Turn([(start, start + took)], events, list(range(c.pp)), 0,
+                    [1000 * (r + 1) for r in range(c.pp)] if memory else [])
+    return turn
