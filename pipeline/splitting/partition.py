@@ -43,7 +43,10 @@ def partition(costs: Sequence[float], num_parts: int, *, fits: Fits | None = Non
             return math.inf  # a part that does not fit is never chosen over one that does
         return prefix[stop] - prefix[start]
 
-    sizes, worst = min_max_split(n, num_parts, cost)
+    if fits is None:
+        sizes, worst = _bisected_split(prefix, num_parts)
+    else:
+        sizes, worst = min_max_split(n, num_parts, cost)
     if worst == math.inf:
         raise BalanceError(f"no split of {n} layers into {num_parts} stages has every stage "
                            f"within its limit: raise the limit or use other stages")
@@ -77,6 +80,55 @@ def min_max_split(num_items: int, num_parts: int,
         sizes.append(i - j)
         i = j
     return sizes[::-1], best[num_parts][num_items]
+
+
+def _bisected_split(prefix: Sequence[float], num_parts: int) -> tuple[list[int], float]:
+    """`min_max_split` for parts costing `prefix[stop] - prefix[start]`, the same split, in
+    O(k n log n) instead of O(k n^2). With costs >= 0, the best of the first j items in k - 1
+    parts never decreases with j and the last part's cost never increases, so their maximum
+    falls then rises in j: bisection finds where they cross, and the latest cut among equal
+    minima (the dynamic programme's choice) is the last j whose first term stays within it.
+    Planning a deep model over many stages calls this thousands of times."""
+    n = len(prefix) - 1
+    inf = math.inf
+    prev = [0.0] + [inf] * n  # the best of the first j items in k - 1 parts (k = 1: none)
+    cuts: list[list[int]] = []
+    for k in range(1, num_parts + 1):
+        cur = [inf] * (n + 1)
+        cut = [0] * (n + 1)
+        lo = k - 1
+        for i in range(k, n - (num_parts - k) + 1):
+            top, whole = i - 1, prefix[i]
+            a, b = lo, top + 1  # the first j where prev[j] >= the last part's cost
+            while a < b:
+                mid = (a + b) // 2
+                if prev[mid] >= whole - prefix[mid]:
+                    b = mid
+                else:
+                    a = mid + 1
+            left = whole - prefix[a - 1] if a > lo else inf
+            right = prev[a] if a <= top else inf
+            best = min(left, right)
+            if right <= best:  # the minimum is reached where prev[j] rules: its last j
+                a2, b2 = a, top
+                while a2 < b2:
+                    mid = (a2 + b2 + 1) // 2
+                    if prev[mid] <= best:
+                        a2 = mid
+                    else:
+                        b2 = mid - 1
+                j = a2
+            else:
+                j = a - 1
+            cur[i], cut[i] = best, j
+        cuts.append(cut)
+        prev = cur
+    sizes, i = [], n
+    for k in range(num_parts, 0, -1):
+        j = cuts[k - 1][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1], prev[n]
 
 
 def bounds(balance: Sequence[int]) -> list[int]:
