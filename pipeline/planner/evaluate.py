@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,10 +15,16 @@ from pipeline.planner.link import Link
 from pipeline.planner.memory import checkpointed, format_bytes, rank_peaks, stash_profile
 from pipeline.planner.space import Configuration
 from pipeline.planner.tensor import TensorSharding, shard_profile
-from pipeline.splitting.partition import BalanceError, bounds, min_max_split, partition
+from pipeline.splitting.partition import (
+    BalanceError,
+    Fits,
+    bounds,
+    min_max_split,
+    partition,
+)
 from schedules import SYNC_OPS, Costs, Op, Schedule, Syncs, Timeline
 
-__all__ = ["Evaluator", "Work", "beside"]
+__all__ = ["Evaluator", "Work", "beside", "fitting_split"]
 
 _SLACK = 1 + 1e-12  # budgets are compared with this much rounding allowed
 
@@ -100,9 +107,11 @@ class Evaluator:
         extra = trainable * (1 + per_byte + (1 if w.config.dp > 1 else 0)) + tensors * per_tensor
         return total + extra + (2 * total if versioned else 0)
 
-    def evaluate(self, w: Work, balance: Sequence[int] | None = None) -> bool:
+    def evaluate(self, w: Work, balance: Sequence[int] | None = None,
+                 best: float = math.inf) -> bool:
         """Split `w` under its budget (or take `balance` as given); False (with `w.reason`)
-        if nothing fits."""
+        if nothing fits. When the fastest split does not fit and no split could beat `best`,
+        it is not searched: `w.balance` stays None and `w.bound` says why."""
         sched = w.schedule = self.schedule(w)
         k, per_rank = sched.num_stages, sched.num_stages // sched.num_ranks
         ops = {a.op for row in sched.actions for a in row}
@@ -131,7 +140,12 @@ class Evaluator:
             edges = bounds(balance)
             ins = [inputs[edges[s]] for s in range(k)]
             graphs = [saved[edges[s + 1]] - saved[edges[s]] for s in range(k)]
-            w.acts = rank_peaks(sched, rec, ins, graphs)
+            if per_rank == 1:  # a rank's peak is its one stage's (the walk's, as tested)
+                w.acts = tuple(max((a * ins[q] + b * graphs[q] for a, b in stash.get(q, ())),
+                                   default=0.0) for q in (sched.stages_of(r)[0]
+                                                          for r in range(sched.num_ranks)))
+            else:
+                w.acts = rank_peaks(sched, rec, ins, graphs)
             return tuple(w.acts[r] + sum(self.static(w, edges[s], edges[s + 1], versioned)
                                          for s in sched.stages_of(r)) for r in range(w.config.pp))
 
@@ -149,9 +163,22 @@ class Evaluator:
                 * _SLACK]
         w.reason = "the fastest split fits"
         if over:
+            fastest = max(sum(t for t in times[j:i]) for j, i in itertools.pairwise(
+                bounds(balance)))
+            lower = max(c.chunks * fastest, self.bound(w, balance, chain_only=True))
+            if lower >= best:  # no split is faster than the fastest: skip the search
+                w.bound, w.peaks, w.acts = lower, None, None
+                return True
+            if not self.could_fit(w, limit, stash, saved, versioned):
+                r = over[0]
+                budget = limit[sched.stages_of(r)[0]] * per_rank
+                w.reason = (f"rank {r} needs {format_bytes(got[r])} with the fastest split "
+                            f"{balance}; no split fits {format_bytes(budget)}")
+                w.balance, w.peaks = balance, got
+                return False
             try:
-                balance = partition(times, k, fits=lambda s, j, i: stage_mem(s, j, i)
-                                    <= limit[s] * _SLACK)
+                balance = fitting_split(times, k, lambda s, j, i: stage_mem(s, j, i)
+                                        <= limit[s] * _SLACK)
             except BalanceError:
                 r = over[0]
                 budget = limit[sched.stages_of(r)[0]] * per_rank
@@ -164,6 +191,24 @@ class Evaluator:
         w.balance, w.peaks = balance, got
         w.bound = self.bound(w, balance)
         return True
+
+    def could_fit(self, w: Work, limit: Sequence[float], stash: dict[int, tuple[tuple[int, int],
+                  ...]], saved: Sequence[float], versioned: bool) -> bool:
+        """A necessary condition for some split to fit, in O(stages): the stages' budgets hold
+        every parameter once (each stage holds at least its own), and, a stage holding b
+        micro-batches' saved tensors at some moment needing b bytes per saved byte, the
+        budgets divided by b hold one micro-batch's saved tensors of every layer (stage s
+        holds g_s of them with limit_s >= static_s + b_s g_s). It rejects most candidates that
+        fit nowhere without running the exact memory-limited split."""
+        k = len(limit)
+        whole = self.static(w, 0, self.n, versioned)
+        if sum(limit) * _SLACK < whole:
+            return False
+        most = [max((b for _, b in stash.get(s, ((0, 0),))), default=0) for s in range(k)]
+        if min(most) == 0:
+            return True
+        room = sum(limit[s] / most[s] for s in range(k))
+        return room * _SLACK >= (saved[-1] - saved[0]) + whole / max(most)
 
     def stage_costs(self, w: Work, balance: Sequence[int]) -> Costs:
         c, rc = w.costs, self.recompute_share(w)
@@ -189,20 +234,44 @@ class Evaluator:
                      backward_weight=out["backward_weight"],
                      comm=self.p2p_link(w.config).time(boundary), reduce_grad=reduce)
 
-    def bound(self, w: Work, balance: Sequence[int]) -> float:
+    def bound(self, w: Work, balance: Sequence[int], chain_only: bool = False) -> float:
         """A lower bound on the step: no rank finishes before its own work is done, and no
-        step before one micro-batch has gone forward and back through every stage."""
+        step before one micro-batch has gone forward and back through every stage (that
+        chain alone, the same for every split, with `chain_only`)."""
         assert w.schedule is not None
         costs = self.stage_costs(w, balance)
         split = w.extra["split"]
         work = [costs.of(Op.F, s) + (costs.of(Op.I, s) + costs.of(Op.W, s) if split
                                      else costs.of(Op.B, s)) for s in range(len(balance))]
-        busy = max(w.config.chunks * sum(work[s] for s in w.schedule.stages_of(r))
-                   for r in range(w.config.pp))
+        busy = 0.0 if chain_only else max(
+            w.config.chunks * sum(work[s] for s in w.schedule.stages_of(r))
+            for r in range(w.config.pp))
         chain = sum(costs.of(Op.F, s) + costs.of(Op.I if split else Op.B, s)
                     for s in range(len(balance)))
+        edges = 0.0 if chain_only else self.edges(w, costs, work)
         # Beside replicas or tp peers every rank's work is slowed by the whole contention.
-        return max(busy, chain) * (self.contention if beside(w.config) else 1.0)
+        return max(busy, chain, edges) * (self.contention if beside(w.config) else 1.0)
+
+    @staticmethod
+    def edges(w: Work, costs: Costs, work: Sequence[float]) -> float:
+        """With one stage per rank, a bound that counts the pipeline's fill and drain: a rank
+        starts once the first micro-batch has come forward through the stages before it, and
+        when its last action is a whole backward, the step ends only after that micro-batch's
+        backward has gone back through them (each hop paying the link's latency)."""
+        sched = w.schedule
+        assert sched is not None
+        if sched.num_stages != sched.num_ranks:
+            return 0.0
+        compute = (Op.F, Op.B, Op.I, Op.W)
+        head = tail = bound = 0.0
+        for s in range(sched.num_stages):
+            row = sched.actions[sched.rank_of(s)]
+            last = next((a.op for a in reversed(row) if a.op in compute), None)
+            bound = max(bound, head + w.config.chunks * work[s]
+                        + (tail if last is Op.B else 0.0))
+            head += costs.of(Op.F, s) + costs.comm
+            tail += costs.of(Op.B, s) + costs.comm
+        return bound
 
     def simulate(self, w: Work, best: float = math.inf
                  ) -> tuple[float, float, Timeline] | None:
@@ -295,3 +364,43 @@ def _overlaps(timeline: Timeline, num_ranks: int) -> list[tuple[float, float]]:
         running += (active[r] > 0) - (was > 0)
         prev = t
     return list(zip(busy, shared, strict=True))
+
+
+def fitting_split(times: Sequence[float], k: int, fits: Fits) -> list[int]:
+    """`partition(times, k, fits=fits)` for a `fits` that only gets harder as a part grows at
+    its end (a stage's memory does: more parameters, more saved tensors, the same input): the
+    same split, asking `fits` O(k n log n) times instead of O(k n^2). Each part's furthest
+    fitting stop from each start is found by bisection, then whether any split fits at all
+    (O(k n)), and only then the exact min-max split, over those reaches."""
+    n = len(times)
+    reach: list[dict[int, int]] = []
+    for s in range(k):
+        row: dict[int, int] = {}
+        top = n - (k - s - 1)  # later parts need a layer each
+        for j in range(s, n - (k - s) + 1):
+            lo, hi = j, top  # lo: a stop known to fit (j: the empty part)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(s, j, mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            row[j] = lo
+        reach.append(row)
+    reached = {0}
+    for s in range(k):
+        ends = [0] * (n + 2)  # a difference array of the stops reachable after part s
+        for j in reached:
+            stop = reach[s].get(j, j)
+            if stop > j:
+                ends[j + 1] += 1
+                ends[stop + 1] -= 1
+        running, reached = 0, set()
+        for i in range(n + 1):
+            running += ends[i]
+            if running > 0:
+                reached.add(i)
+    if n not in reached:
+        raise BalanceError(f"no split of {n} layers into {k} stages has every stage within "
+                           f"its limit: raise the limit or use other stages")
+    return partition(times, k, fits=lambda s, j, i: i <= reach[s].get(j, j))

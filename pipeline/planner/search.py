@@ -23,6 +23,7 @@ all-reduce takes the link between hosts when the ranks span several.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -115,22 +116,32 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                     w.bound0 = max(m * work / pp, chain) * (s.contention if beside(w.config)
                                                             else 1.0)
                     todo.append(w)
-    todo.sort(key=lambda w: w.bound0)
+    # Best first: the candidate with the least bound is taken next, its bound refined by
+    # splitting it before it is simulated, so that only candidates whose refined bound is the
+    # least of all are simulated; once the least bound reaches the fastest step, the rest are
+    # pruned.
+    heap = [(w.bound0, i, False, w) for i, w in enumerate(todo)]
+    heapq.heapify(heap)
     best = math.inf
     evaluated: list[Work] = []
     results: list[tuple[Work, float, float, Timeline]] = []
-    for w in todo:
-        if w.bound0 >= best:
-            table.append(Candidate(**vars(w.config), status="pruned",
+    while heap:
+        bound, _, split, w = heapq.heappop(heap)
+        if bound >= best:
+            table.append(_row(w, "pruned", f"lower bound {bound * 1e3:.2f} ms") if split else
+                         Candidate(**vars(w.config), status="pruned",
                                    reason=f"even a perfect split takes >= "
-                                          f"{w.bound0 * 1e3:.2f} ms", lower_bound=w.bound0))
+                                          f"{bound * 1e3:.2f} ms", lower_bound=bound))
             continue
-        if not s.evaluate(w):
-            evaluated.append(w)
-            table.append(_row(w, "over budget"))
-            continue
-        if w.bound >= best:
-            table.append(_row(w, "pruned", f"lower bound {w.bound * 1e3:.2f} ms"))
+        if not split:
+            if not s.evaluate(w, best=best):
+                evaluated.append(w)
+                table.append(_row(w, "over budget"))
+            elif w.bound >= best:
+                why = "" if w.balance is not None else ", the fastest split over budget"
+                table.append(_row(w, "pruned", f"lower bound {w.bound * 1e3:.2f} ms{why}"))
+            else:
+                heapq.heappush(heap, (w.bound, _, True, w))
             continue
         got = s.simulate(w, best)
         if got is None:
