@@ -107,21 +107,28 @@ class Evaluator:
         extra = trainable * (1 + per_byte + (1 if w.config.dp > 1 else 0)) + tensors * per_tensor
         return total + extra + (2 * total if versioned else 0)
 
+    def stash_of(self, w: Work, rec: Sequence[bool]) -> dict[int, tuple[tuple[int, int], ...]]:
+        """The (inputs, saved graphs) a stage can peak at, per stage, for `w`'s schedule."""
+        c = w.config
+        which = (c.schedule, c.options, c.pp, c.chunks, c.checkpoint)
+        if which not in self._stashes:
+            assert w.schedule is not None
+            self._stashes[which] = stash_profile(w.schedule, rec)
+        return self._stashes[which]
+
     def evaluate(self, w: Work, balance: Sequence[int] | None = None,
-                 best: float = math.inf) -> bool:
+                 best: float = math.inf, thorough: bool = False) -> bool:
         """Split `w` under its budget (or take `balance` as given); False (with `w.reason`)
-        if nothing fits. When the fastest split does not fit and no split could beat `best`,
-        it is not searched: `w.balance` stays None and `w.bound` says why."""
+        if nothing fits. Unless `thorough`, two shortcuts skip walking the schedule: a
+        candidate that no split could make faster than `best` is left unsplit (`w.balance`
+        None, `w.bound` why), and one whose ranks cannot hold the parameters and optimizer
+        state at all is over budget without its peaks (`w.peaks` None)."""
         sched = w.schedule = self.schedule(w)
         k, per_rank = sched.num_stages, sched.num_stages // sched.num_ranks
         ops = {a.op for row in sched.actions for a in row}
         split, versioned = Op.I in ops, Op.U in ops
         rec = checkpointed(w.config.checkpoint, w.config.chunks)
         c = w.config
-        which = (c.schedule, c.options, c.pp, c.chunks, c.checkpoint)
-        if which not in self._stashes:
-            self._stashes[which] = stash_profile(sched, rec)
-        stash = self._stashes[which]
         times = self.layer_times(w, split)
         saved = [0.0]
         for s in w.costs.saved_bytes:
@@ -134,13 +141,15 @@ class Evaluator:
         def stage_mem(s: int, j: int, i: int) -> float:
             graph = saved[i] - saved[j]
             return self.static(w, j, i, versioned) + max(
-                (a * inputs[j] + b * graph for a, b in stash.get(s, ((0, 0),))), default=0.0)
+                (a * inputs[j] + b * graph for a, b in self.stash_of(w, rec).get(s, ((0, 0),))),
+                default=0.0)
 
         def peaks(balance: list[int]) -> tuple[float, ...]:
             edges = bounds(balance)
             ins = [inputs[edges[s]] for s in range(k)]
             graphs = [saved[edges[s + 1]] - saved[edges[s]] for s in range(k)]
             if per_rank == 1:  # a rank's peak is its one stage's (the walk's, as tested)
+                stash = self.stash_of(w, rec)
                 w.acts = tuple(max((a * ins[q] + b * graphs[q] for a, b in stash.get(q, ())),
                                    default=0.0) for q in (sched.stages_of(r)[0]
                                                           for r in range(sched.num_ranks)))
@@ -158,32 +167,36 @@ class Evaluator:
         if key not in self._splits:
             self._splits[key] = partition(times, k)
         balance = self._splits[key]
+        if not thorough:
+            # No split has a stage faster than the fastest split's slowest: a bound for all.
+            fastest = max(sum(times[j:i]) for j, i in itertools.pairwise(bounds(balance)))
+            lower = max(c.chunks * fastest, self.bound(w, balance, chain_only=True))
+            if lower >= best:
+                w.bound, w.peaks, w.acts = lower, None, None
+                return True
+            whole, room = self.static(w, 0, self.n, versioned), sum(limit)
+            if whole > room * _SLACK:
+                w.reason = (f"parameters, gradients and optimizer state take "
+                            f"{format_bytes(whole)}, more than the {k} stages' budgets hold "
+                            f"together ({format_bytes(room)})")
+                w.balance, w.peaks = balance, None
+                return False
         got = peaks(balance)
         over = [r for r in range(w.config.pp) if got[r] > limit[sched.stages_of(r)[0]] * per_rank
                 * _SLACK]
         w.reason = "the fastest split fits"
         if over:
-            fastest = max(sum(t for t in times[j:i]) for j, i in itertools.pairwise(
-                bounds(balance)))
-            lower = max(c.chunks * fastest, self.bound(w, balance, chain_only=True))
-            if lower >= best:  # no split is faster than the fastest: skip the search
-                w.bound, w.peaks, w.acts = lower, None, None
-                return True
-            if not self.could_fit(w, limit, stash, saved, versioned):
-                r = over[0]
-                budget = limit[sched.stages_of(r)[0]] * per_rank
-                w.reason = (f"rank {r} needs {format_bytes(got[r])} with the fastest split "
-                            f"{balance}; no split fits {format_bytes(budget)}")
+            r = over[0]
+            w.reason = (f"rank {r} needs {format_bytes(got[r])} with the fastest split "
+                        f"{balance}; no split fits "
+                        f"{format_bytes(limit[sched.stages_of(r)[0]] * per_rank)}")
+            if not self.could_fit(w, limit, self.stash_of(w, rec), saved, versioned):
                 w.balance, w.peaks = balance, got
                 return False
             try:
                 balance = fitting_split(times, k, lambda s, j, i: stage_mem(s, j, i)
                                         <= limit[s] * _SLACK)
             except BalanceError:
-                r = over[0]
-                budget = limit[sched.stages_of(r)[0]] * per_rank
-                w.reason = (f"rank {r} needs {format_bytes(got[r])} with the fastest split "
-                            f"{balance}; no split fits {format_bytes(budget)}")
                 w.balance, w.peaks = balance, got
                 return False
             got = peaks(balance)

@@ -138,7 +138,7 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                 evaluated.append(w)
                 table.append(_row(w, "over budget"))
             elif w.bound >= best:
-                why = "" if w.balance is not None else ", the fastest split over budget"
+                why = "" if w.balance is not None else " for any split"
                 table.append(_row(w, "pruned", f"lower bound {w.bound * 1e3:.2f} ms{why}"))
             else:
                 heapq.heappush(heap, (w.bound, _, True, w))
@@ -156,6 +156,8 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
     if not results:
         least = math.inf
         for w in evaluated:
+            if w.peaks is None:  # rejected before its peaks were counted: count them now
+                s.evaluate(w, thorough=True)
             need = s.least_budget(w)
             if need < least:
                 cfg = w.config
