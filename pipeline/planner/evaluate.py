@@ -17,14 +17,14 @@ from pipeline.planner.space import Configuration
 from pipeline.planner.tensor import TensorSharding, shard_profile
 from pipeline.splitting.partition import (
     BalanceError,
-    Fits,
     bounds,
     min_max_split,
     partition,
+    partition_by_reach,
 )
 from schedules import SYNC_OPS, Costs, Op, Schedule, Syncs, Timeline
 
-__all__ = ["Evaluator", "Work", "beside", "fitting_split"]
+__all__ = ["Evaluator", "Work", "beside"]
 
 _SLACK = 1 + 1e-12  # budgets are compared with this much rounding allowed
 
@@ -194,7 +194,7 @@ class Evaluator:
                 w.balance, w.peaks = balance, got
                 return False
             try:
-                balance = fitting_split(times, k, lambda s, j, i: stage_mem(s, j, i)
+                balance = partition_by_reach(times, k, lambda s, j, i: stage_mem(s, j, i)
                                         <= limit[s] * _SLACK)
             except BalanceError:
                 w.balance, w.peaks = balance, got
@@ -377,43 +377,3 @@ def _overlaps(timeline: Timeline, num_ranks: int) -> list[tuple[float, float]]:
         running += (active[r] > 0) - (was > 0)
         prev = t
     return list(zip(busy, shared, strict=True))
-
-
-def fitting_split(times: Sequence[float], k: int, fits: Fits) -> list[int]:
-    """`partition(times, k, fits=fits)` for a `fits` that only gets harder as a part grows at
-    its end (a stage's memory does: more parameters, more saved tensors, the same input): the
-    same split, asking `fits` O(k n log n) times instead of O(k n^2). Each part's furthest
-    fitting stop from each start is found by bisection, then whether any split fits at all
-    (O(k n)), and only then the exact min-max split, over those reaches."""
-    n = len(times)
-    reach: list[dict[int, int]] = []
-    for s in range(k):
-        row: dict[int, int] = {}
-        top = n - (k - s - 1)  # later parts need a layer each
-        for j in range(s, n - (k - s) + 1):
-            lo, hi = j, top  # lo: a stop known to fit (j: the empty part)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if fits(s, j, mid):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            row[j] = lo
-        reach.append(row)
-    reached = {0}
-    for s in range(k):
-        ends = [0] * (n + 2)  # a difference array of the stops reachable after part s
-        for j in reached:
-            stop = reach[s].get(j, j)
-            if stop > j:
-                ends[j + 1] += 1
-                ends[stop + 1] -= 1
-        running, reached = 0, set()
-        for i in range(n + 1):
-            running += ends[i]
-            if running > 0:
-                reached.add(i)
-    if n not in reached:
-        raise BalanceError(f"no split of {n} layers into {k} stages has every stage within "
-                           f"its limit: raise the limit or use other stages")
-    return partition(times, k, fits=lambda s, j, i: i <= reach[s].get(j, j))

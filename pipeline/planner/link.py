@@ -1,5 +1,7 @@
-"""The measured cost of moving tensors between ranks: a latency and a time per byte, from a
-message between two ranks or from an all-reduce over several."""
+"""The measured cost of moving tensors between ranks: a message's latency and time per byte.
+
+Measured from messages between two ranks (`measure_link`) or from an all-reduce over several
+(`measure_allreduce`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What planning returns: the chosen configuration and its candidates, or the error naming the
-least budget that would fit."""
+"""What planning returns: the plan and its candidates, or the error naming the least budget."""
 
 from __future__ import annotations
 

@@ -116,8 +116,9 @@ def test_gpt3_175b_on_1024_a100s_is_planned_within_bounds_in_seconds() -> None:
     start = time.perf_counter()
     c = check(PUBLISHED["175B"])
     elapsed = time.perf_counter() - start
-    # About 20 s on the shared 2-core VM the suite runs on; twice that is a regression.
-    assert elapsed < 45, f"planning 175B took {elapsed:.0f} s"
+    # About 20 s on the shared 2-core VM the suite runs on (30 s while others load it); the
+    # search before best-first ordering took 75 s.
+    assert elapsed < 60, f"planning 175B took {elapsed:.0f} s"
     _within_memory(c)
     assert c.config.tp == 8  # 175B's state needs tp x pp >= 37; tp fills a host first
     assert c.config.rows == 1  # as the paper's runs: the most micro-batches for the bubble

@@ -211,28 +211,3 @@ def test_contention_is_measured_on_the_models_own_layers() -> None:
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="must be >= 1"):
         measure_contention(model, x, ranks=0)
-
-
-@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 5),
-       st.lists(st.integers(0, 60), min_size=12, max_size=12), st.integers(0, 150),
-       st.lists(st.integers(0, 30), min_size=12, max_size=12))
-def test_the_split_by_reach_is_the_memory_limited_partition(
-        costs: list[int], k: int, saved: list[int], limit: int, inputs: list[int]) -> None:
-    # A stage's memory as the planner counts it: its first layer's input (any size) plus what
-    # its layers save, times a count that depends on its position; more layers only add.
-    from pipeline.planner.evaluate import fitting_split
-    from pipeline.splitting.partition import BalanceError, partition
-
-    if k > len(costs):
-        return
-
-    def fits(part: int, start: int, stop: int) -> bool:
-        return inputs[start] + (k - part) * sum(saved[start:stop]) <= limit
-
-    try:
-        expected = partition(costs, k, fits=fits)
-    except BalanceError:
-        with pytest.raises(BalanceError, match="within its limit"):
-            fitting_split(costs, k, fits)
-        return
-    assert fitting_split(costs, k, fits) == expected
