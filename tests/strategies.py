@@ -169,6 +169,35 @@ def model_profiles(draw: st.DrawFn, max_layers: int = 8) -> Any:
                              overhead=draw(st.sampled_from([0.0, 1e-5, 1e-4])))
 
 
+def full_sharding(profile: Any, collectives: int = 1, share: float = 1.0) -> Any:
+    """A `TensorSharding` splitting every layer of a synthetic profile: all its parameters,
+    `share` of its time and saved bytes, `collectives` all-reduces each way per layer."""
+    from pipeline.planner import TensorSharding
+
+    n = profile.num_layers
+    keys = frozenset(key for layer in profile.params for key, _, _ in layer)
+    return TensorSharding(keys, (share,) * n, (share,) * n, (collectives,) * n,
+                          (collectives,) * n)
+
+
+@st.composite
+def sharded_profiles(draw: st.DrawFn, max_layers: int = 6) -> Any:
+    """A synthetic profile (`model_profiles`) and a sharding of it: each layer split or not,
+    with 0..2 all-reduces each way, and a share of its time and activations split."""
+    from pipeline.planner import TensorSharding
+
+    profile = draw(model_profiles(max_layers))
+    n = profile.num_layers
+    split = [draw(st.booleans()) for _ in range(n)]
+    share = draw(st.sampled_from([0.5, 0.9, 1.0]))
+    keys = frozenset(key for i, layer in enumerate(profile.params) if split[i]
+                     for key, _, _ in layer)
+    counts = tuple(draw(st.integers(0, 2)) if split[i] else 0 for i in range(n))
+    return profile, TensorSharding(keys, tuple(share if c else 0.0 for c in split),
+                                   tuple(share if c else 0.0 for c in split), counts, counts,
+                                   None, draw(st.booleans()))
+
+
 @st.composite
 def padded_labels(draw: st.DrawFn, vocab: int, context: int) -> Any:
     """Token labels (rows x context) with -100 where a position is not counted: rows of

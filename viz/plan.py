@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from schedules.files import write_atomic
 
-__all__ = ["main", "parse_bytes", "resolve_model"]
+__all__ = ["main", "parse_bytes", "parse_tp_plan", "resolve_model"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10,
           "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -68,6 +68,33 @@ def resolve_model(spec: str) -> tuple[Any, Any, Any, Any]:
                       f"or an object with build(), batch() and loss()")
 
 
+_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel",
+           "sequence_parallel": "SequenceParallel"}
+
+
+def parse_tp_plan(text: str) -> dict[str, str]:
+    """'*.qkv=colwise,*.proj=rowwise' -> {'*.qkv': 'colwise', '*.proj': 'rowwise'}: module-name
+    patterns and the style of each ('colwise', 'rowwise' or 'sequence_parallel')."""
+    plan: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        pattern, sep, style = item.partition("=")
+        if not sep or not pattern.strip() or style.strip() not in _STYLES:
+            raise argparse.ArgumentTypeError(
+                f"expected PATTERN=STYLE items like '*.qkv=colwise,*.proj=rowwise' (STYLE one "
+                f"of {', '.join(_STYLES)}), got {item!r}")
+        plan[pattern.strip()] = style.strip()
+    if not plan:
+        raise argparse.ArgumentTypeError("--tp-plan needs at least one PATTERN=STYLE")
+    return plan
+
+
+def _styles(plan: Mapping[str, str]) -> dict[str, Any]:
+    """The parsed plan with torch's ParallelStyle objects, as Pipe(tp_plan=...) takes it."""
+    from torch.distributed.tensor import parallel
+
+    return {pattern: getattr(parallel, _STYLES[style])() for pattern, style in plan.items()}
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -81,9 +108,9 @@ def _ints(text: str) -> list[int]:
 
 def _parser() -> _Parser:
     parser = _Parser(prog="pipeviz plan", description=(
-        "Profile a model, plan its pipeline for a memory budget per rank, print the plan and "
-        "every candidate, and draw the chosen schedule's predicted timeline beside the "
-        "runner-up."))
+        "Profile a model, plan its pipeline (dp x pp, and x tp with --tp-plan) for a memory "
+        "budget per rank, print the plan and every candidate, and draw the chosen schedule's "
+        "predicted timeline beside the runner-up."))
     parser.add_argument("model", help="module:name giving (model, sample, target, loss_fn), "
                                       "e.g. benchmarks.models:MODELS.mlp")
     parser.add_argument("-p", "--ranks", type=int, required=True, help="ranks (devices)")
@@ -93,6 +120,15 @@ def _parser() -> _Parser:
     parser.add_argument("--schedules", type=lambda t: [s for s in t.split(",") if s],
                         help="comma-separated schedules (default: every registered one)")
     parser.add_argument("--chunks", type=_ints, help="micro-batch counts to try, e.g. 1,2,4,8")
+    parser.add_argument("--tp-plan", type=parse_tp_plan, default=None, metavar="PLAN",
+                        help="also split stages by tensor parallelism (dp x pp x tp; needs "
+                             "--transport gloo or nccl): module-name patterns and styles, e.g. "
+                             "'*.qkv=colwise,*.proj=rowwise'")
+    parser.add_argument("--tp-sizes", type=_ints, default=None,
+                        help="tensor-parallel sizes to try (default: every size dividing "
+                             "--ranks-per-host)")
+    parser.add_argument("--ranks-per-host", type=int, default=None,
+                        help="ranks on one host; tp stays within a host (default: all ranks)")
     parser.add_argument("--optimizer", default="adam",
                         help="adam, adamw, sgd, momentum, rmsprop or adagrad (default adam)")
     parser.add_argument("--threads", type=int, default=None,
@@ -138,7 +174,9 @@ def _main(args: argparse.Namespace) -> int:
     try:
         chosen = plan(model, sample, target, loss_fn, ranks=args.ranks,
                       memory_per_rank=args.memory, schedules=args.schedules,
-                      optimizer=args.optimizer, transport=args.transport, chunks=args.chunks)
+                      optimizer=args.optimizer, transport=args.transport, chunks=args.chunks,
+                      tp_plan=_styles(args.tp_plan) if args.tp_plan else None,
+                      tp_sizes=args.tp_sizes, ranks_per_host=args.ranks_per_host)
     except PlanError as exc:
         print(f"pipeviz plan: {exc}", file=sys.stderr)
         print(format_table(exc.candidates, args.rows or None))

@@ -18,7 +18,7 @@ from pipeline.runtime.saved_bytes import SavedBytes
 from pipeline.runtime.split_backward import backward_input, backward_weight
 from pipeline.splitting.profile import detached, fresh_inputs, sync, untouched
 
-__all__ = ["LayerCosts", "ModelProfile", "measure_contention", "profile_model"]
+__all__ = ["LayerCosts", "ModelProfile", "measure_contention", "parameter_keys", "profile_model"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -157,6 +157,16 @@ def _layer(layer: nn.Module, value: Any, first: bool, loss: Callable[[Any], torc
     return [*figures, _nbytes(value), float(saved.bytes)], out
 
 
+def parameter_keys(model: nn.Sequential) -> dict[int, int]:
+    """The key `ModelProfile.params` gives each distinct Parameter (by `id`): numbered in the
+    order the layers first hold them, so a weight tied across layers has one key."""
+    keys: dict[int, int] = {}
+    for layer in model:
+        for p in layer.parameters(recurse=True):
+            keys.setdefault(id(p), len(keys))
+    return keys
+
+
 def profile_model(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *,
                   rows: Iterable[int] | None = None, repeats: int = 3,
                   warmup: int = 1) -> ModelProfile:
@@ -187,10 +197,9 @@ def profile_model(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossF
                 value = detached(out)  # the next layer's input (the loss, after the last)
             columns = [tuple(c) for c in zip(*table, strict=True)]
             by_rows[r] = LayerCosts(r, *columns)
-    keys: dict[int, int] = {}
-    params = tuple(tuple((keys.setdefault(id(p), len(keys)), p.numel() * p.element_size(),
-                          p.requires_grad) for p in layer.parameters(recurse=True))
-                   for layer in layers)
+    keys = parameter_keys(model)
+    params = tuple(tuple((keys[id(p)], p.numel() * p.element_size(), p.requires_grad)
+                         for p in layer.parameters(recurse=True)) for layer in layers)
     buffers = tuple(sum(b.numel() * b.element_size() for b in layer.buffers())
                     for layer in layers)
     device = next((str(p.device) for p in model.parameters()), "cpu")

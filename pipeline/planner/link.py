@@ -1,4 +1,7 @@
-"""The measured cost of sending a tensor between two ranks: a latency and a time per byte."""
+"""The measured cost of moving tensors between ranks: a message's latency and time per byte.
+
+Measured from messages between two ranks (`measure_link`) or from an all-reduce over several
+(`measure_allreduce`)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pipeline.comm.same_host import SocketLink, connect
 from pipeline.comm.threads import ThreadTransport
 from pipeline.comm.wire import memory
 
-__all__ = ["TRANSPORTS", "Link", "measure_link"]
+__all__ = ["TRANSPORTS", "Link", "measure_allreduce", "measure_link", "ring_fit"]
 
 TRANSPORTS = ("threads", "gloo", "nccl")
 _SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 23)  # bytes: 1 KiB .. 8 MiB
@@ -117,11 +120,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _process(rank: int, backend: str, port: int, sizes: Sequence[int], repeats: int,
-             queue: Any) -> None:
+def _process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int],
+             repeats: int, queue: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=world)
     try:
         device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
         if device.type == "cuda":
@@ -170,17 +173,49 @@ def _ping_pong(rank: int, device: torch.device, sizes: Sequence[int], repeats: i
     return out
 
 
-def _processes(backend: str, sizes: Sequence[int], repeats: int
-               ) -> list[list[tuple[float, float]]]:
+def _allreduce_process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int],
+                       repeats: int, queue: Any) -> None:
+    """Time `dist.all_reduce` of each size over the group (rank 0 reports the medians)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        out = []
+        for size in sizes:
+            payload = torch.zeros(size // 4, device=device)
+            times = []
+            for i in range(repeats + 1):
+                dist.barrier()  # every rank starts together: the time is the collective's own
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                dist.all_reduce(payload)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i:  # the first call warms up
+                    times.append(time.perf_counter() - start)
+            out.append((float(size), statistics.median(times)))
+        if rank == 0:
+            queue.put([out])
+    finally:
+        dist.destroy_process_group()
+
+
+def _processes(backend: str, sizes: Sequence[int], repeats: int, target: Any = _process,
+               world: int = 2) -> list[list[tuple[float, float]]]:
     """Ping-pong between two fresh processes over `backend` on this machine (loopback), and
-    over a same-host link where the pipeline would use one (second list, if any)."""
+    over a same-host link where the pipeline would use one (second list, if any); or, with
+    `target=_allreduce_process`, an all-reduce over `world` processes."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_process, args=(r, backend, port, sizes, repeats, queue),
-                         daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, backend, port, sizes, repeats, queue),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -218,4 +253,38 @@ def measure_link(transport: str = "threads", *, devices: Sequence[str | torch.de
         return Link(transport, latency, per_byte)
     # A pipeline's messages go over the link; the dp all-reduce over the group.
     return Link(transport, *_fit(linked[0]), collective_latency=latency,
+                collective_per_byte=per_byte)
+
+
+def ring_fit(samples: Sequence[tuple[float, float]], ranks: int) -> tuple[float, float]:
+    """(latency, per_byte) of one ring step from all-reduce times over `ranks` ranks: a ring
+    all-reduce of `n` bytes takes 2(r-1) steps of latency + n/r bytes, so the fitted line
+    `a + b n` (`_fit`) gives latency a / 2(r-1) and per_byte b r / 2(r-1)."""
+    if ranks < 2:
+        raise ValueError(f"an all-reduce needs at least two ranks (got {ranks})")
+    a, b = _fit(samples)
+    steps = 2 * (ranks - 1)
+    return a / steps, b * ranks / steps
+
+
+def measure_allreduce(transport: str = "gloo", *, ranks: int = 2,
+                      sizes: Sequence[int] = _SIZES, repeats: int = 10) -> Link:
+    """Measure an all-reduce over `ranks` fresh local processes over `transport` ("gloo": CPU;
+    "nccl": GPUs 0..ranks-1, the host's own link) for each size in `sizes` (bytes; median of
+    `repeats` after a warm-up) and fit the ring model (`ring_fit`). The `Link` it returns
+    costs a message and a collective step alike, so `link.allreduce(n, ranks)` reproduces the
+    measurement; pass it as `plan(host_link=...)` for tensor parallelism's collectives (other
+    group sizes extrapolate the ring model)."""
+    if transport not in ("gloo", "nccl"):
+        raise ValueError(f"transport must be 'gloo' or 'nccl' for an all-reduce between "
+                         f"processes (got {transport!r})")
+    if ranks < 2 or len(sizes) < 2 or repeats < 1:
+        raise ValueError(f"need at least two ranks, two sizes and one repeat (got {ranks}, "
+                         f"{list(sizes)}, {repeats})")
+    if transport == "nccl" and torch.cuda.device_count() < ranks:
+        raise ValueError(f"an nccl all-reduce over {ranks} ranks needs {ranks} GPUs on this "
+                         f"host ({torch.cuda.device_count()} visible)")
+    (samples,) = _processes(transport, sizes, repeats, target=_allreduce_process, world=ranks)
+    latency, per_byte = ring_fit(samples, ranks)
+    return Link(transport, latency, per_byte, collective_latency=latency,
                 collective_per_byte=per_byte)

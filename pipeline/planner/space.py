@@ -13,15 +13,22 @@ CHECKPOINTS = ("never", "except_last", "always")
 
 @dataclass(frozen=True)
 class Space:
-    """What to consider: schedules (name, options), checkpoint modes, data-parallel sizes and,
-    per replica, micro-batch counts (None: powers of two up to 64 and 1..4 times pp)."""
+    """What to consider: schedules (name, options), checkpoint modes, data-parallel sizes,
+    tensor-parallel sizes and, per replica, micro-batch counts (None: powers of two up to 64
+    and 1..4 times pp) or, instead, micro-batch sizes (`microbatch_rows`: the counts that
+    split a replica's rows into micro-batches of exactly those sizes)."""
 
     schedules: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
     checkpoints: tuple[str, ...] = CHECKPOINTS
     dps: tuple[int, ...] = (1,)
     chunks: tuple[int, ...] | None = None
+    tps: tuple[int, ...] = (1,)
+    microbatch_rows: tuple[int, ...] | None = None
 
     def chunk_counts(self, rows: int, pp: int) -> tuple[int, ...]:
+        if self.microbatch_rows is not None:
+            return tuple(sorted({rows // b for b in self.microbatch_rows
+                                 if b <= rows and rows % b == 0}))
         if self.chunks is not None:
             return tuple(sorted({m for m in self.chunks if m <= rows}))
         powers = {1 << i for i in range(7)}
@@ -30,8 +37,9 @@ class Space:
 
 @dataclass(frozen=True)
 class Configuration:
-    """One point of the space: a schedule (name, options), dp x pp, micro-batches per replica
-    and rows per micro-batch, and the recomputation mode."""
+    """One point of the space: a schedule (name, options), dp x pp x tp, micro-batches per
+    replica and rows per micro-batch, and the recomputation mode. `tp` is keyword-only and 1
+    unless tensor parallelism was searched."""
 
     schedule: str
     options: tuple[tuple[str, int], ...]
@@ -40,6 +48,12 @@ class Configuration:
     chunks: int
     rows: int
     checkpoint: str
+    tp: int = field(default=1, kw_only=True)
+
+    @property
+    def shape(self) -> str:
+        """'dp 2 x pp 4 x tp 8'."""
+        return f"dp {self.dp} x pp {self.pp} x tp {self.tp}"
 
     @property
     def label(self) -> str:

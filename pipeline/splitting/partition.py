@@ -6,8 +6,8 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["BalanceError", "Fits", "bounds", "min_max_split", "partition", "split_sizes",
-           "stage_of"]
+__all__ = ["BalanceError", "Fits", "bounds", "min_max_split", "partition", "partition_by_reach",
+           "split_sizes", "stage_of"]
 
 Fits = Callable[[int, int, int], bool]
 """`fits(part, start, stop)`: may layers `start..stop-1` form part `part`? (e.g. a memory limit)"""
@@ -43,7 +43,10 @@ def partition(costs: Sequence[float], num_parts: int, *, fits: Fits | None = Non
             return math.inf  # a part that does not fit is never chosen over one that does
         return prefix[stop] - prefix[start]
 
-    sizes, worst = min_max_split(n, num_parts, cost)
+    if fits is None:
+        sizes, worst = _bisected_split(prefix, num_parts)
+    else:
+        sizes, worst = min_max_split(n, num_parts, cost)
     if worst == math.inf:
         raise BalanceError(f"no split of {n} layers into {num_parts} stages has every stage "
                            f"within its limit: raise the limit or use other stages")
@@ -77,6 +80,95 @@ def min_max_split(num_items: int, num_parts: int,
         sizes.append(i - j)
         i = j
     return sizes[::-1], best[num_parts][num_items]
+
+
+def partition_by_reach(costs: Sequence[float], k: int, fits: Fits) -> list[int]:
+    """`partition(costs, k, fits=fits)` for a `fits` that only gets harder as a part grows at
+    its end (a stage's memory does: more parameters, more saved tensors, the same input): the
+    same split, asking `fits` O(k n log n) times instead of O(k n^2). Each part's furthest
+    fitting stop from each start is found by bisection, then whether any split fits at all
+    (O(k n)), and only then the exact min-max split, over those reaches."""
+    n = len(costs)
+    reach: list[dict[int, int]] = []
+    for s in range(k):
+        row: dict[int, int] = {}
+        top = n - (k - s - 1)  # later parts need a layer each
+        for j in range(s, n - (k - s) + 1):
+            lo, hi = j, top  # lo: a stop known to fit (j: the empty part)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(s, j, mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            row[j] = lo
+        reach.append(row)
+    reached = {0}
+    for s in range(k):
+        ends = [0] * (n + 2)  # a difference array of the stops reachable after part s
+        for j in reached:
+            stop = reach[s].get(j, j)
+            if stop > j:
+                ends[j + 1] += 1
+                ends[stop + 1] -= 1
+        running, reached = 0, set()
+        for i in range(n + 1):
+            running += ends[i]
+            if running > 0:
+                reached.add(i)
+    if n not in reached:
+        raise BalanceError(f"no split of {n} layers into {k} stages has every stage within "
+                           f"its limit: raise the limit or use other stages")
+    return partition(costs, k, fits=lambda s, j, i: i <= reach[s].get(j, j))
+
+
+def _bisected_split(prefix: Sequence[float], num_parts: int) -> tuple[list[int], float]:
+    """`min_max_split` for parts costing `prefix[stop] - prefix[start]`, the same split, in
+    O(k n log n) instead of O(k n^2). With costs >= 0, the best of the first j items in k - 1
+    parts never decreases with j and the last part's cost never increases, so their maximum
+    falls then rises in j: bisection finds where they cross, and the latest cut among equal
+    minima (the dynamic programme's choice) is the last j whose first term stays within it.
+    Planning a deep model over many stages calls this thousands of times."""
+    n = len(prefix) - 1
+    inf = math.inf
+    prev = [0.0] + [inf] * n  # the best of the first j items in k - 1 parts (k = 1: none)
+    cuts: list[list[int]] = []
+    for k in range(1, num_parts + 1):
+        cur = [inf] * (n + 1)
+        cut = [0] * (n + 1)
+        lo = k - 1
+        for i in range(k, n - (num_parts - k) + 1):
+            top, whole = i - 1, prefix[i]
+            a, b = lo, top + 1  # the first j where prev[j] >= the last part's cost
+            while a < b:
+                mid = (a + b) // 2
+                if prev[mid] >= whole - prefix[mid]:
+                    b = mid
+                else:
+                    a = mid + 1
+            left = whole - prefix[a - 1] if a > lo else inf
+            right = prev[a] if a <= top else inf
+            best = min(left, right)
+            if right <= best:  # the minimum is reached where prev[j] rules: its last j
+                a2, b2 = a, top
+                while a2 < b2:
+                    mid = (a2 + b2 + 1) // 2
+                    if prev[mid] <= best:
+                        a2 = mid
+                    else:
+                        b2 = mid - 1
+                j = a2
+            else:
+                j = a - 1
+            cur[i], cut[i] = best, j
+        cuts.append(cut)
+        prev = cur
+    sizes, i = [], n
+    for k in range(num_parts, 0, -1):
+        j = cuts[k - 1][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1], prev[n]
 
 
 def bounds(balance: Sequence[int]) -> list[int]:

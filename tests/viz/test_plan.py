@@ -67,3 +67,41 @@ def test_bad_arguments_get_one_line(args: list[str], message: str,
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_tp_plans_read_as_patterns_and_styles() -> None:
+    from viz.plan import parse_tp_plan
+
+    assert parse_tp_plan("*.qkv=colwise, *.proj=rowwise") == {"*.qkv": "colwise",
+                                                              "*.proj": "rowwise"}
+    for bad in ("*.qkv", "*.qkv=diagonal", ",", "=colwise"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tp_plan(bad)
+
+
+_TP = ["plan", "benchmarks.models:MODELS.transformer", "--ranks", "2", "--chunks", "1,2",
+       "--schedules", "1f1b,gpipe", "--threads", "1", "--tp-plan",
+       "*.qkv=colwise,*.proj=rowwise,*.up=colwise,*.down=rowwise"]
+
+
+def test_plan_searches_tp_and_shows_the_3d_shape(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    from pipeline.planner import Link
+
+    # Two gloo processes would be measured otherwise; a fixed link keeps this test quick.
+    planning = importlib.import_module("pipeline.planner.plan")  # the module, not plan()
+    monkeypatch.setattr(planning, "measure_link", lambda *a, **k: Link("gloo", 2e-5, 1e-9))
+    monkeypatch.setattr(planning, "measure_contention", lambda *a, **k: 1.0)
+    assert main([*_TP, "--transport", "gloo", "--rows", "0"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("plan: ") and " x tp " in first
+    assert "dp x pp x tp" in out and "tensor parallelism within hosts of 2 ranks" in out
+    assert " 1 x 1 x 2 " in out and " 1 x 2 x 1 " in out  # both shapes were candidates
+
+
+def test_tp_needs_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_TP) == 2
+    assert "tensor parallelism runs one process per rank" in capsys.readouterr().err

@@ -61,3 +61,29 @@ def test_bad_measurements_are_refused() -> None:
         measure_link("mpi")
     with pytest.raises(ValueError, match="at least two sizes"):
         measure_link("threads", sizes=(1024,))
+
+
+def test_an_all_reduce_is_fitted_to_the_ring_model() -> None:
+    from pipeline.planner.link import ring_fit
+
+    # 4 ranks: 6 steps, each of 20 us and a quarter of the bytes at 2 ns/byte.
+    samples = [(float(n), 6 * (2e-5 + n / 4 * 2e-9)) for n in (1 << 10, 1 << 20, 1 << 23)]
+    latency, per_byte = ring_fit(samples, 4)
+    assert latency == pytest.approx(2e-5) and per_byte == pytest.approx(2e-9)
+    link = Link("gloo", latency, per_byte)
+    assert link.allreduce(1 << 20, 4) == pytest.approx(samples[1][1])
+    with pytest.raises(ValueError, match="at least two ranks"):
+        ring_fit(samples, 1)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_an_all_reduce_is_measured_over_processes() -> None:
+    from pipeline.planner import measure_allreduce
+
+    # Two gloo processes on loopback; 8 MiB takes milliseconds, 1 KiB far less.
+    link = measure_allreduce("gloo", ranks=2, sizes=(1024, 1 << 23), repeats=5)
+    assert link.per_byte > 0 and link.collective_per_byte == link.per_byte
+    assert link.allreduce(1 << 23, 2) > link.allreduce(1024, 2)
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        measure_allreduce("threads")

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.splitting.partition import BalanceError, min_max_split, partition, split_sizes
+from pipeline.splitting.partition import (
+    BalanceError,
+    min_max_split,
+    partition,
+    partition_by_reach,
+    split_sizes,
+)
 
 
 def _brute_force(costs: list[float], k: int) -> float:
@@ -98,3 +104,40 @@ def test_partition_without_a_limit_is_unchanged() -> None:
     assert partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, fits=lambda s, a, b: True) == [5, 2, 2]
     # Stage 0 may hold at most 2 layers: the best split moves the cut.
     assert partition([5, 1, 1, 1, 1, 5], 2, fits=lambda s, a, b: s > 0 or b - a <= 2) == [2, 4]
+
+
+@given(st.lists(st.one_of(st.integers(0, 3).map(float), st.floats(0.0, 1e6),
+                          st.sampled_from([0.1, 0.2, 0.3, 1 / 3])), min_size=1, max_size=40),
+       st.integers(1, 40))
+def test_the_bisected_split_is_the_dynamic_programmes(costs: list[float], k: int) -> None:
+    # partition() without a limit bisects instead of trying every cut: the same split, ties
+    # (zeros, repeats, sums that round alike) broken the same way, and the same worst part.
+    from pipeline.splitting.partition import _bisected_split
+
+    if k > len(costs):
+        return
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    by_every_cut = min_max_split(len(costs), k, lambda _, a, b: prefix[b] - prefix[a])
+    assert _bisected_split(prefix, k) == by_every_cut
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 5),
+       st.lists(st.integers(0, 60), min_size=12, max_size=12), st.integers(0, 150),
+       st.lists(st.integers(0, 30), min_size=12, max_size=12))
+def test_the_split_by_reach_is_the_limited_dynamic_programmes(
+        costs: list[int], k: int, saved: list[int], limit: int, inputs: list[int]) -> None:
+    # A stage's memory as the planner counts it: its first layer's input (any size) plus what
+    # its layers save, times a count that depends on its position; more layers only add.
+    if k > len(costs):
+        return
+
+    def fits(part: int, start: int, stop: int) -> bool:
+        return inputs[start] + (k - part) * sum(saved[start:stop]) <= limit
+
+    try:
+        expected = partition(costs, k, fits=fits)
+    except BalanceError:
+        with pytest.raises(BalanceError, match="within its limit"):
+            partition_by_reach(costs, k, fits)
+        return
+    assert partition_by_reach(costs, k, fits) == expected
