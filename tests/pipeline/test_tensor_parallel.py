@@ -70,6 +70,26 @@ def test_llama_split_by_module_names_with_a_tp_plan() -> None:
         assert set().union(*(r[i] for r in results)) == every, run
 
 
+def test_a_planned_dp_pp_tp_configuration_runs_and_trains_exactly() -> None:
+    """`pipeline.plan` with the transformer's tp plan over 4 gloo ranks (tp 2 within a host
+    of 2): the chosen (dp, pp, tp)'s Pipe, built from `pipe_kwargs(mesh=...)`, trains as one
+    device for two AdamW steps."""
+    from pipeline import plan
+    from pipeline.planner import Link
+
+    x, y = models_tp.batch("transformer", 0)
+    p = plan(models_tp.transformer(), x, y, models_tp.token_loss, ranks=4,
+             memory_per_rank=None, transport="gloo", tp_plan=models_tp.transformer_plan(),
+             tp_sizes=[2], ranks_per_host=2, chunks=[2], repeats=1,
+             link=Link("gloo", 0.0, 0.0), contention=1.0)
+    assert p.tp == 2 and p.dp * p.pp * p.tp == 4
+    kwargs = {k: v for k, v in p.pipe_kwargs(mesh=None).items() if k != "mesh"}
+    assert kwargs["tp_plan"].keys() == models_tp.transformer_plan().keys()
+    results = spawn(tp_workers.planned, 4, (p.dp, p.pp, p.tp), kwargs, timeout=SPAWN_TIMEOUT)
+    every = {n for n, _ in models_tp.transformer().named_parameters()}
+    assert set().union(*results) == every
+
+
 def test_2bw_follows_its_stale_update_rule_under_tp() -> None:
     assert spawn(tp_workers.two_bw_rule, 4, timeout=SPAWN_TIMEOUT) == [2] * 4
 

@@ -18,7 +18,7 @@ from tests.pipeline.sharded_workers import pack
 from tests.pipeline.traced_workers import STATE_TOL, TOL, TWO_PER_RANK
 
 __all__ = ["dropout_replay", "errors", "failure_names_coordinates",
-           "llama_like_one_device", "llama_plan", "load_elsewhere", "save_at",
+           "llama_like_one_device", "llama_plan", "load_elsewhere", "planned", "save_at",
            "train_like_one_device", "two_bw_rule"]
 
 BALANCE = {("mlp", 1): [6], ("mlp", 2): [3, 3], ("transformer", 1): [7],
@@ -313,3 +313,15 @@ def two_bw_rule(rank: int) -> int:
                                        msg=f"step_many={many}: {name}")
         pipe.close()
     return 2
+
+
+def planned(rank: int, shape: tuple[int, int, int], kwargs: dict[str, Any]) -> list[str]:
+    """A plan's Pipe (`plan(...).pipe_kwargs(mesh=mesh)`) for the transformer on its
+    (dp, pp, tp) mesh: two AdamW steps equal one device's. Returns the names checked."""
+    mesh = _mesh(shape)
+    pipe = Pipe(_build("transformer"), **kwargs, mesh=mesh)
+    ref = _build("transformer")
+    names = _compare(pipe, ref, functools.partial(_step, pipe, "transformer", mesh=mesh),
+                     functools.partial(_ref_loss, ref, "transformer"), "planned", lr=1e-2)
+    pipe.close()
+    return names
