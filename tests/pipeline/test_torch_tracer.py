@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 CASES = [gpt2_case(), llama_case(), bert_case(), unet_case()]
 
 # What torch's front end does with each model, split before the middle block, on torch 2.13.
+# Llama's outcome moved with transformers: its 5.24 attention exports in a form torch's
+# split graph runs.
 TORCH_2_13 = {
     "gpt2": "wrong: the tied weight becomes two copies",
     "llama": ("fails: Expected positional argument for parameter unsqueeze_default, but one "
@@ -25,6 +27,15 @@ TORCH_2_13 = {
     "bert": "wrong: the tied weight becomes two copies",
     "unet": "exact",
 }
+TRANSFORMERS_5_24 = {"llama": "exact"}
+
+
+def _recorded(name: str) -> str:
+    import transformers
+
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    newer = (major, minor) >= (5, 24)
+    return TRANSFORMERS_5_24.get(name, TORCH_2_13[name]) if newer else TORCH_2_13[name]
 
 # fp32, the same ops in another grouping: rtol 1e-5, atol 1e-6 for zero-in-exact-arithmetic.
 TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
@@ -77,7 +88,7 @@ def _torch_outcome(case: Case) -> str:
                     reason="torch's outcomes were measured on torch 2.13")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_front_end_outcome_is_the_recorded_one(case: Case) -> None:
-    assert _torch_outcome(case) == TORCH_2_13[case.name]
+    assert _torch_outcome(case) == _recorded(case.name)
 
 
 def test_torch_splits_the_tied_gpt2_into_copies_that_drift_apart() -> None:
