@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import pytest
 
@@ -112,13 +111,10 @@ def test_a_smaller_run_is_planned_at_least_as_fast_as_megatrons_configuration(
     assert c.config.rows in (1, 2)
 
 
-def test_gpt3_175b_on_1024_a100s_is_planned_within_bounds_in_seconds() -> None:
-    start = time.perf_counter()
+def test_gpt3_175b_on_1024_a100s_is_planned_within_bounds() -> None:
+    # How long the search takes is docs/scale-check.md's business (about 20 s on 2 cores),
+    # not a test's.
     c = check(PUBLISHED["175B"])
-    elapsed = time.perf_counter() - start
-    # About 20 s on the shared 2-core VM the suite runs on (30 s while others load it); the
-    # search before best-first ordering took 75 s.
-    assert elapsed < 60, f"planning 175B took {elapsed:.0f} s"
     _within_memory(c)
     assert c.config.tp == 8  # 175B's state needs tp x pp >= 37; tp fills a host first
     assert c.config.rows == 1  # as the paper's runs: the most micro-batches for the bubble
