@@ -208,7 +208,7 @@ class Executor:
             except PipelineAborted as first:
                 _log.info("rank %d: step aborted: %s", rank, first)
                 raise PipelineError(str(first)) from exc
-            except PeerFailure:
+            except PeerFailure:  # the store is gone too: this rank's own error says most
                 pass
             message = self._failure(rank, rt.current, exc)
             _log.warning("%s", message)
