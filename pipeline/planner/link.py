@@ -5,12 +5,13 @@ Measured from messages between two ranks (`measure_link`) or from an all-reduce 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +121,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int],
-             repeats: int, queue: Any) -> None:
+@contextlib.contextmanager
+def _group(rank: int, world: int, backend: str, port: int) -> Iterator[torch.device]:
+    """This measuring process in a fresh group on loopback, and its device."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -129,6 +131,14 @@ def _process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int
         device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def _process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int],
+             repeats: int, queue: Any) -> None:
+    with _group(rank, world, backend, port) as device:
         # The group's send and receive; and where a pipeline would take a same-host link
         # instead (CPU), that link too.
         links = (connect(dist.distributed_c10d._get_default_store(), [0, 1], rank, 60.0)
@@ -138,8 +148,6 @@ def _process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int
             out.append(_ping_pong(rank, device, sizes, repeats, links[1 - rank]))
         if rank == 0:
             queue.put(out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _ping_pong(rank: int, device: torch.device, sizes: Sequence[int], repeats: int,
@@ -176,13 +184,7 @@ def _ping_pong(rank: int, device: torch.device, sizes: Sequence[int], repeats: i
 def _allreduce_process(rank: int, world: int, backend: str, port: int, sizes: Sequence[int],
                        repeats: int, queue: Any) -> None:
     """Time `dist.all_reduce` of each size over the group (rank 0 reports the medians)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    with _group(rank, world, backend, port) as device:
         out = []
         for size in sizes:
             payload = torch.zeros(size // 4, device=device)
@@ -200,8 +202,6 @@ def _allreduce_process(rank: int, world: int, backend: str, port: int, sizes: Se
             out.append((float(size), statistics.median(times)))
         if rank == 0:
             queue.put([out])
-    finally:
-        dist.destroy_process_group()
 
 
 def _processes(backend: str, sizes: Sequence[int], repeats: int, target: Any = _process,
