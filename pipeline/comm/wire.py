@@ -128,6 +128,12 @@ def parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
         _check(0 <= code < len(_DTYPES), f"dtype (entry {k})", code,
                f"0 to {len(_DTYPES) - 1} ({', '.join(str(d)[6:] for d in _DTYPES)})")
         _check(grad in (0, 1), f"requires_grad (entry {k})", grad, "0 or 1")
+        # Only floating and complex tensors can require grad: a 1 on an integer tensor would
+        # fail later, inside autograd, with torch's message instead of the peer's name.
+        dtype = _DTYPES[code]
+        _check(grad == 0 or dtype.is_floating_point or dtype.is_complex,
+               f"requires_grad (entry {k})", grad, f"0 for {str(dtype)[6:]} (only "
+               f"floating and complex tensors carry gradients)")
         _check(0 <= ndim <= n - i - 4, f"ndim (entry {k})", ndim,
                f"0 to {n - i - 4} (the slots left in the header)")
         shape = meta[i + 4:i + 4 + ndim]
