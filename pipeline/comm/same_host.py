@@ -32,10 +32,14 @@ from typing import Any
 
 from pipeline.comm import link_auth
 from pipeline.comm.transport import Broken
+from pipeline.errors import PipeConfigError
 
-__all__ = ["ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "connect", "host_key"]
+__all__ = ["ENV", "SPIN_ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "connect",
+           "host_key", "spin_setting", "spin_time"]
 
 ENV = "PIPELINE_LOCAL_P2P"  # "0": same-host ranks talk over the process group's backend too
+SPIN_ENV = "PIPELINE_SPIN_US"  # microseconds a receive polls before it sleeps (0: never)
+SPIN = 200e-6  # the default, when this host has a CPU for each of the job's processes
 WAKE = 0.05  # seconds between failure checks while a wait has nothing to read or write
 # Per (group, rank): links set up so far, the same count on every rank of a group.
 _instances: dict[tuple[str, int], int] = {}
@@ -98,9 +102,10 @@ class SocketLink:
     caller's buffers (`recvmsg_into`), in the caller's thread.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
         sock.setblocking(False)
         self._sock = sock
+        self.spin = spin  # seconds a receive retries before it sleeps (see spin_time)
         self._readable = select.poll()
         self._readable.register(sock.fileno(), select.POLLIN)
         self._lock = threading.Condition()
@@ -180,10 +185,17 @@ class SocketLink:
         they arrive. Raises LinkBroken when the peer is gone, TimeoutError after `deadline`
         (monotonic); `tick(now)`, if given, runs between reads (it raises to give up)."""
         parts = [p for p in parts if len(p)]
+        spin_until = None
         while parts:
             try:
                 n = self._sock.recvmsg_into(parts)[0]
             except BlockingIOError:
+                if self.spin:  # retry a while before sleeping: see spin_time
+                    now = time.perf_counter()
+                    if spin_until is None:
+                        spin_until = now + self.spin
+                    if now < spin_until:
+                        continue
                 self._readable.poll(WAKE * 1000)
                 now = time.monotonic()
                 if tick is not None:
@@ -206,6 +218,39 @@ class SocketLink:
             self._lock.notify()
         with contextlib.suppress(OSError):
             self._sock.close()
+
+
+def spin_setting() -> float | None:
+    """`PIPELINE_SPIN_US` in seconds, checked, or None when it is not set."""
+    raw = os.environ.get(SPIN_ENV)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e6:
+        raise PipeConfigError(f"{SPIN_ENV} must be a number of microseconds from 0 to 999999 "
+                              f"(got {raw!r}); 0 turns spinning off")
+    return value * 1e-6
+
+
+def spin_time(processes: int, setting: float | None) -> float:
+    """Seconds a receive over a link retries before it sleeps in `poll`, with `processes` of
+    the job on this host and `setting` from `spin_setting()`.
+
+    Waking a process that sleeps in `poll` costs tens of microseconds (more in a virtual
+    machine), which is most of a small message's cost; a receive that keeps trying sees the
+    bytes within a microsecond or two. That is worth a core only while every process of the
+    job has one: spinning on a shared core would take it from the peer that has to send. So
+    by default a receive spins for `SPIN` when this process may use at least as many CPUs as
+    the job has processes on this host, and never otherwise; `PIPELINE_SPIN_US` sets the time
+    (microseconds; 0 turns spinning off)."""
+    if setting is not None:
+        return setting
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
+    return SPIN if processes <= cpus else 0.0
 
 
 def host_key() -> str:
@@ -242,7 +287,8 @@ def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, 
         return {}
     socks: dict[int, socket.socket] = {}
     try:
-        return _connect(store, len(ranks), me, timeout, prefix, publish, socks)
+        return _connect(store, len(ranks), me, timeout, prefix, publish, socks,
+                        spin_setting())
     except BaseException:
         for sock in socks.values():
             sock.close()
@@ -262,8 +308,8 @@ def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, 
 # process (no stale files after a SIGKILL) and live in the network namespace, which is what
 # makes containers sharing a host name but not a network namespace fall back to the backend.
 def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
-             publish: Callable[[str, str], None],
-             socks: dict[int, socket.socket]) -> dict[int, SocketLink]:
+             publish: Callable[[str, str], None], socks: dict[int, socket.socket],
+             setting: float | None) -> dict[int, SocketLink]:
     deadline = time.monotonic() + timeout
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -310,10 +356,14 @@ def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
         except OSError:
             socks.pop(peer).close()
     publish("linked", ",".join(map(str, socks)))
+    # This group's processes here, or the whole job's (torchrun and pipeline.launch say).
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = max(len(peers) + 1, int(local_world) if local_world.isdigit() else 0)
+    spin = spin_time(local, setting)
     links = {}
     for peer, sock in list(socks.items()):
         if str(me) in store.get(f"{prefix}linked/{peer}").decode().split(","):
-            links[peer] = SocketLink(sock)
+            links[peer] = SocketLink(sock, spin)
         else:
             sock.close()
         del socks[peer]

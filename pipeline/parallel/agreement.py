@@ -81,11 +81,13 @@ class Agreement:
         transport = pipe._executor.transport
         if not isinstance(transport, ProcessTransport):
             return
-        mine = fingerprint(pipe, pairs)
-        static = json.dumps([mine[k] for k in ("balance", "schedule", "chunks", "checkpoint",
-                                               "batches per call")])
+        # The combination first (cheap): the whole fingerprint walks every parameter, which
+        # once agreed would cost every later step for nothing.
+        static = json.dumps([list(pipe.balance), _schedule(pipe._schedule_arg), pipe.chunks,
+                             pipe.checkpoint, len(pairs)])
         if static in self._agreed:
             return
+        mine = fingerprint(pipe, pairs)
         try:
             texts = transport.exchange(json.dumps(mine))
         except PipelineAborted as exc:

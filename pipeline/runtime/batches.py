@@ -72,7 +72,7 @@ def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss
     total = m * len(pairs)
     checkpointed = [pipe.checkpoint == "always" or (pipe.checkpoint == "except_last"
                                                     and k % m != m - 1) for k in range(total)]
-    versioned = any(a.version is not None for row in program.actions for a in row)
+    versioned = pipe._programs.versioned(program)
     replicas = pipe._replicas
     syncs = StepSyncs(ties=pipe._tie_link if pipe._ties else None,
                       reduce=replicas.grads_ready if replicas is not None else None,

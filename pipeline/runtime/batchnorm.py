@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -30,15 +30,25 @@ __all__ = ["MODES", "DeferredBatchNorm", "check_mode", "microbatch_scope"]
 _state = threading.local()
 
 
-@contextmanager
-def microbatch_scope(index: int) -> Iterator[None]:
+class _Scope:
+    # A plain class, not @contextmanager: it is entered around every forward.
+    __slots__ = ("index", "previous")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.previous: int | None = None
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_state, "microbatch", None)
+        _state.microbatch = self.index
+
+    def __exit__(self, *exc: object) -> None:
+        _state.microbatch = self.previous
+
+
+def microbatch_scope(index: int) -> AbstractContextManager[None]:
     """Marks the micro-batch a forward computes (the runtime sets it around every forward)."""
-    previous = getattr(_state, "microbatch", None)
-    _state.microbatch = index
-    try:
-        yield
-    finally:
-        _state.microbatch = previous
+    return _Scope(index)
 
 
 class _Sums:

@@ -12,14 +12,16 @@ the runtime sets it per action), and deterministic-algorithm settings are proces
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = ["CallerState"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
+_NOTHING = nullcontext()  # stateless: one serves every thread
 
 
 @dataclass(frozen=True)
@@ -37,21 +39,17 @@ class CallerState:
                         if torch.is_autocast_enabled(t))
         return cls(torch.is_inference_mode_enabled(), enabled, torch.is_autocast_cache_enabled())
 
-    @contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> AbstractContextManager[Any]:
         """Around a rank's whole step: the caller's inference mode."""
-        if not self.inference:
-            yield
-            return
-        with torch.inference_mode():
-            yield
+        return torch.inference_mode() if self.inference else _NOTHING
+
+    def forward(self) -> AbstractContextManager[None]:
+        """Around a forward, its recomputation and the loss: the caller's autocast."""
+        # Entered around every forward: without autocast, a shared no-op costs next to nothing.
+        return self._autocast() if self.autocast else _NOTHING
 
     @contextmanager
-    def forward(self) -> Iterator[None]:
-        """Around a forward, its recomputation and the loss: the caller's autocast."""
-        if not self.autocast:
-            yield
-            return
+    def _autocast(self) -> Iterator[None]:
         with ExitStack() as stack:
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype,

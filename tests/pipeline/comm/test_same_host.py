@@ -18,14 +18,18 @@ from pipeline.comm import link_auth
 from pipeline.comm import same_host as local_link
 from pipeline.comm.same_host import (
     ENV,
+    SPIN_ENV,
     WAKE,
     LinkBroken,
     LinkSend,
     SocketLink,
     connect,
     host_key,
+    spin_setting,
+    spin_time,
 )
 from pipeline.comm.wire import memory
+from pipeline.errors import PipeConfigError
 
 
 def _pair() -> tuple[SocketLink, SocketLink]:
@@ -162,12 +166,21 @@ def _connect_all(store: _Store, ranks: list[int]) -> list[dict[int, SocketLink]]
     return out
 
 
-def test_connect_links_every_pair_on_one_host() -> None:
+def test_connect_links_every_pair_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     links = _connect_all(_Store(), [0, 1, 2])
     assert [sorted(x) for x in links] == [[1, 2], [0, 2], [0, 1]]
     msg = torch.arange(5, dtype=torch.uint8)
     _send(links[2][0], msg)
     assert torch.equal(_recv(links[0][2], 5), msg)
+    # Three processes here: they spin where each has a CPU of its own.
+    spin = spin_time(3, None)
+    assert all(link.spin == spin for mine in links for link in mine.values())
+    # The launcher's count of the job's processes here counts too (other groups' ranks).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0)) + 1))
+    assert all(link.spin == 0.0 for mine in _connect_all(_Store(), [0, 1, 2])
+               for link in mine.values())
 
 
 def test_connect_leaves_ranks_on_other_hosts_to_the_backend(
@@ -353,3 +366,69 @@ def test_links_off_on_one_rank_only_keep_every_rank_in_step(
     assert out == [{}, {}]
     monkeypatch.undo()
     assert [sorted(x) for x in _connect_all(store, [0, 1])] == [[1], [0]]
+
+
+# -- spinning before sleeping -------------------------------------------------------------------
+class _CountingPoll:
+    """Stands in for a link's poll object, counting the sleeps."""
+
+    def __init__(self, real: object) -> None:
+        self.real, self.calls = real, 0
+
+    def poll(self, timeout: float) -> object:
+        self.calls += 1
+        return self.real.poll(timeout)  # type: ignore[attr-defined]
+
+
+def _later(link: SocketLink, delay: float, value: int) -> threading.Thread:
+    def send() -> None:
+        time.sleep(delay)
+        _send(link, torch.full((4,), value, dtype=torch.uint8))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(("spin", "delay", "sleeps"), [
+    (1.0, 0.02, False),   # arrives while the receive spins: it never sleeps
+    (0.0, 0.02, True),    # no spinning: it sleeps in poll until the bytes arrive
+    (0.01, 0.2, True),    # arrives after the spin: the receive went on to sleep, and wakes
+])
+def test_a_receive_spins_for_its_time_then_sleeps(spin: float, delay: float,
+                                                  sleeps: bool) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender, receiver = SocketLink(a), SocketLink(b, spin)
+    counting = _CountingPoll(receiver._readable)
+    receiver._readable = counting  # type: ignore[assignment]
+    thread = _later(sender, delay, 7)
+    assert torch.equal(_recv(receiver, 4), torch.full((4,), 7, dtype=torch.uint8))
+    thread.join()
+    assert (counting.calls > 0) == sleeps
+
+
+def test_a_spinning_receive_still_times_out() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    receiver = SocketLink(b, 0.05)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        receiver.recv_into([memory(torch.empty(4, dtype=torch.uint8))], start + 0.1)
+    assert time.monotonic() - start < 0.1 + 0.05 + 2 * WAKE + 1.0  # spin, then the poll wakes
+    a.close()
+
+
+def test_spinning_is_on_only_while_each_process_has_a_cpu(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    assert spin_setting() is None
+    assert spin_time(cpus, None) == local_link.SPIN > 0
+    assert spin_time(cpus + 1, None) == 0.0  # a shared core: the peer needs it to send
+    for raw, seconds in (("0", 0.0), ("150", 150e-6), ("2.5", 2.5e-6)):
+        monkeypatch.setenv(SPIN_ENV, raw)
+        assert spin_setting() == pytest.approx(seconds)
+        assert spin_time(cpus + 1, spin_setting()) == pytest.approx(seconds)  # the user's say
+    for raw in ("fast", "-1", "1e9", "nan"):
+        monkeypatch.setenv(SPIN_ENV, raw)
+        with pytest.raises(PipeConfigError, match=rf"PIPELINE_SPIN_US must be .* \(got '{raw}'\)"):
+            spin_setting()
