@@ -18,6 +18,7 @@ from pipeline.parallel.clipping import clip_grad_norm
 from pipeline.parallel.data_parallel import Replicas
 from pipeline.parallel.scaling import agree_on_overflow
 from pipeline.runtime import batches, weighting
+from pipeline.runtime.batches import one_at_a_time
 from pipeline.runtime.batchnorm import DeferredBatchNorm, check_mode
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.executor import Executor
@@ -117,13 +118,11 @@ class Pipe(nn.Module):
                 else:
                     self.add_module(names[i], layer)
         if self._tp_plan is not None and self.mesh is not None:  # before anything holds params
-            # Agreed first: sharding runs collectives over "tp" that must match.
-            tensor_parallel.agree(tensor_parallel.describe(
-                self._tp_plan, balance=self.balance, schedule=self._probe.name, chunks=chunks,
-                checkpoint=checkpoint, data_parallel=data_parallel), self.mesh)
-            tensor_parallel.apply_plan(self, self._tp_plan, self.mesh, model)
-            for s in self.local_stages:
-                self.partitions[s].register_forward_hook(_settled)
+            tensor_parallel.shard_stages(
+                self, self._tp_plan, self.mesh, model,
+                [self.partitions[s] for s in self.local_stages], balance=self.balance,
+                schedule=self._probe.name, chunks=chunks, checkpoint=checkpoint,
+                data_parallel=data_parallel)
         self.__dict__["_full_model"] = model  # structure only (may live on "meta")
         self._agreement = agreement.Agreement()  # ranks compare configurations (processes)
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
@@ -263,18 +262,10 @@ class Pipe(nn.Module):
         # averaging, inside a flush-free schedule: with ties or dp, 2BW runs batch by batch
         # (the same update rule, one flush per batch).
         if not self.multi_batch or self._ties or self._replicas:
-            losses = []
-            for x, target in pairs:
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(self.step(x, target, loss_fn, loss_reduction=loss_reduction,
-                                        loss_weight=loss_weight, scaler=scaler))
-                if scaler is None:
-                    optimizer.step()
-                else:
-                    scaler.step(optimizer)
-                    scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            return losses
+            return one_at_a_time(
+                lambda x, t: self.step(x, t, loss_fn, loss_reduction=loss_reduction,
+                                       loss_weight=loss_weight, scaler=scaler),
+                pairs, optimizer, scaler)
         if scaler is not None:
             raise PipeConfigError(
                 f"schedule {self._probe.name!r} steps the optimizer inside the schedule, where "
@@ -345,14 +336,10 @@ class Pipe(nn.Module):
         `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the plain model: over
         every stage (all ranks: every rank calls it), each tied weight once; `inf` too. With a
         GradScaler, call `scaler.unscale_(optimizer)` first."""
-        exchange = None
-        if self.world:
-            transport = self._executor.transport
-            assert isinstance(transport, ProcessTransport)
-            exchange = transport.exchange
         try:
             return clip_grad_norm(self.parameters(), max_norm, norm_type,
-                                  error_if_nonfinite=error_if_nonfinite, exchange=exchange)
+                                  error_if_nonfinite=error_if_nonfinite,
+                                  exchange=self._executor.exchange)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 
@@ -451,10 +438,6 @@ class Pipe(nn.Module):
 
 def _mode(module: nn.Module) -> str:
     return "train" if module.training else "eval"
-
-
-def _settled(module: nn.Module, inputs: Any, outputs: Any) -> Any:
-    return tensor_parallel.settle(outputs)
 
 
 def _step_seed() -> int:

@@ -24,7 +24,8 @@ from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.parallel.mesh import Mesh
 
 __all__ = ["agree", "agree_on_seed", "apply_plan", "check_plan", "describe", "full_tensor",
-           "grads_as_params", "like_param", "local_tensor", "matches", "settle", "shard_like"]
+           "grads_as_params", "like_param", "local_tensor", "matches", "settle", "shard_like",
+           "shard_stages"]
 
 
 def check_plan(tp_plan: Any, mesh: Mesh | None) -> dict[str, Any] | None:
@@ -91,6 +92,21 @@ def apply_plan(root: nn.Module, plan: dict[str, Any], mesh: Mesh, model: nn.Modu
 
     parallelize_module(root, mesh.tp_mesh, mine)
     return True
+
+
+def shard_stages(root: nn.Module, plan: dict[str, Any], mesh: Mesh, model: nn.Module,
+                 stages: Iterable[nn.Module], **settings: Any) -> None:
+    """Shard this rank's layers (held by `root` under the model's names) by `plan`, once the
+    stage's tp ranks agree on `settings` (sharding runs collectives over "tp" that must
+    match); each stage's outputs are settled before they are sent (see `settle`)."""
+    agree(describe(plan, **settings), mesh)
+    apply_plan(root, plan, mesh, model)
+    for stage in stages:
+        stage.register_forward_hook(_settled)
+
+
+def _settled(module: nn.Module, inputs: Any, outputs: Any) -> Any:
+    return settle(outputs)
 
 
 def _split_from_graph(model: nn.Module) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from pipeline.runtime.syncs import StepSyncs
 from pipeline.splitting import checks
 from schedules import Schedule
 
-__all__ = ["share", "step_inputs"]
+__all__ = ["one_at_a_time", "share", "step_inputs"]
 
 
 def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
@@ -83,3 +84,20 @@ def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss
                       versions=pipe._versions if versioned else None,
                       track_memory=pipe.track_memory, caller=CallerState.capture(),
                       scaler=scaler, syncs=syncs)
+
+
+def one_at_a_time(step: Callable[[Any, Any], torch.Tensor], pairs: Sequence[tuple[Any, Any]],
+                  optimizer: torch.optim.Optimizer, scaler: Any) -> list[torch.Tensor]:
+    """`step_many` batch by batch: `step(x, target)`, then the optimizer (through `scaler`,
+    if any), each batch from cleared gradients; they are left cleared (None)."""
+    losses = []
+    for x, target in pairs:
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step(x, target))
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return losses

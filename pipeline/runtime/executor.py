@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,15 @@ class Executor:
                   "peak_activation_bytes": rt.peak_activation_bytes,
                   "released_output_bytes": rt.released_bytes} for rt in self.runtimes]
         return timeline, stats
+
+    @property
+    def exchange(self) -> Callable[[str], list[str]] | None:
+        """Every rank's text, in rank order (`ProcessTransport.exchange`); None in one
+        process, where nothing needs exchanging."""
+        if self.world is None:
+            return None
+        assert isinstance(self.transport, ProcessTransport)
+        return self.transport.exchange
 
     def share(self, values: torch.Tensor | None, shape: tuple[int, ...],
               src: int) -> torch.Tensor | None:
