@@ -11,8 +11,8 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
-from schedules.graph import execute_by_kind
 from schedules.ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
+from schedules.planned import execute_by_kind
 
 __all__ = ["Costs", "Event", "Timeline", "peak_activations", "simulate"]
 

@@ -6,9 +6,10 @@ from collections import Counter
 from itertools import compress, repeat
 from operator import eq
 
-from schedules.graph import Key, Plan, execute_by_kind, kind, plan, stage_op
+from schedules.graph import Key
 from schedules.ir import COMM_OPS, COMPUTE_OPS, SEND_OPS, SYNC_OPS, Op, Schedule, ScheduleError
 from schedules.lower import Message, consumed, message, source_stage
+from schedules.planned import Plan, execute_by_kind, kind, plan, stage_op
 from schedules.text import format_grid
 from schedules.validate_syncs import check_syncs
 

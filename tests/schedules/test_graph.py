@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 import schedules
 from schedules import Action, Costs, Op, Schedule
-from schedules.graph import execute, execute_by_kind, plan
+from schedules.graph import execute
+from schedules.planned import execute_by_kind, plan
 from tests.strategies import mutated_schedules, schedules_any
 
 # Durations by (op, stage): the simulator's cost models, a negative one (the plan assumes none)

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 import schedules
 from schedules import Action, Op, Schedule, ScheduleError
-from schedules.graph import Deadlock, execute, plan
+from schedules.graph import Deadlock, execute
+from schedules.planned import plan
 from tests.strategies import mutated_schedules, schedules_any
 
 validate_module = sys.modules["schedules.validate"]  # the package exports the function by name
