@@ -14,3 +14,7 @@ SPAWN_TIMEOUT = 240.0
 # pytest's limit for a test marked `dist` that sets none (tests/conftest.py): one spawn and its
 # joins, so that spawn itself reports which rank hung.
 DIST_TEST_TIMEOUT = 300
+# Several scenarios in turn on one spawn (tests/pipeline/in_turn.py): a guard for them all, and
+# pytest's limit for the test that starts them (the others read their results).
+IN_TURN_TIMEOUT = 600.0
+IN_TURN_TEST_TIMEOUT = 660

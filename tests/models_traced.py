@@ -3,18 +3,24 @@ and a U-Net, each with its inputs, padded labels and a loss as its users write i
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils import _pytree as pytree
 
-__all__ = ["STEPS", "Case", "Record", "UNet", "assert_same_training", "bert_case", "gpt2_case",
-           "llama_case", "pad_labels", "pipe_steps", "reference_steps", "token_count",
-           "token_loss", "unet_case"]
+from pipeline.splitting import trace
+
+__all__ = ["STEPS", "Case", "Record", "UNet", "assert_same_training", "bert_case",
+           "exports_reused", "gpt2_case", "llama_case", "pad_labels", "pipe_steps",
+           "reference_steps", "token_count", "token_loss", "unet_case"]
 
 VOCAB, CONTEXT, ROWS = 64, 12, 8
 
@@ -174,6 +180,54 @@ def unet_case() -> Case:
         labels[row, :, width:] = -100  # unlabelled columns
     return Case("unet", build, {"images": images}, labels,
                 ["enc1", "enc2", "mid", "dec2", "dec1"], _pixel_loss)
+
+
+# Exporting once: a sweep builds the same model many times, and each Pipe over it exports it
+# twice (training and eval graphs), a second or more each: most of a Pipe's set-up.
+
+_EXPORTS: dict[Any, torch.export.ExportedProgram] = {}
+
+
+def _export_key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool,
+                preserve: Any) -> Any:
+    """What an exported graph depends on: the model's class and structure (its repr names
+    every module and size), where its tensors live, the mode, the modules kept whole, and
+    the inputs (their structure, and each tensor's shape, dtype, device and values)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    inputs = tuple((tuple(v.shape), v.dtype, v.device.type,
+                    None if v.is_meta else v.cpu().numpy().tobytes())
+                   if isinstance(v, torch.Tensor) else repr(v) for v in leaves)
+    where = sorted({(t.device.type, t.dtype) for t in [*model.parameters(), *model.buffers()]},
+                   key=repr)
+    return (type(model), repr(model), repr(where), train, tuple(preserve), str(spec), inputs)
+
+
+@contextlib.contextmanager
+def exports_reused() -> Iterator[None]:
+    """Within it, `Pipe(model, example_inputs=...)` and `pipeline.split` export a model once
+    per structure, mode and inputs (`_export_key`), and every later model built alike gets
+    its own copy of that graph: the graph holds no value of the model (its weights are
+    placeholders, bound to each model's own tensors by name when it is cut). Everything
+    after the export (cutting, placing the model's tensors in the stages, compiling them,
+    the Pipe) runs for each model as it would. For sweeps of one model over schedules and
+    modes, where exporting the same graph again checks nothing new."""
+    export = trace.export
+
+    def reused(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+               train: bool, preserve: Any = ()) -> torch.export.ExportedProgram:
+        key = _export_key(model, args, kwargs, train, preserve)
+        if key not in _EXPORTS:
+            _EXPORTS[key] = export(model, args, kwargs, train=train, preserve=preserve)
+        with warnings.catch_warnings():  # torch's own pytree deprecation, inside deepcopy
+            warnings.simplefilter("ignore", FutureWarning)
+            # A copy each time: splitting may rewrite the graph (modules kept whole).
+            return copy.deepcopy(_EXPORTS[key])
+
+    trace.export = reused  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        trace.export = export  # type: ignore[assignment]
 
 
 # Training: the unsplit model's steps and a Pipe's, recorded alike and compared.

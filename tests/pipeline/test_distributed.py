@@ -7,8 +7,9 @@ import torch
 
 import schedules
 from pipeline.launch import RankFailed, spawn
-from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dist_workers
+from tests.pipeline.in_turn import InTurn
 
 pytestmark = pytest.mark.dist
 
@@ -25,23 +26,59 @@ def _balances(per_rank_layers: list[int]) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.timeout(300)
-def test_two_ranks_every_schedule_and_mode() -> None:
-    combos = [(s, c) for s in SCHEDULES for c in MODES]
-    assert spawn(dist_workers.equivalence, 2, combos, _balances([4, 4]),
-                 timeout=280) == [2 * len(combos)] * 2
+EVERY_COMBO = [(s, c) for s in SCHEDULES for c in MODES]
+THREE_COMBOS = [(s, "except_last") for s in SCHEDULES]
+FOUR_COMBOS = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never"),
+               ("zb-v", "always"), ("dualpipe-v", "never")]
+SUBGROUPS = {"01-23": [[0, 1], [2, 3]], "02-13": [[0, 2], [1, 3]]}
+
+# The scenarios that train without failing (and leave the process as they found it), on one
+# set of ranks per size in turn (see tests/pipeline/in_turn.py); each test checks its own.
+TWO_RANKS = [
+    ("every combo", dist_workers.equivalence, (EVERY_COMBO, _balances([4, 4]))),
+    ("integer inputs", dist_workers.integer_inputs, ()),
+    ("one-tuples", dist_workers.structure_and_input_grads, ()),
+    *[(f"resume {s}", dist_workers.resume, (s,)) for s in ("1f1b", "2bw")],
+    *[(f"batch norm, deferred={d}", dist_workers.batch_norm_statistics, (d,))
+      for d in (False, True)],
+    *[(f"released {s}", dist_workers.released_outputs, (s,)) for s in ("1f1b", "zb-h1")],
+]
+THREE_RANKS = [
+    ("every schedule", dist_workers.equivalence, (THREE_COMBOS, _balances([2, 3, 3]))),
+    ("2bw many", dist_workers.two_bw_many, ()),
+    ("meta", dist_workers.meta_and_checkpoint, ()),
+]
+FOUR_RANKS = [
+    ("five schedules", dist_workers.equivalence, (FOUR_COMBOS, _balances([2, 2, 2, 2]))),
+    *[(name, dist_workers.subgroup_pipelines, (members,)) for name, members in SUBGROUPS.items()],
+]
+in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
-@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
-def test_three_and_four_ranks() -> None:
-    combos = [(s, "except_last") for s in SCHEDULES]
-    three = _balances([2, 3, 3])
-    assert spawn(dist_workers.equivalence, 3, combos, three,
-                 timeout=SPAWN_TIMEOUT) == [2 * len(combos)] * 3
-    four = _balances([2, 2, 2, 2])
-    combos = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never"),
-              ("zb-v", "always"), ("dualpipe-v", "never")]
-    assert spawn(dist_workers.equivalence, 4, combos, four, timeout=SPAWN_TIMEOUT) == [10] * 4
+@pytest.fixture(scope="module")
+def two_ranks() -> InTurn:
+    return InTurn(2, TWO_RANKS, timeout=IN_TURN_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> InTurn:
+    return InTurn(3, THREE_RANKS, timeout=IN_TURN_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> InTurn:
+    return InTurn(4, FOUR_RANKS, timeout=IN_TURN_TIMEOUT)
+
+
+@in_turn
+def test_two_ranks_every_schedule_and_mode(two_ranks: InTurn) -> None:
+    assert two_ranks("every combo") == [2 * len(EVERY_COMBO)] * 2
+
+
+@pytest.mark.timeout(2 * IN_TURN_TEST_TIMEOUT)  # may start both sets of ranks
+def test_three_and_four_ranks(three_ranks: InTurn, four_ranks: InTurn) -> None:
+    assert three_ranks("every schedule") == [2 * len(THREE_COMBOS)] * 3
+    assert four_ranks("five schedules") == [10] * 4
 
 
 @pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # three spawns
@@ -56,18 +93,21 @@ def test_ranks_on_one_host_link_and_the_backend_path_still_trains(
                  timeout=SPAWN_TIMEOUT) == [4 * len(combos)] * 2
 
 
-def test_integer_inputs() -> None:
-    losses = spawn(dist_workers.integer_inputs, 2, timeout=SPAWN_TIMEOUT)
+@in_turn
+def test_integer_inputs(two_ranks: InTurn) -> None:
+    losses = two_ranks("integer inputs")
     assert losses[0] == losses[1]  # every rank returns the loss
 
 
-def test_2bw_many_batches_across_processes() -> None:
-    results = spawn(dist_workers.two_bw_many, 3, timeout=SPAWN_TIMEOUT)
+@in_turn
+def test_2bw_many_batches_across_processes(three_ranks: InTurn) -> None:
+    results = three_ranks("2bw many")
     assert results[0] == results[1] == results[2]
 
 
-def test_meta_device_and_full_checkpoint() -> None:
-    keys = spawn(dist_workers.meta_and_checkpoint, 3, timeout=SPAWN_TIMEOUT)
+@in_turn
+def test_meta_device_and_full_checkpoint(three_ranks: InTurn) -> None:
+    keys = three_ranks("meta")
     # Balance [3, 2, 3]: each rank holds (and keys) only its layers, named as in the model.
     assert keys == [["0.bias", "0.weight", "2.bias", "2.weight"], ["4.bias", "4.weight"],
                     ["5.bias", "5.weight", "7.bias", "7.weight"]]
@@ -110,21 +150,23 @@ def test_one_message_per_transfer_once_shapes_are_agreed(
         assert calls == expected
 
 
-@pytest.mark.parametrize("members", [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])
-def test_pipelines_on_subgroups_address_global_ranks(members: list[list[int]]) -> None:
-    losses = spawn(dist_workers.subgroup_pipelines, 4, members, timeout=SPAWN_TIMEOUT)
-    for group in members:  # both ranks of a pipeline return its loss
+@in_turn
+@pytest.mark.parametrize("subgroups", list(SUBGROUPS))
+def test_pipelines_on_subgroups_address_global_ranks(subgroups: str, four_ranks: InTurn) -> None:
+    losses = four_ranks(subgroups)
+    for group in SUBGROUPS[subgroups]:  # both ranks of a pipeline return its loss
         assert losses[group[0]] == losses[group[1]]
 
 
-def test_one_tuples_and_input_gradients_across_processes() -> None:
-    assert spawn(dist_workers.structure_and_input_grads, 2,
-                 timeout=SPAWN_TIMEOUT) == [True, True]
+@in_turn
+def test_one_tuples_and_input_gradients_across_processes(two_ranks: InTurn) -> None:
+    assert two_ranks("one-tuples") == [True, True]
 
 
+@in_turn
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
-def test_resume_across_processes_is_bit_identical(schedule: str) -> None:
-    assert spawn(dist_workers.resume, 2, schedule, timeout=SPAWN_TIMEOUT) == [True, True]
+def test_resume_across_processes_is_bit_identical(schedule: str, two_ranks: InTurn) -> None:
+    assert two_ranks(f"resume {schedule}") == [True, True]
 
 
 @pytest.mark.parametrize("steps_before", [0, 1])
@@ -193,21 +235,22 @@ def test_a_last_stage_target_with_other_rows_fails_every_rank() -> None:
                for m in messages), messages
 
 
+@in_turn
 @pytest.mark.parametrize("deferred", [False, True])
-def test_batch_norm_statistics_across_processes(deferred: bool) -> None:
+def test_batch_norm_statistics_across_processes(deferred: bool, two_ranks: InTurn) -> None:
     # Rank 0 holds two BatchNorm layers, rank 1 one: three buffers each.
-    assert spawn(dist_workers.batch_norm_statistics, 2, deferred, timeout=SPAWN_TIMEOUT) == [6, 3]
+    assert two_ranks(f"batch norm, deferred={deferred}") == [6, 3]
 
 
+@in_turn
 @pytest.mark.parametrize(("schedule", "last_held"), [("1f1b", 48), ("zb-h1", 96)])
-def test_sent_activations_are_released_and_gradients_stay_exact(schedule: str,
-                                                                 last_held: int) -> None:
+def test_sent_activations_are_released_and_gradients_stay_exact(schedule: str, last_held: int,
+                                                                 two_ranks: InTurn) -> None:
     # Rank 0 sends two micro-batches of 4 x 16 fp32 (a Linear's output): 512 bytes freed, so
     # at its peak it holds one output (256 bytes, before its SEND) beyond the stash. Rank 1
     # holds its last Linear's 4 x 3 outputs (48 bytes each) until their stash is freed: one
     # at a time under 1F1B, both under ZB-H1 (its W's come after both I's).
-    assert spawn(dist_workers.released_outputs, 2, schedule,
-                 timeout=SPAWN_TIMEOUT) == [(512, 256), (0, last_held)]
+    assert two_ranks(f"released {schedule}") == [(512, 256), (0, last_held)]
 
 
 def test_without_release_a_rank_holds_every_output_until_its_backward() -> None:

@@ -5,6 +5,7 @@ layouts, refusals, and failures named by their coordinates."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ import torch
 from pipeline.launch import spawn
 from pipeline.state import sharded
 from tests import models_tp
-from tests.limits import SPAWN_TIMEOUT
+from tests.limits import IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import tp_workers
+from tests.pipeline.in_turn import InTurn
 from tests.pipeline.sharded_workers import unpack
 
 pytestmark = [pytest.mark.dist]
@@ -35,28 +37,45 @@ RUNS_FSDP = [("mlp", "", "gpipe", "always"), ("transformer", "megatron", "1f1b",
              ("transformer", "sp", "1f1b", "except_last")]
 
 
-@pytest.mark.parametrize(("shape", "runs", "data_parallel"),
-                         [((1, 2, 2), RUNS_1X2X2, "replicate"),
-                          ((2, 1, 2), RUNS_2X1X2, "replicate"),
-                          ((2, 1, 2), RUNS_FSDP, "fsdp")],
-                         ids=["1x2x2", "2x1x2", "2x1x2-fsdp"])
-def test_trains_as_one_device(shape: tuple[int, int, int],
-                              runs: list[tuple[str, str, str, str]], data_parallel: str) -> None:
+LAYOUTS = {"1x2x2": ((1, 2, 2), RUNS_1X2X2, "replicate"),
+           "2x1x2": ((2, 1, 2), RUNS_2X1X2, "replicate"),
+           "2x1x2-fsdp": ((2, 1, 2), RUNS_FSDP, "fsdp")}
+LLAMA_RUNS = [("1f1b", "never"), ("gpipe", "always"), ("interleaved", "except_last")]
+
+# The scenarios that train without failing, on one set of 4 ranks in turn (see
+# tests/pipeline/in_turn.py); each test below checks its own.
+FOUR_RANKS = [
+    *[(layout, tp_workers.train_like_one_device, args) for layout, args in LAYOUTS.items()],
+    # Hugging Face Llama where transformers is installed (its test skips otherwise).
+    *([("llama", tp_workers.llama_like_one_device, (LLAMA_RUNS,))]
+      if importlib.util.find_spec("transformers") else []),
+    ("2bw", tp_workers.two_bw_rule, ()),
+    ("dropout", tp_workers.dropout_replay, ()),
+]
+in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> InTurn:
+    return InTurn(4, FOUR_RANKS, timeout=IN_TURN_TIMEOUT)
+
+
+@in_turn
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trains_as_one_device(layout: str, four_ranks: InTurn) -> None:
     """Two AdamW steps: losses, every gradient (clipped on the second step, the norm too)
     and the weights after equal one device's, for each run; together the ranks checked
     every parameter of the model."""
-    results = spawn(tp_workers.train_like_one_device, 4, shape, runs, data_parallel,
-                    timeout=SPAWN_TIMEOUT)
+    runs = LAYOUTS[layout][1]
+    results = four_ranks(layout)
     for i, (name, *_rest) in enumerate(runs):
         model = models_tp.mlp() if name == "mlp" else models_tp.transformer()
         every = {n for n, _ in model.named_parameters()}
         assert set().union(*(r[i] for r in results)) == every, runs[i]
 
 
-LLAMA_RUNS = [("1f1b", "never"), ("gpipe", "always"), ("interleaved", "except_last")]
-
-
-def test_llama_split_by_module_names_with_a_tp_plan() -> None:
+@in_turn
+def test_llama_split_by_module_names_with_a_tp_plan(four_ranks: InTurn) -> None:
     """Hugging Face Llama (grouped-query attention, rotary tables and the mask crossing the
     cut) split from its graph at module names, its attention and MLP sharded by Megatron's
     plan (kept whole as modules inside the traced stages): two AdamW steps equal the unsplit
@@ -64,7 +83,7 @@ def test_llama_split_by_module_names_with_a_tp_plan() -> None:
     pytest.importorskip("transformers")
     from tests.models_traced import llama_case
 
-    results = spawn(tp_workers.llama_like_one_device, 4, LLAMA_RUNS, timeout=SPAWN_TIMEOUT)
+    results = four_ranks("llama")
     every = {n for n, _ in llama_case().model().named_parameters()}
     for i, run in enumerate(LLAMA_RUNS):
         assert set().union(*(r[i] for r in results)) == every, run
@@ -90,12 +109,14 @@ def test_a_planned_dp_pp_tp_configuration_runs_and_trains_exactly() -> None:
     assert set().union(*results) == every
 
 
-def test_2bw_follows_its_stale_update_rule_under_tp() -> None:
-    assert spawn(tp_workers.two_bw_rule, 4, timeout=SPAWN_TIMEOUT) == [2] * 4
+@in_turn
+def test_2bw_follows_its_stale_update_rule_under_tp(four_ranks: InTurn) -> None:
+    assert four_ranks("2bw") == [2] * 4
 
 
-def test_dropout_replays_and_tp_ranks_agree() -> None:
-    losses = spawn(tp_workers.dropout_replay, 4, timeout=SPAWN_TIMEOUT)
+@in_turn
+def test_dropout_replays_and_tp_ranks_agree(four_ranks: InTurn) -> None:
+    losses = four_ranks("dropout")
     # Each pipeline (tp coordinate) computed its loss from its own shards: equal losses
     # mean the tp ranks drew the same masks.
     assert losses[0] == losses[1] == losses[2] == losses[3]

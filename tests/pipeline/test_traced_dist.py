@@ -15,8 +15,9 @@ import torch
 
 from pipeline.launch import spawn
 from pipeline.state import sharded
-from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import traced_workers
+from tests.pipeline.in_turn import InTurn
 from tests.pipeline.sharded_workers import assert_same, snapshot, unpack
 
 pytestmark = [pytest.mark.dist]
@@ -32,10 +33,32 @@ COMBOS = {"gpt2": list(itertools.product(SCHEDULES, MODES)),
           "llama": [(s, MODES[(i + 1) % 3]) for i, s in enumerate(SCHEDULES)],
           "bert": [("1f1b", "always"), ("zb-v", "never"), ("gpipe", "except_last")],
           "unet": [("zb-h1", "except_last"), ("gpipe", "always"), ("1f1b", "never")]}
+# (model, schedule, labels given to the model) and the batch sizes of each step in turn.
+CHANGING_RUNS = [("gpt2", "1f1b", False), ("gpt2", "zb-v", True), ("llama", "zb-v", False),
+                 ("llama", "1f1b", True)]
+CHANGING_SIZES = [7, 5, 8, 4]
+META_RUNS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
+
+# Every scenario but the checkpoint's (a directory per test), on one set of 2 ranks in turn
+# (see tests/pipeline/in_turn.py): each rank imports transformers and torch.export's machinery
+# once. Each test checks its own scenario's results.
+TWO_RANKS = [
+    *[(name, traced_workers.train_like_the_model, (name, combos))
+      for name, combos in COMBOS.items()],
+    ("changing batches", traced_workers.changing_batches, (CHANGING_RUNS, CHANGING_SIZES)),
+    ("meta", traced_workers.meta_stage, (META_RUNS,)),
+]
+in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> InTurn:
+    return InTurn(2, TWO_RANKS, timeout=IN_TURN_TIMEOUT)
+
+
+@in_turn
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "unet"])
-def test_trains_as_the_unsplit_model(name: str) -> None:
+def test_trains_as_the_unsplit_model(name: str, two_ranks: InTurn) -> None:
     """`Pipe(model, example_inputs=..., split_points=...)` on 2 processes, 4 micro-batches
     (one counting no token), 3 AdamW steps: every step's loss, every gradient and the whole
     state after it equal the unsplit model's (two stages per rank for interleaved and
@@ -43,8 +66,7 @@ def test_trains_as_the_unsplit_model(name: str) -> None:
     model = traced_workers.CASES[name]().model()
     every_param = {n for n, _ in model.named_parameters()}
     every_key = set(model.state_dict())
-    results = spawn(traced_workers.train_like_the_model, 2, name, COMBOS[name],
-                    timeout=SPAWN_TIMEOUT)
+    results = two_ranks(name)
     for c, (schedule, checkpoint) in enumerate(COMBOS[name]):
         params = [set(r[c][0]) for r in results]
         keys = [set(r[c][1]) for r in results]
@@ -55,28 +77,23 @@ def test_trains_as_the_unsplit_model(name: str) -> None:
         assert keys[0] | keys[1] == every_key, what
 
 
-def test_batch_sizes_that_change_between_steps() -> None:
+@in_turn
+def test_batch_sizes_that_change_between_steps(two_ranks: InTurn) -> None:
     """7, 5, 8 and 4 rows in 4 micro-batches (2-2-2-1, 2-1-1-1, 2-2-2-2, 1-1-1-1): the
     values crossing the cut change shape from step to step (a size carrier of 2 rows, then
     of 1). With the labels given to the model (its own loss, `out.loss`), an int64 input
     the first stage does not use crosses the cut to the head."""
-    runs = [("gpt2", "1f1b", False), ("gpt2", "zb-v", True), ("llama", "zb-v", False),
-            ("llama", "1f1b", True)]
-    sizes = [7, 5, 8, 4]
-    assert spawn(traced_workers.changing_batches, 2, runs, sizes,
-                 timeout=SPAWN_TIMEOUT) == [len(runs) * len(sizes)] * 2
+    assert two_ranks("changing batches") == [len(CHANGING_RUNS) * len(CHANGING_SIZES)] * 2
 
 
-META_RUNS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
-
-
-def test_each_rank_materialises_only_its_stage_of_a_meta_model() -> None:
+@in_turn
+def test_each_rank_materialises_only_its_stage_of_a_meta_model(two_ranks: InTurn) -> None:
     """Each rank builds the model on the meta device and traces it from meta (or real)
     inputs; Pipe gives real storage to its own stage's tensors only (GPT-2's weights come
     from `load_state_dict` after param_init="skip"; Llama's param_init computes the rotary
     tables no state_dict holds), and the Pipe then infers and trains as the unsplit model
     (checked on the ranks)."""
-    results = spawn(traced_workers.meta_stage, 2, META_RUNS, timeout=SPAWN_TIMEOUT)
+    results = two_ranks("meta")
     for i, (name, meta_inputs) in enumerate(META_RUNS):
         what = f"{name}, traced from {'meta' if meta_inputs else 'real'} inputs"
         case = traced_workers.CASES[name]()

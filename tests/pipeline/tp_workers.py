@@ -264,23 +264,26 @@ def llama_like_one_device(rank: int, runs: list[tuple[str, str]]) -> list[list[s
     `split_points=`) with a tp plan for its attention and MLP, on 1x2x2 (two stages per rank
     for interleaved): two AdamW steps whose losses, gradients and weights equal the unsplit
     model's on one device. Returns the parameter names each run checked."""
-    from tests.models_traced import llama_case
+    from tests.models_traced import exports_reused, llama_case
 
     mesh = _mesh((1, 2, 2))
     case = llama_case()
     checked = []
-    for schedule, checkpoint in runs:
-        what = f"llama/{schedule}/{checkpoint}"
-        points = (["model.layers.1", "model.layers.2", "model.layers.3"]
-                  if schedule in TWO_PER_RANK else ["model.layers.2"])
-        ref = case.model()
-        pipe = Pipe(case.model(), example_inputs=case.inputs, split_points=points, chunks=2,
-                    mesh=mesh, tp_plan=llama_plan(), schedule=schedule, checkpoint=checkpoint)
-        names = _compare(pipe, ref, functools.partial(_llama_step, pipe, case),
-                         lambda _i, ref=ref: case.loss(ref(**case.inputs), case.labels),
-                         what, lr=1e-3)
-        pipe.close()
-        checked.append(names)
+    # Each run's Pipe splits a fresh model; the graph, the same for all, is exported once.
+    with exports_reused():
+        for schedule, checkpoint in runs:
+            what = f"llama/{schedule}/{checkpoint}"
+            points = (["model.layers.1", "model.layers.2", "model.layers.3"]
+                      if schedule in TWO_PER_RANK else ["model.layers.2"])
+            ref = case.model()
+            pipe = Pipe(case.model(), example_inputs=case.inputs, split_points=points,
+                        chunks=2, mesh=mesh, tp_plan=llama_plan(), schedule=schedule,
+                        checkpoint=checkpoint)
+            names = _compare(pipe, ref, functools.partial(_llama_step, pipe, case),
+                             lambda _i, ref=ref: case.loss(ref(**case.inputs), case.labels),
+                             what, lr=1e-3)
+            pipe.close()
+            checked.append(names)
     return checked
 
 

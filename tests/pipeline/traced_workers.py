@@ -16,6 +16,7 @@ from tests.models_traced import (
     Case,
     Record,
     bert_case,
+    exports_reused,
     gpt2_case,
     llama_case,
     reference_steps,
@@ -124,12 +125,14 @@ def train_like_the_model(rank: int, name: str, combos: list[tuple[str, str]]
     # micro-batch by its own statistics, so the U-Net's reference runs them in turn.
     want = reference_steps(case, chunks=4 if name == "unet" else None)
     checked = []
-    for schedule, checkpoint in combos:
-        pipe = Pipe(case.model(), example_inputs=case.inputs,
-                    split_points=split_points(case, schedule), chunks=4, schedule=schedule,
-                    checkpoint=checkpoint)
-        checked.append(_train(pipe, case, want, f"{name}/{schedule}/{checkpoint}"))
-        pipe.close()
+    # Each combo's Pipe splits a fresh model; the graph, the same for all, is exported once.
+    with exports_reused():
+        for schedule, checkpoint in combos:
+            pipe = Pipe(case.model(), example_inputs=case.inputs,
+                        split_points=split_points(case, schedule), chunks=4,
+                        schedule=schedule, checkpoint=checkpoint)
+            checked.append(_train(pipe, case, want, f"{name}/{schedule}/{checkpoint}"))
+            pipe.close()
     return checked
 
 

@@ -10,38 +10,60 @@ import torch
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import RankFailed, spawn
 from pipeline.parallel.data_parallel import _chunks, _union
-from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dp_workers, replica_workers
+from tests.pipeline.in_turn import InTurn
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 COMBOS_2x2 = [("gpipe", "never", [4, 4]), ("1f1b", "always", [4, 4]),
               ("interleaved", "never", [2, 2, 2, 2]), ("zb-h1", "always", [4, 4])]
 
-
-def test_2x2_equals_one_device_on_the_global_batch() -> None:
+# The scenarios that train without failing, on one set of 4 ranks in turn (see
+# tests/pipeline/in_turn.py); each test below checks its own.
+FOUR_RANKS = [
     # Losses reducing by mean and by sum.
-    assert spawn(dp_workers.equivalence, 4, 2, 2, COMBOS_2x2, ("mean", "sum"),
-                 timeout=SPAWN_TIMEOUT) == [8] * 4
+    ("2x2", dp_workers.equivalence, (2, 2, COMBOS_2x2, ("mean", "sum"))),
+    ("4x1", dp_workers.equivalence, (4, 1, [("1f1b", "always", [8])])),
+    ("1x4", dp_workers.equivalence, (1, 4, [("1f1b", "never", [2, 2, 2, 2]),
+                                            ("zb-h1", "always", [2, 2, 2, 2])])),
+    ("stats", dp_workers.stats, ()),
+    ("zero", dp_workers.zero_one, ()),
+    ("fsdp", dp_workers.fsdp, ([("1f1b", "never"), ("gpipe", "always")],)),
+    ("unused", replica_workers.unused_parameters, ()),
+    ("batch norm", replica_workers.batch_norm, ()),
+    ("ties", replica_workers.ties_and_clipping, ()),
+    ("zb-v and 2bw", replica_workers.zero_bubble_v_and_2bw, ()),
+]
+in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
-@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
-def test_4x1_and_1x4_equal_one_device() -> None:
-    assert spawn(dp_workers.equivalence, 4, 4, 1, [("1f1b", "always", [8])],
-                 timeout=SPAWN_TIMEOUT) == [1] * 4
-    assert spawn(dp_workers.equivalence, 4, 1, 4, [("1f1b", "never", [2, 2, 2, 2]),
-                                                   ("zb-h1", "always", [2, 2, 2, 2])],
-                 timeout=SPAWN_TIMEOUT) == [2] * 4
+@pytest.fixture(scope="module")
+def four_ranks() -> InTurn:
+    return InTurn(4, FOUR_RANKS, timeout=IN_TURN_TIMEOUT)
 
 
-def test_the_pipe_reports_the_hidden_share_of_the_all_reduce() -> None:
-    for stats in spawn(dp_workers.stats, 4, timeout=SPAWN_TIMEOUT):
+@in_turn
+def test_2x2_equals_one_device_on_the_global_batch(four_ranks: InTurn) -> None:
+    assert four_ranks("2x2") == [8] * 4
+
+
+@in_turn
+def test_4x1_and_1x4_equal_one_device(four_ranks: InTurn) -> None:
+    assert four_ranks("4x1") == [1] * 4
+    assert four_ranks("1x4") == [2] * 4
+
+
+@in_turn
+def test_the_pipe_reports_the_hidden_share_of_the_all_reduce(four_ranks: InTurn) -> None:
+    for stats in four_ranks("stats"):
         assert stats["allreduce_s"] > 0 and 0.0 <= stats["hidden_share"] <= 1.0
         assert stats["exposed_s"] <= stats["allreduce_s"] + 1e-9
 
 
-def test_zero_redundancy_optimizer_over_dp_equals_plain_adam() -> None:
-    assert spawn(dp_workers.zero_one, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
+@in_turn
+def test_zero_redundancy_optimizer_over_dp_equals_plain_adam(four_ranks: InTurn) -> None:
+    assert four_ranks("zero") == [True] * 4
 
 
 def test_a_killed_rank_is_named_with_its_coordinates_on_every_rank() -> None:
@@ -93,9 +115,9 @@ def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> Non
         assert torch.equal(value, full[key]), key
 
 
-def test_fsdp2_over_dp_equals_one_device() -> None:
-    combos = [("1f1b", "never"), ("gpipe", "always")]
-    assert spawn(dp_workers.fsdp, 4, combos, timeout=SPAWN_TIMEOUT) == [2] * 4
+@in_turn
+def test_fsdp2_over_dp_equals_one_device(four_ranks: InTurn) -> None:
+    assert four_ranks("fsdp") == [2] * 4
 
 
 def test_fsdp_without_a_dp_dimension_is_refused() -> None:
@@ -106,18 +128,25 @@ def test_fsdp_without_a_dp_dimension_is_refused() -> None:
 
 
 # -- replicas that agree with one device and with DDP (tests/pipeline/replica_workers.py)
-def test_a_parameter_no_replica_used_keeps_no_gradient_and_adamw_equals_one_device() -> None:
-    assert spawn(replica_workers.unused_parameters, 4, timeout=SPAWN_TIMEOUT) == [15, 18, 15, 18]
+@in_turn
+def test_a_parameter_no_replica_used_keeps_no_gradient_and_adamw_equals_one_device(
+        four_ranks: InTurn) -> None:
+    assert four_ranks("unused") == [15, 18, 15, 18]
 
 
-def test_batch_norm_buffers_agree_across_replicas_and_with_one_device() -> None:
+@in_turn
+def test_batch_norm_buffers_agree_across_replicas_and_with_one_device(
+        four_ranks: InTurn) -> None:
     # Stage 0 holds two BatchNorm layers (six buffers), stage 1 one (three); 4 modes x 2 steps.
-    assert spawn(replica_workers.batch_norm, 4, timeout=SPAWN_TIMEOUT) == [48, 24, 48, 24]
+    assert four_ranks("batch norm") == [48, 24, 48, 24]
 
 
-def test_ties_with_accumulating_steps_and_clipping_under_dp_equal_one_device() -> None:
-    assert spawn(replica_workers.ties_and_clipping, 4, timeout=SPAWN_TIMEOUT) == [True] * 4
+@in_turn
+def test_ties_with_accumulating_steps_and_clipping_under_dp_equal_one_device(
+        four_ranks: InTurn) -> None:
+    assert four_ranks("ties") == [True] * 4
 
 
-def test_zero_bubble_v_and_2bw_under_dp_equal_one_device() -> None:
-    assert spawn(replica_workers.zero_bubble_v_and_2bw, 4, timeout=SPAWN_TIMEOUT) == [3] * 4
+@in_turn
+def test_zero_bubble_v_and_2bw_under_dp_equal_one_device(four_ranks: InTurn) -> None:
+    assert four_ranks("zb-v and 2bw") == [3] * 4

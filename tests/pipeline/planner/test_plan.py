@@ -12,7 +12,7 @@ from torch import nn
 import schedules
 from benchmarks.models import get_model
 from pipeline import Pipe, Plan, PlanError, plan
-from pipeline.planner import Link, ModelProfile, profile_model
+from pipeline.planner import Link, ModelProfile, measure_contention, profile_model
 
 _CHUNKS = [1, 2, 4]
 
@@ -25,10 +25,19 @@ def _problem(name: str) -> tuple[nn.Sequential, Any, Any, Any, ModelProfile]:
     return model, x, y, loss, profile_model(model, x, y, loss, rows=rows, repeats=1)
 
 
+@functools.cache
+def _contention(name: str) -> float:
+    """How much two ranks computing at once slow each other, measured once per model: `plan`
+    measures it (seconds of timed steps) on every call not given it, and each test plans one
+    model under five budgets."""
+    model, x, _, _, _ = _problem(name)
+    return measure_contention(model, x, ranks=2)
+
+
 def _plan(name: str, budget: float | None) -> Plan:
     model, x, y, loss, profile = _problem(name)
     return plan(model, x, y, loss, ranks=2, memory_per_rank=budget, profile=profile,
-                link=Link("threads", 2e-5, 0.0), chunks=_CHUNKS)
+                link=Link("threads", 2e-5, 0.0), chunks=_CHUNKS, contention=_contention(name))
 
 
 def _measured(name: str, p: Plan) -> list[float]:
