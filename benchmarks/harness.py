@@ -39,6 +39,7 @@ from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent
 from benchmarks.torch_baseline import TorchPipeline, unsupported
 from pipeline import Pipe
+from pipeline.comm import same_host
 from pipeline.runtime.microbatch import scatter
 
 __all__ = ["Measured", "Sample", "Variant", "alternate", "bound_key", "merge_ranks",
@@ -254,6 +255,12 @@ class _Process:
                         else torch.device("cpu") for r in range(p)]
         self.device = self.devices[self.rank]
         torch.set_num_threads((os.cpu_count() or 1) if self.role == "plain:all" else 1)
+        if self.role == "pipe" and same_host.SPIN_ENV not in os.environ:
+            # The plain processes wait at the barrier while a pipeline steps: the pipeline
+            # ranks spin (or not) as a job of only them on this host would, not as one of
+            # every process spawned here (see same_host.spin_time).
+            spin = same_host.spin_time(p, None)
+            os.environ[same_host.SPIN_ENV] = f"{spin * 1e6:g}"
         if cuda and self.role == "pipe":
             torch.cuda.set_device(self.device)
         spec = get_model(group.model)
