@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from pipeline.launch import RankFailed, spawn
+from tests.limits import IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT
 
-__all__ = ["InTurn", "Scenario", "run_in_turn"]
+__all__ = ["InTurn", "Scenario", "in_turn", "ranks", "run_in_turn"]
 
 Scenario = tuple[str, Callable[..., Any], tuple[Any, ...]]  # name, fn(rank, *args), args
 
@@ -63,3 +64,17 @@ class InTurn:
                         f"may not have run:\n{self._failure}", pytrace=False)
         assert self._results is not None
         return [r[name] for r in self._results]
+
+
+# Each test of a run may be the first to ask, and so wait for them all.
+in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)
+
+
+def ranks(name: str, nproc: int, scenarios: list[Scenario]) -> Any:
+    """A module-scoped fixture `name`: the `scenarios` in turn on `nproc` ranks (`InTurn`)."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture() -> InTurn:
+        return InTurn(nproc, scenarios, timeout=IN_TURN_TIMEOUT)
+
+    return fixture

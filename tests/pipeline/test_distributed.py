@@ -7,9 +7,9 @@ import torch
 
 import schedules
 from pipeline.launch import RankFailed, spawn
-from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dist_workers
-from tests.pipeline.in_turn import InTurn
+from tests.pipeline.in_turn import InTurn, in_turn, ranks
 
 pytestmark = pytest.mark.dist
 
@@ -52,22 +52,11 @@ FOUR_RANKS = [
     ("five schedules", dist_workers.equivalence, (FOUR_COMBOS, _balances([2, 2, 2, 2]))),
     *[(name, dist_workers.subgroup_pipelines, (members,)) for name, members in SUBGROUPS.items()],
 ]
-in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> InTurn:
-    return InTurn(2, TWO_RANKS, timeout=IN_TURN_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def three_ranks() -> InTurn:
-    return InTurn(3, THREE_RANKS, timeout=IN_TURN_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def four_ranks() -> InTurn:
-    return InTurn(4, FOUR_RANKS, timeout=IN_TURN_TIMEOUT)
+two_ranks = ranks("two_ranks", 2, TWO_RANKS)
+three_ranks = ranks("three_ranks", 3, THREE_RANKS)
+four_ranks = ranks("four_ranks", 4, FOUR_RANKS)
 
 
 @in_turn

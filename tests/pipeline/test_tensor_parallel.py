@@ -14,9 +14,9 @@ import torch
 from pipeline.launch import spawn
 from pipeline.state import sharded
 from tests import models_tp
-from tests.limits import IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import SPAWN_TIMEOUT
 from tests.pipeline import tp_workers
-from tests.pipeline.in_turn import InTurn
+from tests.pipeline.in_turn import InTurn, in_turn, ranks
 from tests.pipeline.sharded_workers import unpack
 
 pytestmark = [pytest.mark.dist]
@@ -52,12 +52,9 @@ FOUR_RANKS = [
     ("2bw", tp_workers.two_bw_rule, ()),
     ("dropout", tp_workers.dropout_replay, ()),
 ]
-in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
-@pytest.fixture(scope="module")
-def four_ranks() -> InTurn:
-    return InTurn(4, FOUR_RANKS, timeout=IN_TURN_TIMEOUT)
+four_ranks = ranks("four_ranks", 4, FOUR_RANKS)
 
 
 @in_turn

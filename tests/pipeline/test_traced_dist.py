@@ -15,9 +15,9 @@ import torch
 
 from pipeline.launch import spawn
 from pipeline.state import sharded
-from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import traced_workers
-from tests.pipeline.in_turn import InTurn
+from tests.pipeline.in_turn import InTurn, in_turn, ranks
 from tests.pipeline.sharded_workers import assert_same, snapshot, unpack
 
 pytestmark = [pytest.mark.dist]
@@ -48,12 +48,9 @@ TWO_RANKS = [
     ("changing batches", traced_workers.changing_batches, (CHANGING_RUNS, CHANGING_SIZES)),
     ("meta", traced_workers.meta_stage, (META_RUNS,)),
 ]
-in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> InTurn:
-    return InTurn(2, TWO_RANKS, timeout=IN_TURN_TIMEOUT)
+two_ranks = ranks("two_ranks", 2, TWO_RANKS)
 
 
 @in_turn

@@ -10,9 +10,9 @@ import torch
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import RankFailed, spawn
 from pipeline.parallel.data_parallel import _chunks, _union
-from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dp_workers, replica_workers
-from tests.pipeline.in_turn import InTurn
+from tests.pipeline.in_turn import InTurn, in_turn, ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -35,12 +35,9 @@ FOUR_RANKS = [
     ("ties", replica_workers.ties_and_clipping, ()),
     ("zb-v and 2bw", replica_workers.zero_bubble_v_and_2bw, ()),
 ]
-in_turn = pytest.mark.timeout(IN_TURN_TEST_TIMEOUT)  # the first of them starts them all
 
 
-@pytest.fixture(scope="module")
-def four_ranks() -> InTurn:
-    return InTurn(4, FOUR_RANKS, timeout=IN_TURN_TIMEOUT)
+four_ranks = ranks("four_ranks", 4, FOUR_RANKS)
 
 
 @in_turn
