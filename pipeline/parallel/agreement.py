@@ -31,6 +31,12 @@ def _shapes(value: Any) -> list[list[int]] | None:
     return [list(v.shape) for v in items if isinstance(v, torch.Tensor)]
 
 
+def _combination(pipe: Any, batches: int) -> dict[str, Any]:
+    """The configuration a fingerprint is agreed once for: cheap to read at every step."""
+    return {"balance": list(pipe.balance), "schedule": _schedule(pipe._schedule_arg),
+            "chunks": pipe.chunks, "checkpoint": pipe.checkpoint, "batches per call": batches}
+
+
 def fingerprint(pipe: Any, pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     """What every rank must share: balance, schedule, chunks, checkpoint mode, batches per
     schedule, the model's parameter shapes per layer, and the batch (as far as this rank holds
@@ -39,11 +45,7 @@ def fingerprint(pipe: Any, pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     x_shapes = [_shapes(x) for x, _ in pairs]
     rows = [leading_rows(x) or leading_rows(t) for x, t in pairs]
     return {
-        "balance": list(pipe.balance),
-        "schedule": _schedule(pipe._schedule_arg),
-        "chunks": pipe.chunks,
-        "checkpoint": pipe.checkpoint,
-        "batches per call": len(pairs),
+        **_combination(pipe, len(pairs)),
         "parameter shapes per layer": [[list(p.shape) for p in layer.parameters()]
                                        for layer in model],
         "batch rows": None if any(r is None for r in rows) else rows,
@@ -83,8 +85,7 @@ class Agreement:
             return
         # The combination first (cheap): the whole fingerprint walks every parameter, which
         # once agreed would cost every later step for nothing.
-        static = json.dumps([list(pipe.balance), _schedule(pipe._schedule_arg), pipe.chunks,
-                             pipe.checkpoint, len(pairs)])
+        static = json.dumps(_combination(pipe, len(pairs)))
         if static in self._agreed:
             return
         mine = fingerprint(pipe, pairs)

@@ -25,7 +25,7 @@ class Programs:
         self.processes = processes
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, per (chunks, batches)
         self._programs: dict[tuple[int, int, bool], Schedule] = {}
-        self._versioned: dict[int, bool] = {}  # id of a program built here -> its answer
+        self._versioned: dict[int, bool] = {}  # id of a program held here -> versioned
 
     def schedule(self, chunks: int, num_batches: int) -> Schedule:
         """The lowered, validated schedule for `chunks` micro-batches x `num_batches` batches."""
@@ -48,17 +48,14 @@ class Programs:
             else:  # forward-only schedules leave the validator's rules for training
                 built = schedules.program(self.forward_only(chunks), syncs)
             self._programs[key] = built
+            self._versioned[id(built)] = any(a.version is not None for row in built.actions
+                                             for a in row)
         return self._programs[key]
 
     def versioned(self, program: Schedule) -> bool:
-        """Whether `program` (built here) runs on weight versions (2BW): read once, not at
-        every step (a walk over every rank's actions)."""
-        known = self._versioned.get(id(program))
-        if known is None:
-            known = any(a.version is not None for row in program.actions for a in row)
-            if any(p is program for p in self._programs.values()):  # the id stays its own
-                self._versioned[id(program)] = known
-        return known
+        """Whether `program` (built here) runs on weight versions (2BW): read when it was
+        built, not at every step (a walk over every rank's actions)."""
+        return self._versioned[id(program)]
 
     def forward_only(self, chunks: int) -> Schedule:
         """The schedule's forwards in its order, lowered; inference uses the current weights."""
