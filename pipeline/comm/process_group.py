@@ -116,7 +116,6 @@ class ProcessTransport:
     # -- sending ------------------------------------------------------------------------------
     @guarded
     def send(self, msg: Message, values: tuple[Any, ...], dst_rank: int) -> None:
-        self._watch.tick(time.monotonic())  # a failed step computes and sends nothing more
         channel = self._channels[dst_rank]
         self._call(dst_rank, lambda: channel.send(msg, values, describe(values)),
                    "its next message")
@@ -147,7 +146,6 @@ class ProcessTransport:
 
     @guarded
     def wait(self, msg: Message, src_rank: int, device: torch.device) -> tuple[Any, ...]:
-        self._watch.tick(time.monotonic())  # even when the data is here: no work for a failed step
         channel = self._channels[src_rank]
         while msg not in self._arrived:
             head = channel.expected()

@@ -78,13 +78,15 @@ class LinkSend:
 
     def wait(self, deadline: float, tick: Callable[[float], None] | None = None) -> None:
         """Until the last byte is written: raise TimeoutError after `deadline` (monotonic),
-        and call `tick(now)` every WAKE seconds if given (it raises to give up)."""
+        and call `tick(now)` after each WAKE seconds without progress, if given (it raises to
+        give up)."""
         while not self.done_:
             assert self.event is not None
-            if self.error is None:
-                self.event.wait(WAKE)
+            woke = self.error is not None or self.event.wait(WAKE)
             if self.error is not None:
                 raise LinkBroken(str(self.error))
+            if woke:  # written: no failure check (a store read) on the way out
+                continue
             now = time.monotonic()
             if tick is not None:
                 tick(now)
@@ -183,7 +185,8 @@ class SocketLink:
                   tick: Callable[[float], None] | None = None) -> None:
         """Fill the buffers of `parts`, in order, with the next bytes from the peer, waking as
         they arrive. Raises LinkBroken when the peer is gone, TimeoutError after `deadline`
-        (monotonic); `tick(now)`, if given, runs between reads (it raises to give up)."""
+        (monotonic); `tick(now)`, if given, runs each time a wait of WAKE brought nothing (it
+        raises to give up), never on the way of bytes that came."""
         parts = [p for p in parts if len(p)]
         spin_until = None
         while parts:
@@ -196,7 +199,8 @@ class SocketLink:
                         spin_until = now + self.spin
                     if now < spin_until:
                         continue
-                self._readable.poll(WAKE * 1000)
+                if self._readable.poll(WAKE * 1000):
+                    continue  # the bytes (or the peer's end) came: read, check nothing
                 now = time.monotonic()
                 if tick is not None:
                     tick(now)

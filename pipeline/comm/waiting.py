@@ -63,6 +63,8 @@ def poll(work: Any, *, polls: bool, waiter: Waiter, timeout: float,
             # Spin briefly (transfers usually finish within microseconds), then back off.
             pause = min(pause * 2 + 1e-6, 1e-3)
             time.sleep(pause)
+            if work.is_completed():  # done while asleep: no failure check on its way
+                break
         elif event.wait(0.05):  # wakes as soon as the helper's wait() returns
             break
         now = time.monotonic()

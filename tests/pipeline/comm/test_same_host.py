@@ -118,6 +118,30 @@ def test_a_wait_checks_for_failures_while_nothing_arrives() -> None:
     assert ticks[-1] - ticks[0] >= WAKE  # one check per WAKE, not a busy loop
 
 
+def test_a_wait_woken_by_the_bytes_reads_them_without_checking_for_failures() -> None:
+    # A failure check reads the rendezvous store (a round trip to another process): on the
+    # wake-up that brings the awaited bytes it would delay every message after a long wait.
+    a, b = _pair()
+    ticks: list[float] = []
+    payload = torch.arange(4, dtype=torch.uint8)
+    threading.Timer(WAKE / 5, lambda: _send(b, payload)).start()
+    out = torch.empty(4, dtype=torch.uint8)
+    a.recv_into([memory(out)], time.monotonic() + 30, ticks.append)
+    assert torch.equal(out, payload)
+    assert ticks == []
+
+
+def test_a_send_written_by_the_writer_thread_ends_its_wait_without_a_failure_check() -> None:
+    a, b = _pair()
+    big = torch.ones(4 << 20, dtype=torch.uint8)  # more than the socket buffer
+    work = _send(a, big)
+    assert not work.done()
+    threading.Timer(WAKE / 5, lambda: _recv(b, big.numel())).start()
+    ticks: list[float] = []
+    work.wait(time.monotonic() + 30, ticks.append)
+    assert work.done() and ticks == []
+
+
 def test_a_wait_times_out() -> None:
     a, _b = _pair()
     with pytest.raises(TimeoutError):

@@ -195,6 +195,35 @@ def test_values_cross_a_link_intact_from_the_senders_own_memory(values: tuple[An
     sender.close()
 
 
+class _CountingStore:
+    """A store with no failure reported that counts its reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.reads += 1
+        return False
+
+
+def test_sends_and_receives_whose_bytes_are_there_never_read_the_store() -> None:
+    # Failures are checked while a wait has nothing to read (every WAKE), not on the way of
+    # every message: a store read is a round trip to the process that hosts the store.
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t = _receiver(mine)
+    store = _CountingStore()
+    t._store, t._watch = store, Watch(store, [0, 1], 1)
+    sender = LinkChannel(SocketLink(theirs))
+    values = (torch.arange(6.0).reshape(2, 3),)
+    _expect(t, MSG)
+    sender.send(MSG, values, describe(values))
+    _same(t.wait(MSG, 0, CPU), values)
+    t.send(MSG, values, 0)
+    assert store.reads == 0
+    t.close()
+    sender.close()
+
+
 def test_a_non_contiguous_or_conjugate_tensor_is_sent_as_its_values() -> None:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     t = _receiver(mine)
