@@ -19,6 +19,7 @@ from tqdm import tqdm
 from benchmarks import data_parallel
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
+from benchmarks.gate import StartGate
 from benchmarks.harness import Measured, merge_ranks, resolve_balances, roles, run_rank
 from benchmarks.models import get_model
 from benchmarks.plots import write_plots
@@ -66,9 +67,9 @@ def run_group(group: Group, bar: tqdm[Any]) -> dict[int, Measured]:
     return the merged measurements. Raises RankFailed if a process fails."""
     n = len(roles(group))
     ctx = mp.get_context("spawn")
-    barrier, progress = ctx.Barrier(n), ctx.Queue()
+    gate, progress = StartGate(ctx, n), ctx.Queue()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(spawn, run_rank, n, group, barrier, progress,
+        future = pool.submit(spawn, run_rank, n, group, gate, progress,
                              timeout=_GROUP_TIMEOUT)
         while True:
             try:

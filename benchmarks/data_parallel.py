@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.config import Group, fit_to_gpus
+from benchmarks.gate import StartGate
 from benchmarks.harness import Measured, Variant, alternate, merge_ranks
 from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent, summarize
@@ -83,7 +84,7 @@ def _ddp_memory(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
             "peak_stashed_microbatches": [1]}
 
 
-def run_rank(rank: int, suite: DpSuite, balances: dict[int, list[int]], barrier: Any
+def run_rank(rank: int, suite: DpSuite, balances: dict[int, list[int]], gate: StartGate
              ) -> tuple[Measured, dict[str, list[dict[str, float]]], dict[str, int]]:
     """Body of each process: every configuration's steps in turn; then what this rank measured,
     its data-parallel stats per timed step (per Pipe) and its parameter bytes per config."""
@@ -126,7 +127,8 @@ def run_rank(rank: int, suite: DpSuite, balances: dict[int, list[int]], barrier:
                 torch.cuda.synchronize(device)
 
         samples = alternate(variants, warmup=suite.warmup, repeats=suite.repeats,
-                            prepare=prepare, barrier=lambda: barrier.wait(_TIMEOUT), sync=sync)
+                            prepare=prepare,
+                            barrier=lambda taking: gate.start(taking, _TIMEOUT), sync=sync)
         memory: dict[str, dict[str, list[int]]] = {}
         for name, m in models.items():  # one more, untimed step each: the counting costs
             prepare()
@@ -140,7 +142,7 @@ def run_rank(rank: int, suite: DpSuite, balances: dict[int, list[int]], barrier:
                 memory[name] = _ddp_memory(m, *shards[name], loss_fn)
         return Measured(samples, memory, {}), dp_stats, param_bytes
     except BaseException:
-        barrier.abort()  # wake the others at once instead of at their timeout
+        gate.abort()  # wake the others at once instead of at their timeout
         raise
 
 
@@ -221,7 +223,7 @@ def run_suite(suite: DpSuite, env: dict[str, Any], *, num_gpus: int = 0
         kept, notes = fit_to_gpus([group], num_gpus)
         if not kept:
             return build_records(suite, balances, None, env, skipped=notes[0]), notes
-    barrier = mp.get_context("spawn").Barrier(_NUM_PROCESSES)
-    results = spawn(run_rank, _NUM_PROCESSES, suite, balances, barrier, timeout=7200.0,
+    gate = StartGate(mp.get_context("spawn"), _NUM_PROCESSES)
+    results = spawn(run_rank, _NUM_PROCESSES, suite, balances, gate, timeout=7200.0,
                     backend="nccl" if suite.device == "cuda" else "gloo")
     return build_records(suite, balances, results, env), notes

@@ -14,7 +14,8 @@ between steps costs more than a step here). For each micro-batch count m, the va
 ours under each schedule and torch's peer of each (processes), ours again (threads), the
 hardware bound of each partition in each transport (every rank's stages computing at once on
 inputs prepared beforehand, sending nothing), and the plain model with gradient accumulation
-over the same m micro-batches. A multiprocessing barrier starts each step on every process.
+over the same m micro-batches. A barrier starts each step, and the processes that take it start
+together once every process is through (benchmarks/gate.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.config import Group, stages_per_rank
+from benchmarks.gate import StartGate, quiet
 from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent
 from benchmarks.torch_baseline import TorchPipeline, unsupported
@@ -116,10 +118,14 @@ def variant_keys(group: Group, m: int) -> tuple[list[str], dict[str, str]]:
 
 
 def alternate(variants: Sequence[Variant], *, warmup: int, repeats: int,
-              prepare: Callable[[], None], barrier: Callable[[], None],
-              sync: Callable[[], None]) -> dict[str, list[Sample | None]]:
+              prepare: Callable[[], None], barrier: Callable[[bool], None],
+              sync: Callable[[], None], settle: Callable[[], object] = quiet
+              ) -> dict[str, list[Sample | None]]:
     """Round after round, each variant one step (the order rotates every round); after
-    `warmup` rounds, record each step's start and end and what `collect` returns."""
+    `warmup` rounds, record each step's start and end and what `collect` returns.
+    `barrier(taking)` precedes every step on every process (`taking`: whether this process
+    takes it; see gate.StartGate.start), and `settle()` follows each step this process took
+    (untimed: see gate.quiet)."""
     out: dict[str, list[Sample | None]] = {v.key: [] for v in variants}
     gc.collect()
     gc.disable()  # a collection inside one variant's step would be charged to it alone
@@ -129,12 +135,14 @@ def alternate(variants: Sequence[Variant], *, warmup: int, repeats: int,
                 v = variants[(i + r) % len(variants)]
                 if v.step is not None:
                     prepare()
-                barrier()
+                barrier(v.step is not None)
                 start = time.perf_counter()
                 if v.step is not None:
                     v.step()
                     sync()
                 end = time.perf_counter()
+                if v.step is not None:
+                    settle()
                 if r >= warmup:
                     if v.step is None:
                         out[v.key].append(None)
@@ -350,7 +358,7 @@ def _peer(peer: TorchPipeline, x: Any, y: Any) -> Callable[[], object]:
     return lambda: peer.step(x, y)
 
 
-def run_rank(rank: int, group: Group, barrier: Any, progress: Any = None
+def run_rank(rank: int, group: Group, gate: StartGate, progress: Any = None
              ) -> dict[int, Measured]:
     """Body of each spawned process (see the module's docstring for who does what)."""
     try:
@@ -359,19 +367,20 @@ def run_rank(rank: int, group: Group, barrier: Any, progress: Any = None
         for m in group.microbatches:
             variants, pipes, peers = me.variants(m)
             samples = alternate(variants, warmup=group.warmup, repeats=group.repeats,
-                                prepare=me.prepare, barrier=lambda: barrier.wait(_TIMEOUT),
+                                prepare=me.prepare,
+                                barrier=lambda taking: gate.start(taking, _TIMEOUT),
                                 sync=me.sync)
             memory = _memory(pipes, lambda pipe: pipe.step(me.x, me.y, me.loss_fn), me.prepare)
             for key, peer in peers.items():  # the same keys, in the same order, on every rank
                 me.prepare()
                 memory[key] = peer.memory_step(me.x, me.y)
             results[m] = Measured(samples, memory, variant_keys(group, m)[1])
-            barrier.wait(_TIMEOUT)  # the pipelines' memory steps are done everywhere
+            gate.wait(_TIMEOUT)  # the pipelines' memory steps are done everywhere
             if progress is not None and rank == 0:
                 progress.put(m)
         return results
     except BaseException:
-        barrier.abort()  # wake the others at once instead of at their timeout
+        gate.abort()  # wake the others at once instead of at their timeout
         raise
 
 

@@ -35,11 +35,17 @@ def test_alternate_rotates_skips_warmup_and_marks_who_sat_out() -> None:
                 Variant("c", None), Variant("d", lambda: calls.append("d"),
                                                 collect=lambda start: [(0, "0F0", start, start)])]
     prepared: list[int] = []
+    taking: list[bool] = []
+    settled: list[int] = []
     out = alternate(variants, warmup=1, repeats=2, prepare=lambda: prepared.append(1),
-                    barrier=lambda: None, sync=lambda: None)
+                    barrier=taking.append, sync=lambda: None,
+                    settle=lambda: settled.append(len(calls)))
     # Round r starts at variant r: a b d | b d a | d a b ("c" never runs here).
     assert calls == ["a", "b", "d", "b", "d", "a", "d", "a", "b"]
     assert len(prepared) == len(calls)
+    rounds = ["a b c d", "b c d a", "c d a b"]  # every process passes every barrier
+    assert taking == [v != "c" for r in rounds for v in r.split()]
+    assert settled == list(range(1, len(calls) + 1))  # after each step this process took
     assert [len(v) for v in out.values()] == [2, 2, 2, 2]  # warm-up round not recorded
     assert out["c"] == [None, None]
     a0 = out["a"][0]
