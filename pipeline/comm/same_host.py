@@ -39,7 +39,10 @@ __all__ = ["ENV", "SPIN_ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "c
 
 ENV = "PIPELINE_LOCAL_P2P"  # "0": same-host ranks talk over the process group's backend too
 SPIN_ENV = "PIPELINE_SPIN_US"  # microseconds a receive polls before it sleeps (0: never)
-SPIN = 200e-6  # the default, when this host has a CPU for each of the job's processes
+# The default, when this host has a CPU for each of the job's processes: long enough to cover
+# a peer's forward or backward of a few milliseconds (a wait that ends asleep pays the wake-up
+# on the message that ends it), short enough that a bubble or a stalled peer holds no core.
+SPIN = 5e-3
 WAKE = 0.05  # seconds between failure checks while a wait has nothing to read or write
 # Per (group, rank): links set up so far, the same count on every rank of a group.
 _instances: dict[tuple[str, int], int] = {}
