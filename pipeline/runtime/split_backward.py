@@ -34,7 +34,7 @@ def release(outputs: Sequence[Any]) -> int:
     return freed
 
 
-def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *,
+def run_backward(outputs: Sequence[torch.Tensor | GradientEdge], grads: Sequence[torch.Tensor], *,
                  inputs: Sequence[torch.Tensor] = (), accumulate: bool = True,
                  keep_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
     """autograd's engine, called without the Python-side shape checks of `backward`/`grad`,
@@ -167,8 +167,10 @@ def backward_weight(state: WeightGrad) -> None:
             pinned.append(join.register_prehook(lambda _g, rec=recorded: rec))
         try:
             if edges:
-                dws = torch.autograd.grad(edges, params, grads_out, retain_graph=True,
-                                          allow_unused=True)
+                # The engine itself, as for the I pass: autograd.grad's Python checks of the
+                # recorded gradients cost more than a small layer's kernels.
+                dws = run_backward(edges, grads_out, inputs=params, accumulate=False,
+                                   keep_graph=True)
                 for p, dw in zip(params, dws, strict=True):
                     if dw is None:
                         continue
