@@ -34,11 +34,13 @@ def release(outputs: Sequence[Any]) -> int:
     return freed
 
 
-def run_backward(outputs: Sequence[torch.Tensor | GradientEdge], grads: Sequence[torch.Tensor], *,
-                 inputs: Sequence[torch.Tensor] = (), accumulate: bool = True,
-                 keep_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+def run_backward(outputs: Sequence[torch.Tensor | GradientEdge],
+                 grads: Sequence[torch.Tensor], *, inputs: Sequence[torch.Tensor] = (),
+                 accumulate: bool = True, keep_graph: bool = False
+                 ) -> tuple[torch.Tensor | None, ...]:
     """autograd's engine, called without the Python-side shape checks of `backward`/`grad`,
-    which a released output (`release`) would fail: its gradient keeps the real shape."""
+    which a released output (`release`) would fail: its gradient keeps the real shape. The
+    outputs may be gradient edges (the W pass starts from the I pass's join nodes)."""
     engine = torch.autograd.Variable._execution_engine
     result: tuple[torch.Tensor | None, ...] = engine.run_backward(
         tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
