@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.launch import RankFailed, free_port, main, rank_env, spawn
+from pipeline.launch import ALLOCATOR, RankFailed, free_port, main, rank_env, spawn
 from tests.limits import SPAWN_TIMEOUT
 
 
@@ -33,14 +33,37 @@ def _fail_on_one(rank: int) -> int:
 
 def test_rank_env_is_torchruns_with_gloo_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for key in ALLOCATOR:
+        monkeypatch.delenv(key, raising=False)
     env = rank_env(2, 4, 29500)
     assert env == {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                    "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                    # ranks join the store the launcher hosts on loopback, never host one
-                   "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                   "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                   "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert rank_env(0, 1, 1)["OMP_NUM_THREADS"] == "3"  # the user's choice is kept
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")  # the user tunes the allocator
+    assert not set(ALLOCATOR) & set(rank_env(0, 1, 1))
+
+
+def _allocator_seen(rank: int) -> dict[str, str | None]:
+    # The environment the process started with (glibc reads its variables then), not the one
+    # the rank set up afterwards.
+    with open("/proc/self/environ", "rb") as f:
+        start = dict(e.decode().partition("=")[::2] for e in f.read().split(b"\0") if e)
+    return {key: start.get(key) for key in ALLOCATOR}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs Linux's /proc")
+def test_spawned_ranks_start_with_the_allocator_settings_and_the_caller_keeps_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ALLOCATOR:
+        monkeypatch.delenv(key, raising=False)
+    assert spawn(_allocator_seen, 1) == [ALLOCATOR]
+    assert not set(ALLOCATOR) & set(os.environ)  # set around the start only
 
 
 def test_free_port_can_be_bound() -> None:
