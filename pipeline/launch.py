@@ -29,8 +29,7 @@ from typing import Any
 from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV
 
 __all__ = ["ALLOCATOR", "INIT_TIMEOUT_ENV", "RankFailed", "free_port", "host_store", "main",
-           "rank_env",
-           "spawn"]
+           "rank_env", "spawn"]
 
 _log = logging.getLogger(__name__)
 
