@@ -28,15 +28,17 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     """
     norm_type = float(norm_type)
     grads = [p.grad for p in parameters if p.grad is not None]
-    norms = [full_tensor(torch.linalg.vector_norm(g.detach(), norm_type)).float().cpu()
-             for g in grads]
+    # Each norm in its gradient's dtype, as torch keeps it: a float64 model's norm is float64.
+    norms = [full_tensor(torch.linalg.vector_norm(g.detach(), norm_type)).cpu() for g in grads]
     if exchange is not None:
-        # Exact round trip: float.hex; every rank then stacks the same list in rank order.
-        payload = ",".join(float(n).hex() for n in norms)
-        norms = [torch.tensor(float.fromhex(v)) for part in exchange(payload)
-                 for v in part.split(",") if v]
+        # Exact round trip: float.hex of the value (a Python float holds every float dtype's
+        # values exactly) beside its dtype; every rank then stacks the same list in rank order.
+        payload = ",".join(f"{_dtype_name(n.dtype)}:{float(n).hex()}" for n in norms)
+        norms = [_from_text(v) for part in exchange(payload) for v in part.split(",") if v]
     if not norms:
         return torch.tensor(0.0)
+    # torch.stack promotes mixed dtypes (bf16 and fp32 norms: the total in fp32), as torch's own
+    # clipping stacks its per-gradient norms.
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
@@ -47,3 +49,15 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     for g in grads:  # each shard scaled in place: the whole gradient scaled
         local_tensor(g).detach().mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _from_text(item: str) -> torch.Tensor:
+    """A norm from its exchanged text `dtype:hex` (a peer of this job wrote it)."""
+    name, _, value = item.partition(":")
+    dtype = getattr(torch, name, None)
+    assert isinstance(dtype, torch.dtype) and dtype.is_floating_point, item
+    return torch.tensor(float.fromhex(value), dtype=dtype)

@@ -64,3 +64,24 @@ def test_clip_after_a_grad_scaler_unscales_equals_the_plain_models() -> None:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, plain[name].grad, rtol=1e-5, atol=1e-7, msg=name)
     pipe.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_norm_keeps_the_gradients_dtype_as_torchs_does(dtype: torch.dtype) -> None:
+    # It was computed in float32 whatever the gradients: a float64 model's norm was off by
+    # 1e-10 relative, and so were its clipped gradients.
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 5)).to(dtype)
+    model = copy.deepcopy(reference)
+    pipe = Pipe(model, balance=[2, 1], devices=["cpu", "cpu"])
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        a.grad = torch.randn_like(a) * 3
+        b.grad = a.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    got = pipe.clip_grad_norm_(0.5)
+    assert got.dtype == want.dtype == dtype
+    # The same per-gradient norms stacked in the same order: the same bits.
+    assert torch.equal(got, want), (got.item(), want.item())
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    pipe.close()
