@@ -33,15 +33,22 @@ def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -
             return
     directory, name = os.path.split(target)
     temp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
-    # 0o666 less the umask, as open() would create `path`; an existing file keeps its mode.
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    # An existing file keeps its mode; a new one gets 0o666 less the umask, as open() would
+    # create it. The temporary file is created with that mode (the umask can only narrow it),
+    # so no other user can open it at any moment when the final file would refuse them; the
+    # exact mode is set once the bytes are in.
+    final = None
+    with contextlib.suppress(FileNotFoundError):
+        final = stat.S_IMODE(os.stat(target).st_mode)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    fd = os.open(temp, flags, 0o666 if final is None else final)
     try:
         with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(temp, stat.S_IMODE(os.stat(target).st_mode))
+            if final is not None and hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), final)
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(OSError):

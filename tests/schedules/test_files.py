@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from schedules.files import write_atomic
+from tests.other_user import other_user, run_as_other, shared_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,3 +84,60 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     with pytest.raises(OSError, match="No space left"):
         write_atomic(target, "new")
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["report.md"]
+
+
+# Another user tries to read every file in the directory while the new bytes are in the
+# temporary file, synced but not yet renamed.
+_READ_ALL = """
+import os, sys
+for name in sorted(os.listdir(sys.argv[1])):
+    try:
+        with open(os.path.join(sys.argv[1], name), "rb") as f:
+            print(name, "read", len(f.read()))
+    except PermissionError:
+        print(name, "refused")
+"""
+
+
+@other_user
+@pytest.mark.parametrize("mode", [0o600, 0o640])
+def test_a_private_files_new_bytes_are_never_readable_by_another_user(
+        shared_dir: str, monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
+    # The temporary file was created 0644 and chmod-ed only after the write: another user
+    # could open it then and read the new content after the rename.
+    target = Path(shared_dir) / "secret.json"
+    target.write_bytes(b"old")
+    os.chmod(target, mode)
+    seen = []
+    fsync = os.fsync
+
+    def fsync_then_look(fd: int) -> None:
+        fsync(fd)
+        if not seen:  # the temporary file's fsync (the directory's comes after the rename)
+            seen.append(run_as_other(_READ_ALL, shared_dir).stdout.split("\n"))
+
+    monkeypatch.setattr(os, "fsync", fsync_then_look)
+    write_atomic(target, b"new secret")
+    lines = [line for line in seen[0] if line]
+    assert len(lines) == 2 and all(line.endswith("refused") for line in lines), lines
+    assert target.read_bytes() == b"new secret"
+    assert stat.S_IMODE(target.stat().st_mode) == mode
+
+
+def test_a_new_files_mode_is_the_umasks_from_its_first_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    modes = []
+    fsync = os.fsync
+
+    def fsync_then_look(fd: int) -> None:
+        fsync(fd)
+        modes.extend(stat.S_IMODE(os.stat(p).st_mode) for p in tmp_path.iterdir())
+
+    monkeypatch.setattr(os, "fsync", fsync_then_look)
+    old = os.umask(0o077)
+    try:
+        write_atomic(tmp_path / "new.txt", "x")
+    finally:
+        os.umask(old)
+    assert modes and set(modes) == {0o600}, modes
+    assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o600
