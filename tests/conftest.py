@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.limits import DIST_TEST_TIMEOUT
+from tests.other_user import shared_dir  # noqa: F401  (a fixture: a directory two users share)
 
 settings.register_profile(
     "dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]

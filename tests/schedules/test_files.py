@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from schedules.files import write_atomic
-from tests.other_user import other_user, run_as_other, shared_dir
+from tests.other_user import other_user, run_as_other
 
 ROOT = Path(__file__).resolve().parents[2]
 
