@@ -303,7 +303,10 @@ class Pipe(nn.Module):
         if self._tp_plan is not None and self.mesh is not None and self.world:
             transport = self._executor.transport
             assert isinstance(transport, ProcessTransport)
-            seed = tensor_parallel.agree_on_seed(seed, self.mesh, transport.wait_work)
+            try:  # a transport that failed earlier says so here, as every later call must
+                seed = tensor_parallel.agree_on_seed(seed, self.mesh, transport.wait_work)
+            except (PipelineAborted, PeerFailure) as exc:
+                raise PipelineError(str(exc)) from None
         return seed
 
     def _agree_on_overflow(self, scaler: Any) -> None:

@@ -151,7 +151,13 @@ def test_refusals() -> None:
 
 
 def test_a_failure_is_named_by_its_coordinates() -> None:
-    messages = spawn(tp_workers.failure_names_coordinates, 4, timeout=SPAWN_TIMEOUT)
+    results = spawn(tp_workers.failure_names_coordinates, 4, timeout=SPAWN_TIMEOUT)
+    messages = [first for first, _ in results]
     assert "a loss that fails on one shard" in messages[3]
     for m in messages[:3]:
         assert "tp 1" in m, m
+    # Every later call on every rank: a PipelineError, as docs/multi-process.md promises
+    # (ranks 0 and 2 raised a raw PipelineAborted from the step's seed agreement).
+    for rank, (_, later) in enumerate(results):
+        for seen in later:
+            assert seen.startswith("PipelineError: "), (rank, seen)

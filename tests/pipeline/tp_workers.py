@@ -227,9 +227,11 @@ def errors(rank: int) -> list[str]:
     return seen
 
 
-def failure_names_coordinates(rank: int) -> str:
+def failure_names_coordinates(rank: int) -> tuple[str, list[str]]:
     """1x2x2: the loss raises on the last stage's tp rank 1 (global rank 3) only; every rank
-    fails with a PipelineError, and the others' name where the failure was."""
+    fails with a PipelineError, and the others' name where the failure was. Then every later
+    call (a step, an inference) raises a PipelineError too: (the failure, what each later call
+    raised)."""
     mesh = _mesh((1, 2, 2))
     pipe = Pipe(_build("mlp"), balance=[3, 3], chunks=2, mesh=mesh, tp_plan=_plan("mlp", ""),
                 timeout=60)
@@ -243,8 +245,17 @@ def failure_names_coordinates(rank: int) -> str:
     try:
         pipe.step(x, y, loss)
     except PipelineError as exc:
-        return str(exc)
-    raise AssertionError("the step did not fail")
+        first = str(exc)
+    else:
+        raise AssertionError("the step did not fail")
+    later = []
+    for call in (lambda: pipe.step(x, y, nn.functional.mse_loss), lambda: pipe(x)):
+        try:
+            call()
+            later.append("no error")
+        except Exception as exc:
+            later.append(f"{type(exc).__name__}: {exc}")
+    return first, later
 
 
 def llama_plan() -> dict[str, Any]:
