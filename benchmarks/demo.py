@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from benchmarks.gpt import gpt, lm_loss
 from pipeline.launch import spawn
@@ -73,10 +74,29 @@ def _lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def _progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 30) -> str:
-    done = int(width * step / total)
-    return (f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}  "
-            f"{tokens_per_s:,.0f} tokens/s")
+class _Progress:
+    """The training loop's progress: tqdm's bar on a terminal; elsewhere (a log, a pipe) a
+    line about every tenth of the run, as a bar redrawn with carriage returns reads badly
+    there. Only the printing rank shows it."""
+
+    def __init__(self, total: int, show: bool) -> None:
+        self.total, self.show = total, show
+        self.terminal = show and sys.stdout.isatty()
+        self.bar = tqdm(total=total, unit="step", file=sys.stdout, disable=not self.terminal,
+                        dynamic_ncols=True)
+        self.every = max(1, total // 10)
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.terminal:
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s",
+                                     refresh=False)
+            self.bar.update(1)
+        elif self.show and (step % self.every == 0 or step == self.total):
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s",
+                  flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class _Ranks:
@@ -289,6 +309,7 @@ def _train(rank: int | None, options: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, args.steps))
     losses: list[float] = []
+    progress = _Progress(args.steps, ranks.printer)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = _windows(train, args.batch, args.context, g)
@@ -298,12 +319,12 @@ def _train(rank: int | None, options: dict[str, Any]) -> None:
         optimizer.step()
         schedule.step()
         tokens_per_s = step * x.numel() / (time.perf_counter() - start)
-        ranks.say(_progress(step, args.steps, statistics.fmean(losses[-10:]), tokens_per_s),
-                  end="")
+        progress.update(step, statistics.fmean(losses[-10:]), tokens_per_s)
     seconds = time.perf_counter() - start
+    progress.close()
     k = max(1, min(20, args.steps // 5))
     held_after = _evaluate(pipe, ranks, x_held, y_held)
-    ranks.say(f"\n{args.steps} steps in {seconds:.1f} s; training loss, mean of the first {k} "
+    ranks.say(f"{args.steps} steps in {seconds:.1f} s; training loss, mean of the first {k} "
               f"steps {statistics.fmean(losses[:k]):.4f} -> mean of the last {k} "
               f"{statistics.fmean(losses[-k:]):.4f}; held-out loss {held_before:.4f} -> "
               f"{held_after:.4f}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def test_demo_trains_untied_with_thread_ranks(tmp_path: Path,
     out = capfd.readouterr().out
     assert "head = its own weight (--untied)" in out and "ranks: threads" in out
     assert "training loss, mean of the first 1 steps" in out and "held-out loss" in out
+    # Not a terminal: the progress comes as lines, one per step here (4 steps), no bar.
+    assert re.findall(r"^step (\d)/4  loss \d", out, flags=re.M) == ["1", "2", "3", "4"]
+    assert "\r" not in out
     assert "sampled through the pipe" in out and "CORIOLANUS:" in out
     assert "Pipe over 2 threads, 1f1b, m=2" in out and "measured bubble" in out
     timeline = json.loads((tmp_path / "demo-timeline.json").read_text())
