@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from benchmarks.config import Group
 from benchmarks.harness import Measured, Sample, variant_keys
-from benchmarks.planning_rounds import Turn
-from benchmarks.planning_space import Config
+from benchmarks.planning.rounds import Turn
+from benchmarks.planning.space import Config
 from benchmarks.records import schedule_for
 from pipeline.planner import LayerCosts, ModelProfile
 from schedules import Costs, simulate

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.planning import main, profile_rows
-from benchmarks.planning_calibrate import calibrate, fit_line, halves
-from benchmarks.planning_record import config_rows, error_sources, results_for, round_seconds
-from benchmarks.planning_report import report
-from benchmarks.planning_rounds import Measured, Turn, merge, orders, run_rounds
-from benchmarks.planning_space import (
+from benchmarks.planning.calibrate import calibrate, fit_line, halves
+from benchmarks.planning.record import config_rows, error_sources, results_for, round_seconds
+from benchmarks.planning.report import report
+from benchmarks.planning.rounds import Measured, Turn, merge, orders, run_rounds
+from benchmarks.planning.run import main, profile_rows
+from benchmarks.planning.space import (
     Config,
     Entry,
     allreduce_seconds,
@@ -28,7 +28,7 @@ from benchmarks.planning_space import (
     index_of,
     predictor,
 )
-from benchmarks.planning_stats import (
+from benchmarks.planning.stats import (
     Standing,
     anatomy,
     bootstrap,
@@ -364,7 +364,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, *, refuse_budgets: bool = False
     """`planning.run` on the tiny model with every measurement faked: the synthetic profile
     (5 layers, batch 16, as tiny), a free link, no contention, and steps that take 1.1x their
     prediction."""
-    import benchmarks.planning as planning
+    import benchmarks.planning.run as planning
 
     profile = fakes.planning_profile()
     predict = predictor(profile, Link.free())

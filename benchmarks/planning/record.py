@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.planning_rounds import Measured
-from benchmarks.planning_space import Config, Entry, index_of
-from benchmarks.planning_stats import (
+from benchmarks.planning.rounds import Measured
+from benchmarks.planning.space import Config, Entry, index_of
+from benchmarks.planning.stats import (
     anatomy,
     bootstrap,
     decompose,

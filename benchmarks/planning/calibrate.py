@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.planning_space import Config
+from benchmarks.planning.space import Config
 
 __all__ = ["GRID", "calibrate", "fit_line", "halves"]
 

@@ -1,4 +1,4 @@
-"""The planner's choice against every configuration of its space, each measured alike."""
+"""The planning benchmark's run: profile, plan, measure every configuration, record, report."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import torch
 
 from benchmarks.env import environment
 from benchmarks.models import get_model
-from benchmarks.planning_calibrate import calibrate
-from benchmarks.planning_record import (
+from benchmarks.planning.calibrate import calibrate
+from benchmarks.planning.record import (
     config_rows,
     error_sources,
     results_for,
     timeline_json,
 )
-from benchmarks.planning_report import report
-from benchmarks.planning_rounds import Measured, measure, orders
-from benchmarks.planning_space import (
+from benchmarks.planning.report import report
+from benchmarks.planning.rounds import Measured, measure, orders
+from benchmarks.planning.space import (
     Config,
     Entry,
     Predictor,
@@ -261,6 +261,3 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{sum(r['measure_s'] for r in records):.0f} s", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

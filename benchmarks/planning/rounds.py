@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import schedules
 from benchmarks.models import get_model
-from benchmarks.planning_space import Config
+from benchmarks.planning.space import Config
 from benchmarks.stats import RawEvent, merge_events
 from pipeline import Pipe
 from pipeline.launch import spawn

@@ -1,0 +1,7 @@
+"""`python -m benchmarks.planning`: the planning benchmark's command line."""
+
+from benchmarks.planning.run import main
+
+__all__: list[str] = []
+
+raise SystemExit(main())
