@@ -1,18 +1,13 @@
-"""Same-host links: ordered bytes between two process ranks of one machine over a Unix socket.
-
-gloo moves every point-to-point message through a rendezvous (the receiver announces its
-buffer, the sender announces its data, then the data moves) and through an I/O thread that
-wakes the waiting one: on loopback a 1 KiB round trip costs several hundred microseconds. When
-two ranks share a host, a connected Unix stream socket does the same job with one write and
-one read: the sender writes from its own thread (a writer thread takes over only a message the
-socket cannot take at once, so a send never blocks), and the receiver reads straight into its
-buffer from the thread that needs the data, waking the moment the bytes arrive. Between
-messages the waits check for failures every `WAKE` seconds, never per message.
+"""Same-host links: how two process ranks of one machine get a Unix socket, and who may use it.
 
 `connect` sets the links up through the rendezvous store, lets only the pair's own processes
-in (link_auth: peer credentials and a per-pair secret), and agrees with each peer whether its
-link works (containers that share a host name but not a network namespace fall back to gloo,
-as do other platforms and `PIPELINE_LOCAL_P2P=0`).
+in (link_auth: peer credentials and a per-pair secret; listener: connections taken from the
+moment the socket exists) and agrees with each peer whether its link works. Ranks on other
+hosts, ranks whose links are off (`PIPELINE_LOCAL_P2P=0`) and other platforms use the
+process group's backend. A pair on this host that fails to link falls back to the backend
+too, with a `LinkFallbackWarning` saying why (containers that share a host name but not a
+network namespace, a full backlog until the deadline, a record that fails the checks), or
+with a `PipelineError` under `PIPELINE_LOCAL_P2P=require`. The link itself: socket_link.py.
 """
 
 from __future__ import annotations
@@ -20,244 +15,54 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
-import select
 import socket
 import sys
-import threading
 import time
-import uuid
-from collections import deque
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from pipeline.comm import link_auth
-from pipeline.comm.transport import Broken
-from pipeline.errors import PipeConfigError
+from pipeline.comm.listener import Listener
+from pipeline.comm.socket_link import (
+    SPIN,
+    SPIN_ENV,
+    WAKE,
+    LinkBroken,
+    LinkSend,
+    SocketLink,
+    spin_setting,
+    spin_time,
+)
+from pipeline.errors import PipeConfigError, PipelineError
 
-__all__ = ["ENV", "SPIN_ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "connect",
-           "host_key", "spin_setting", "spin_time"]
+__all__ = ["ENV", "MODES", "SPIN", "SPIN_ENV", "WAKE", "LinkBroken", "LinkFallbackWarning",
+           "LinkSend", "SocketLink", "connect", "host_key", "local_p2p", "spin_setting",
+           "spin_time"]
 
-ENV = "PIPELINE_LOCAL_P2P"  # "0": same-host ranks talk over the process group's backend too
-SPIN_ENV = "PIPELINE_SPIN_US"  # microseconds a receive polls before it sleeps (0: never)
-# The default, when this host has a CPU for each of the job's processes: long enough to cover
-# a peer's forward or backward of a few milliseconds (a wait that ends asleep pays the wake-up
-# on the message that ends it), short enough that a bubble or a stalled peer holds no core.
-SPIN = 5e-3
-WAKE = 0.05  # seconds between failure checks while a wait has nothing to read or write
+ENV = "PIPELINE_LOCAL_P2P"
+# "1" (the default): links where they work, a warning where a pair on this host falls back;
+# "0": same-host ranks talk over the process group's backend too; "require": a pair on this
+# host that cannot link is an error (a fall back can cost a latency-bound job several times).
+MODES = ("1", "0", "require")
 # Per (group, rank): links set up so far, the same count on every rank of a group.
 _instances: dict[tuple[str, int], int] = {}
+_RETRY = 0.05  # the longest pause between connects a full backlog refused (EAGAIN)
 
 
-class LinkBroken(Broken):
-    """The peer closed its end (its process died) or the socket failed."""
+class LinkFallbackWarning(RuntimeWarning):
+    """Two ranks on this host talk over the process group's backend: their link failed."""
 
 
-class LinkSend:
-    """One message being written: done once every byte is in the socket. It holds `keep` (the
-    objects owning the buffers' memory) until then. A `transport.Pending`."""
-
-    __slots__ = ("done_", "error", "event", "keep", "parts")
-
-    def __init__(self, parts: list[memoryview], keep: object) -> None:
-        self.parts = parts  # what is left to write
-        self.keep = keep
-        self.done_ = False
-        self.error: BaseException | None = None
-        self.event: threading.Event | None = None  # only for sends the writer thread finishes
-
-    def done(self) -> bool:
-        return self.done_
-
-    def advance(self, sent: int) -> bool:
-        """Drop the first `sent` bytes from what is left; whether all is written."""
-        parts = self.parts
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts.pop(0))
-        if sent:
-            parts[0] = parts[0][sent:]
-        if not parts:
-            self.done_, self.keep = True, None
-        return self.done_
-
-    def wait(self, deadline: float, tick: Callable[[float], None] | None = None) -> None:
-        """Until the last byte is written: raise TimeoutError after `deadline` (monotonic),
-        and call `tick(now)` after each WAKE seconds without progress, if given (it raises to
-        give up)."""
-        while not self.done_:
-            assert self.event is not None
-            woke = self.error is not None or self.event.wait(WAKE)
-            if self.error is not None:
-                raise LinkBroken(str(self.error))
-            if woke:  # written: no failure check (a store read) on the way out
-                continue
-            now = time.monotonic()
-            if tick is not None:
-                tick(now)
-            if now > deadline and not self.done_:
-                raise TimeoutError
-
-
-class SocketLink:
-    """A connected Unix stream socket to one peer: ordered messages both ways.
-
-    A message is a list of buffers written with one `sendmsg` (scatter-gather: a header and
-    tensors' own memory, never packed into one) in the caller's thread when the socket takes
-    it whole (the usual case: the kernel buffers a message until the peer reads it); what it
-    cannot take waits, in order, for the link's writer thread. Receives read straight into the
-    caller's buffers (`recvmsg_into`), in the caller's thread.
-    """
-
-    def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
-        sock.setblocking(False)
-        self._sock = sock
-        self.spin = spin  # seconds a receive retries before it sleeps (see spin_time)
-        self._readable = select.poll()
-        self._readable.register(sock.fileno(), select.POLLIN)
-        self._lock = threading.Condition()
-        self._queue: deque[LinkSend] = deque()  # sends not yet written whole, oldest first
-        self._last: LinkSend | None = None  # the latest send the writer thread finishes
-        self._writer: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-
-    def send(self, parts: list[memoryview], keep: object = None) -> LinkSend:
-        """Start sending the bytes of `parts`, in order, as one message; never blocks. `keep`
-        owns their memory and is held until they are written (the caller must not change
-        it meanwhile)."""
-        item = LinkSend(parts, keep)
-        with self._lock:
-            if self._error is not None:
-                raise LinkBroken(str(self._error))
-            if not self._queue:  # nothing ahead of it: write now
-                try:
-                    if item.advance(self._sock.sendmsg(parts)):
-                        return item
-                except BlockingIOError:  # the socket is full: the writer takes it all
-                    pass
-                except OSError as exc:
-                    self._error = exc
-                    raise LinkBroken(str(exc)) from exc
-            item.event = threading.Event()
-            self._queue.append(item)
-            self._last = item
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, daemon=True,
-                                                name="pipeline-link-writer")
-                self._writer.start()
-            self._lock.notify()
-        return item
-
-    def flushed(self) -> LinkSend | None:
-        """The last send still being written (when it is done, every earlier one is), or None
-        when every send is in the socket."""
-        last = self._last
-        return None if last is None or last.done_ else last
-
-    def _write_loop(self) -> None:
-        writable = select.poll()
-        writable.register(self._sock.fileno(), select.POLLOUT)
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._lock.wait()
-                if self._closed:
-                    return
-                item = self._queue[0]
-            writable.poll(WAKE * 1000)
-            try:
-                sent = self._sock.sendmsg(item.parts)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                with self._lock:
-                    self._error = exc
-                    for waiting in self._queue:
-                        waiting.error = exc
-                        assert waiting.event is not None
-                        waiting.event.set()
-                    self._queue.clear()
-                return
-            if item.advance(sent):
-                with self._lock:
-                    self._queue.popleft()
-                assert item.event is not None
-                item.event.set()
-            del item  # hold no finished buffers while idle
-
-    def recv_into(self, parts: list[memoryview], deadline: float,
-                  tick: Callable[[float], None] | None = None) -> None:
-        """Fill the buffers of `parts`, in order, with the next bytes from the peer, waking as
-        they arrive. Raises LinkBroken when the peer is gone, TimeoutError after `deadline`
-        (monotonic); `tick(now)`, if given, runs each time a wait of WAKE brought nothing (it
-        raises to give up), never on the way of bytes that came."""
-        parts = [p for p in parts if len(p)]
-        spin_until = None
-        while parts:
-            try:
-                n = self._sock.recvmsg_into(parts)[0]
-            except BlockingIOError:
-                if self.spin:  # retry a while before sleeping: see spin_time
-                    now = time.perf_counter()
-                    if spin_until is None:
-                        spin_until = now + self.spin
-                    if now < spin_until:
-                        continue
-                if self._readable.poll(WAKE * 1000):
-                    continue  # the bytes (or the peer's end) came: read, check nothing
-                now = time.monotonic()
-                if tick is not None:
-                    tick(now)
-                if now > deadline:
-                    raise TimeoutError from None
-                continue
-            except OSError as exc:
-                raise LinkBroken(str(exc)) from exc
-            if n == 0:
-                raise LinkBroken("the peer closed the connection")
-            while parts and n >= len(parts[0]):
-                n -= len(parts.pop(0))
-            if n:
-                parts[0] = parts[0][n:]
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify()
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-
-def spin_setting() -> float | None:
-    """`PIPELINE_SPIN_US` in seconds, checked, or None when it is not set."""
-    raw = os.environ.get(SPIN_ENV)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e6:
-        raise PipeConfigError(f"{SPIN_ENV} must be a number of microseconds from 0 to 999999 "
-                              f"(got {raw!r}); 0 turns spinning off")
-    return value * 1e-6
-
-
-def spin_time(processes: int, setting: float | None) -> float:
-    """Seconds a receive over a link retries before it sleeps in `poll`, with `processes` of
-    the job on this host and `setting` from `spin_setting()`.
-
-    Waking a process that sleeps in `poll` costs tens of microseconds (more in a virtual
-    machine), which is most of a small message's cost; a receive that keeps trying sees the
-    bytes within a microsecond or two. That is worth a core only while every process of the
-    job has one: spinning on a shared core would take it from the peer that has to send. So
-    by default a receive spins for `SPIN` when this process may use at least as many CPUs as
-    the job has processes on this host, and never otherwise; `PIPELINE_SPIN_US` sets the time
-    (microseconds; 0 turns spinning off)."""
-    if setting is not None:
-        return setting
-    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1)
-    return SPIN if processes <= cpus else 0.0
+def local_p2p() -> str:
+    """`PIPELINE_LOCAL_P2P`, checked: one of `MODES`."""
+    raw = os.environ.get(ENV, "1")
+    if raw not in MODES:
+        raise PipeConfigError(
+            f"{ENV} must be 1 (same-host links, falling back to the backend with a warning), "
+            f"0 (no links) or require (a pair on one host that cannot link is an error); got "
+            f"{raw!r}: set one of these or unset it")
+    return raw
 
 
 def host_key() -> str:
@@ -289,13 +94,14 @@ def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, 
         store.set(f"{prefix}{step}/{me}", value)
         published.add(step)
 
-    if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
-        publish("host", "")  # links are off here: peers leave this rank to the backend
-        return {}
     socks: dict[int, socket.socket] = {}
     try:
-        return _connect(store, len(ranks), me, timeout, prefix, publish, socks,
-                        spin_setting())
+        mode = local_p2p()
+        if mode == "0" or not sys.platform.startswith("linux"):
+            publish("host", "")  # links are off here: peers leave this rank to the backend
+            return {}
+        links, why = _connect(store, len(ranks), me, timeout, prefix, publish, socks,
+                              spin_setting())
     except BaseException:
         for sock in socks.values():
             sock.close()
@@ -304,6 +110,24 @@ def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, 
                 if step not in published:
                     publish(step, "")
         raise
+    if why:
+        _fall_back(why, ranks, me, links, required=mode == "require")
+    return links
+
+
+def _fall_back(why: dict[int, str], ranks: list[int], me: int, links: dict[int, SocketLink],
+               *, required: bool) -> None:
+    """Say which peers on this host fall back to the backend, and why; or refuse to."""
+    lines = [f"rank {ranks[me]} has no same-host link with rank {ranks[peer]}: {reason}"
+             for peer, reason in sorted(why.items())]
+    if required:
+        for link in links.values():
+            link.close()
+        raise PipelineError("; ".join(lines) + f". {ENV}=require makes this an error: unset "
+                            f"it to let such pairs use the process group's backend")
+    for line in lines:
+        warnings.warn(f"{line}; the pair uses the process group's backend instead (slower). "
+                      f"{ENV}=require makes this an error", LinkFallbackWarning, stacklevel=3)
 
 
 # Abstract socket names are listed for every local user (/proc/net/unix), and anyone may
@@ -316,42 +140,53 @@ def connect(store: Any, ranks: list[int], me: int, timeout: float) -> dict[int, 
 # makes containers sharing a host name but not a network namespace fall back to the backend.
 def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
              publish: Callable[[str, str], None], socks: dict[int, socket.socket],
-             setting: float | None) -> dict[int, SocketLink]:
+             setting: float | None) -> tuple[dict[int, SocketLink], dict[int, str]]:
+    """The links of `connect`, and per peer on this host that has none, why."""
     deadline = time.monotonic() + timeout
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    why: dict[int, str] = {}
+    secrets = {peer: link_auth.new_secret() for peer in range(me + 1, size)}
+    # Takes connections from now on, before the store is read: see listener.py.
+    listener = Listener(me, secrets, deadline)
     try:
-        name = f"pipeline-{uuid.uuid4().hex}"
-        listener.bind("\0" + name)  # the abstract namespace: see above
-        listener.listen(size)
-        secrets = {peer: link_auth.new_secret() for peer in range(me + 1, size)}
         here = host_key()
-        publish("host", _record(here, name, os.getpid(), secrets))
+        publish("host", _record(here, listener.name, os.getpid(), secrets))
         peers: dict[int, tuple[str, int, dict[int, bytes]]] = {}  # same-host peer's record
         for peer in range(size):
             if peer != me:
-                raw = store.get(f"{prefix}host/{peer}").decode()
-                if raw:
-                    host, address, pid, theirs = _parse_record(raw)
-                    if host == here:
-                        peers[peer] = (address, pid, theirs)
+                raw = store.get(f"{prefix}host/{peer}")
+                try:
+                    record = _parse_record(raw)
+                except ValueError:
+                    why[peer] = ("its record in the store is malformed (the store is open to "
+                                 "every local user: see docs/security.md)")
+                    continue
+                if record is not None and record[0] == here:
+                    peers[peer] = record[1:]
         nonces: dict[int, bytes] = {}
         for peer in (p for p in peers if p < me):  # the higher rank of a pair dials
             address, pid, theirs = peers[peer]
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.settimeout(timeout)
-                sock.connect("\0" + address)
-                link_auth.check_peer(sock, pid)
+                if me not in theirs:
+                    raise link_auth.Refused("its record holds no secret for this pair")
+                sock = _dial(address, pid, deadline)
+                socks[peer] = sock
                 nonces[peer] = os.urandom(link_auth.NONCE)
                 sock.sendall(link_auth.hello(theirs[me], me, peer, nonces[peer]))
-                socks[peer] = sock
-            except OSError:  # Refused too: no link with this peer
-                sock.close()
+            except OSError as exc:  # Refused too: no link with this peer
+                with contextlib.suppress(KeyError):
+                    socks.pop(peer).close()
+                why[peer] = f"connecting to its socket failed: {_reason(exc)}"
         publish("dialed", ",".join(map(str, socks)))
-        callers = {p: (peers[p][1], secrets[p]) for p in peers if p > me
-                   and str(me) in store.get(f"{prefix}dialed/{p}").decode().split(",")}
-        # A caller that never proves itself keeps the backend: see the agreement below.
-        socks.update(link_auth.accept(listener, callers, me, deadline))
+        callers = {}
+        for p in (p for p in peers if p > me):
+            if str(me) in store.get(f"{prefix}dialed/{p}").decode(errors="replace").split(","):
+                callers[p] = peers[p][1]
+            else:
+                why[p] = "it did not connect to this rank (its own warning says why)"
+        listener.expect(callers)
+        linked, refused = listener.result()
+        socks.update(linked)
+        why.update(refused)
     finally:
         listener.close()
     for peer in [p for p in socks if p < me]:  # the listener must prove the secret too
@@ -359,9 +194,10 @@ def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
             socks[peer].settimeout(max(0.0, deadline - time.monotonic()))
             if not hmac.compare_digest(_read(socks[peer], link_auth.ANSWER), link_auth.answer(
                     peers[peer][2][me], peer, me, nonces[peer])):
-                raise link_auth.Refused(f"rank {peer}'s answer does not prove the secret")
-        except OSError:
+                raise link_auth.Refused("its answer does not prove the pair's secret")
+        except OSError as exc:
             socks.pop(peer).close()
+            why[peer] = f"its handshake failed: {_reason(exc)}"
     publish("linked", ",".join(map(str, socks)))
     # This group's processes here, or the whole job's (torchrun and pipeline.launch say).
     local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -369,12 +205,49 @@ def _connect(store: Any, size: int, me: int, timeout: float, prefix: str,
     spin = spin_time(local, setting)
     links = {}
     for peer, sock in list(socks.items()):
-        if str(me) in store.get(f"{prefix}linked/{peer}").decode().split(","):
+        if str(me) in store.get(f"{prefix}linked/{peer}").decode(errors="replace").split(","):
             links[peer] = SocketLink(sock, spin)
         else:
             sock.close()
+            why[peer] = "it did not confirm the link (its own warning says why)"
         del socks[peer]
-    return links
+    return links, why
+
+
+def _dial(address: str, pid: int, deadline: float) -> socket.socket:
+    """A connection to the abstract socket `address` of process `pid`, its credentials
+    checked. A full backlog (EAGAIN: a stranger may be flooding it) is retried until
+    `deadline`; any other failure raises at once (ECONNREFUSED: no such socket here)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)  # a Unix connect never waits: it links or says why
+        pause = 1e-3
+        while True:
+            try:
+                sock.connect("\0" + address)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("its listen backlog stayed full until the deadline "
+                                       "(another local process may be flooding it)") from None
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, _RETRY)
+        link_auth.check_peer(sock, pid)
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _reason(exc: OSError) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return (f"{exc} (no socket of that name here: another network namespace, as in "
+                f"containers that share a host name?)")
+    if isinstance(exc, link_auth.Refused | TimeoutError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _record(host: str, name: str, pid: int, secrets: dict[int, bytes]) -> str:
@@ -384,8 +257,15 @@ def _record(host: str, name: str, pid: int, secrets: dict[int, bytes]) -> str:
                                                      secrets.items())])
 
 
-def _parse_record(raw: str) -> tuple[str, str, int, dict[int, bytes]]:
-    host, name, pid, secrets = raw.split("\n")
+def _parse_record(raw: bytes | str) -> tuple[str, str, int, dict[int, bytes]] | None:
+    """A peer's record from the store; None when its links are off. Raises ValueError for one
+    no rank of ours writes (anyone local can write the store)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw  # UnicodeDecodeError: a ValueError
+    if not text:
+        return None
+    host, name, pid, secrets = text.split("\n")
+    if not name.startswith("pipeline-") or not name.isprintable():
+        raise ValueError(f"not a link's socket name: {name!r}")
     pairs = (item.split(":") for item in secrets.split(",") if item)
     return host, name, int(pid), {int(p): bytes.fromhex(s) for p, s in pairs}
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +22,7 @@ from pipeline.comm.same_host import (
     SPIN_ENV,
     WAKE,
     LinkBroken,
+    LinkFallbackWarning,
     LinkSend,
     SocketLink,
     connect,
@@ -30,6 +32,7 @@ from pipeline.comm.same_host import (
 )
 from pipeline.comm.wire import memory
 from pipeline.errors import PipeConfigError
+from tests.other_user import other_user, run_as_other, start_as_other
 
 
 def _pair() -> tuple[SocketLink, SocketLink]:
@@ -456,3 +459,242 @@ def test_spinning_is_on_only_while_each_process_has_a_cpu(monkeypatch: pytest.Mo
         monkeypatch.setenv(SPIN_ENV, raw)
         with pytest.raises(PipeConfigError, match=rf"PIPELINE_SPIN_US must be .* \(got '{raw}'\)"):
             spin_setting()
+
+
+# -- strangers: another local user, the store open to all -------------------------------------
+# Runs as uid 65534: fills the listen backlog of the socket named argv[1] (connecting and
+# closing its end: a connection waits in the backlog until it is taken, whoever closed it),
+# stopping at the first EAGAIN or after argv[2] connections; reports how many got in.
+_FLOOD = """
+import socket, sys
+count = 0
+for _ in range(int(sys.argv[2])):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect("\\0" + sys.argv[1])
+    except BlockingIOError:
+        sock.close()
+        break
+    sock.close()
+    count += 1
+print(count, flush=True)
+"""
+
+
+class _FloodFirst(_Store):
+    """Before anyone can read rank 0's address, a process of another user fills its
+    socket's backlog (it watched /proc/net/unix, where every user sees the new name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flooded = -1
+
+    def set(self, key: str, value: str) -> None:
+        if key.endswith("/host/0") and self.flooded < 0:
+            done = run_as_other(_FLOOD, value.split("\n")[1], "5000")
+            assert done.returncode == 0, done.stderr
+            self.flooded = int(done.stdout)
+        super().set(key, value)
+
+
+@other_user
+def test_a_stranger_filling_the_backlog_first_does_not_stop_the_link() -> None:
+    # Before: the backlog held size + 1 connections (3 for a pair) and nothing took them until
+    # the store was read; rank 1's connect failed with EAGAIN, was taken for a refusal, and
+    # the pair fell back to gloo without a word. Now connections are taken (another uid's
+    # closed at once) from the moment the socket exists, and EAGAIN is retried.
+    store = _FloodFirst()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LinkFallbackWarning)
+        links = _connect_all(store, [0, 1])
+    assert store.flooded > 0
+    assert [sorted(x) for x in links] == [[1], [0]]
+    _send(links[1][0], torch.arange(4, dtype=torch.uint8))
+    assert torch.equal(_recv(links[0][1], 4), torch.arange(4, dtype=torch.uint8))
+
+
+class _Redirected(_Store):
+    """What rank 1 reads as rank 0's address is `record(rank 0's real record)`."""
+
+    def __init__(self, record: Callable[[str], str]) -> None:
+        super().__init__()
+        self.record = record
+
+    def get(self, key: str) -> bytes:
+        value = super().get(key)
+        if key.endswith("/host/0") and threading.current_thread().name == "1":
+            return self.record(value.decode()).encode()
+        return value
+
+
+def _connect_named(store: _Store, ranks: list[int], timeout: float = 10
+                   ) -> tuple[list[dict[int, SocketLink]], list[str], list[str]]:
+    """connect on threads named by rank; the links, errors and LinkFallbackWarnings."""
+    out: list[dict[int, SocketLink]] = [{} for _ in ranks]
+    errors: list[str] = []
+
+    def run(me: int) -> None:
+        try:
+            out[me] = connect(store, ranks, me, timeout=timeout)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    said = [str(w.message) for w in seen if issubclass(w.category, LinkFallbackWarning)]
+    return out, sorted(errors), sorted(said)
+
+
+def _elsewhere(record: str) -> str:
+    """Rank 0's record with a socket name nobody bound (a container's own network
+    namespace)."""
+    host, _, pid, secrets = record.split("\n")
+    return "\n".join([host, "pipeline-" + "0" * 32, pid, secrets])
+
+
+def test_a_pair_on_one_host_that_cannot_link_falls_back_with_a_warning_naming_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the pair went over gloo without a word (a latency-bound job several times
+    # slower, nobody told why).
+    monkeypatch.delenv(ENV, raising=False)
+    links, errors, said = _connect_named(_Redirected(_elsewhere), [0, 1])
+    assert links == [{}, {}] and errors == []
+    assert len(said) == 2
+    assert said[0].startswith("rank 0 has no same-host link with rank 1: it did not connect")
+    assert said[1].startswith("rank 1 has no same-host link with rank 0: connecting to its "
+                              "socket failed: [Errno 111] Connection refused (no socket of "
+                              "that name here")
+    assert all(f"{ENV}=require makes this an error" in s for s in said)
+
+
+def test_require_makes_a_fallback_an_error_and_keeps_the_ranks_in_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "require")
+    store = _Redirected(_elsewhere)
+    links, errors, said = _connect_named(store, [0, 1])
+    assert links == [{}, {}] and said == []
+    assert len(errors) == 2 and all(e.startswith("PipelineError: rank ") for e in errors)
+    assert "rank 1 has no same-host link with rank 0: connecting to its socket failed" in (
+        errors[1])
+    assert f"{ENV}=require makes this an error: unset it" in errors[0]
+    store.record = lambda record: record  # the next round links
+    links, errors, said = _connect_named(store, [0, 1])
+    assert [sorted(x) for x in links] == [[1], [0]] and errors == said == []
+
+
+@pytest.mark.parametrize("raw", ["yes", "true", "2", " 1", "REQUIRE"])
+def test_the_local_p2p_setting_is_checked(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    # Before: anything but "0" meant on, so a misspelt "require" silently did nothing.
+    monkeypatch.setenv(ENV, raw)
+    links, errors, _ = _connect_named(_Store(), [0, 1])
+    assert links == [{}, {}]
+    assert errors == [f"PipeConfigError: {ENV} must be 1 (same-host links, falling back to the "
+                      f"backend with a warning), 0 (no links) or require (a pair on one host "
+                      f"that cannot link is an error); got {raw!r}: set one of these or unset "
+                      f"it"] * 2
+    monkeypatch.setenv(ENV, "1")
+    assert [sorted(x) for x in _connect_all(_Store(), [0, 1])] == [[1], [0]]  # in step
+
+
+class _StolenFirst(_ImpostorFirst):
+    """The impostor runs as another user: it read rank 1's secret from the store (open to
+    every local user) and connects first with a hello that proves it."""
+
+    def set(self, key: str, value: str) -> None:
+        if key.endswith("/host/0") and self.impostor is None:
+            name = value.split("\n")[1]
+            self.impostor = start_as_other(_IMPOSTOR, name, _secret_hello(value, 1).hex())
+            assert self.impostor.stdout is not None
+            assert self.impostor.stdout.readline() == "connected\n"
+        _Store.set(self, key, value)
+
+
+@other_user
+def test_a_stolen_secret_used_by_another_uid_is_refused_and_the_ranks_still_link() -> None:
+    store = _StolenFirst(lambda _: b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LinkFallbackWarning)
+        links = _connect_all(store, [0, 1])
+    assert [sorted(x) for x in links] == [[1], [0]]
+    _send(links[1][0], torch.arange(8, dtype=torch.uint8))
+    assert torch.equal(_recv(links[0][1], 8), torch.arange(8, dtype=torch.uint8))
+    assert store.impostor_saw() == "closed"  # refused on its uid, its hello never read
+
+
+# Runs as uid 65534: listens on a socket of the links' kind, prints its name and pid, then
+# reports how many bytes the first connection sent it before closing.
+_PLANTER = """
+import os, socket
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+name = "pipeline-" + os.urandom(16).hex()
+sock.bind("\\0" + name)
+sock.listen(8)
+print(name, os.getpid(), flush=True)
+sock.settimeout(120)  # a hang guard
+conn, _ = sock.accept()
+got = b""
+conn.settimeout(120)
+while chunk := conn.recv(4096):
+    got += chunk
+print(len(got), flush=True)
+"""
+
+
+@other_user
+def test_a_record_planted_by_another_uid_lets_it_in_nowhere_and_stalls_nothing() -> None:
+    # Anyone local can write the store: here rank 1 reads, as rank 0's address, a record
+    # another user planted, naming that user's own socket and pid and a secret it chose.
+    # Rank 1 refuses the socket on its uid before sending a byte; the pair warns and falls
+    # back at once (not at the timeout), and the next round links.
+    planter = start_as_other(_PLANTER)
+    assert planter.stdout is not None
+    name, pid = planter.stdout.readline().split()
+    try:
+        planted = lambda record: "\n".join(  # noqa: E731
+            [record.split("\n")[0], name, pid, "1:" + "ab" * 32])
+        store = _Redirected(planted)
+        links, errors, said = _connect_named(store, [0, 1], timeout=600)
+        assert links == [{}, {}] and errors == []
+        assert any(s.startswith("rank 1 has no same-host link with rank 0: connecting to "
+                                "its socket failed: the peer runs as uid 65534") for s in said)
+        assert planter.stdout.readline().strip() == "0"  # not even the hello reached it
+        store.record = lambda record: record
+        assert [sorted(x) for x in _connect_all(store, [0, 1])] == [[1], [0]]
+    finally:
+        planter.kill()
+        planter.wait()
+
+
+@pytest.mark.parametrize("planted", [
+    "garbage", "a\nb\nc\nd", "host\npipeline-x\nnot-a-pid\n", "host\npipeline-x\n1\n1:zz",
+    "\n\n\n\n\n", "host\n\0pipeline-x\n1\n",
+])
+def test_a_malformed_record_in_the_store_is_a_warning_not_a_crash(planted: str) -> None:
+    # Before: a raw ValueError out of the transport's construction on rank 1.
+    links, errors, said = _connect_named(_Redirected(lambda _: planted), [0, 1])
+    assert links == [{}, {}] and errors == []
+    assert "rank 1 has no same-host link with rank 0: its record in the store is malformed" in (
+        " ".join(said))
+
+
+def test_a_planted_dial_announcement_holds_the_listener_only_briefly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 reads that rank 1 dialed it (planted: rank 1 could not). A real caller connects
+    # and says hello before it announces its dial, so rank 0 waits PROVE seconds for it, not
+    # the whole timeout (600 s here: the test's own timeout would end it first).
+    monkeypatch.setattr("pipeline.comm.listener.PROVE", 0.5)
+
+    class Planted(_Redirected):
+        def get(self, key: str) -> bytes:
+            return b"0" if key.endswith("/dialed/1") else super().get(key)
+
+    links, errors, said = _connect_named(Planted(lambda _: "garbage"), [0, 1], timeout=600)
+    assert links == [{}, {}] and errors == []
+    assert any(s.startswith("rank 0 has no same-host link with rank 1: rank 1 announced its "
+                            "dial but no connection of it proved itself in time") for s in said)
