@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.comm import failures, quiet_exit
+from pipeline.comm import failures, quiet_exit, wire
 from pipeline.comm.channels import RESULT, BadFlag, Channel, LinkChannel, Received
 from pipeline.comm.failures import (
     PeerFailure,
@@ -52,6 +52,7 @@ class ProcessTransport:
                  group: dist.ProcessGroup | None = None,
                  watch: tuple[int, ...] | None = None,
                  names: Callable[[int], str] | None = None) -> None:
+        wire.check_limit()  # a bad PIPELINE_MAX_MESSAGE_BYTES: refused here, not at import
         self.rank = rank  # within `group`
         self.device = device
         self.timeout = timeout

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.runtime.microbatch import Packed
 
 __all__ = [
@@ -37,10 +37,12 @@ __all__ = [
     "Meta",
     "allocate",
     "buffer_size",
+    "check_limit",
     "describe",
     "flag_word",
     "header_bytes",
     "memory",
+    "message_limit",
     "pack",
     "parse",
     "parts",
@@ -69,8 +71,48 @@ def _memory_bytes() -> int:
         return 1 << 40
 
 
+_MIN_LIMIT, _MAX_LIMIT = 1024, 1 << 62  # above 2**62, byte counts near int64's end
+
+
+def message_limit(raw: str | None) -> int:
+    """The bound `PIPELINE_MAX_MESSAGE_BYTES` = `raw` sets (None or empty: this machine's
+    memory). A whole number of bytes, written as an integer or in float notation (`1e9`,
+    `2.5e9`: what people write for large numbers, and exact there); raises PipeConfigError
+    for anything else."""
+    if not raw:
+        return _memory_bytes()
+    try:
+        value = float(raw.strip())
+        whole = value.is_integer()
+    except (ValueError, OverflowError):
+        whole = False
+    if not whole or not _MIN_LIMIT <= value <= _MAX_LIMIT:
+        raise PipeConfigError(
+            f"{LIMIT_ENV} must be a whole number of bytes from {_MIN_LIMIT} to 2**62 (an "
+            f"integer or float notation such as 1e9); got {raw!r}: set such a number, or "
+            f"unset it to bound messages by this machine's memory")
+    return int(raw) if raw.strip().isdigit() else int(value)
+
+
+def _initial_limit() -> tuple[int, PipeConfigError | None]:
+    # Read at import but never raised there: `import pipeline` (for schedules, pipeviz, a
+    # single-process Pipe, none of which parses a header) must not die of a setting only the
+    # process transport uses, with a traceback through the import machinery. The transport
+    # raises it when it is built (check_limit), on every rank, before any message moves.
+    try:
+        return message_limit(os.environ.get(LIMIT_ENV)), None
+    except PipeConfigError as exc:
+        return _memory_bytes(), exc
+
+
 # The largest message a receiver allocates (a header declaring more is refused, not allocated).
-MAX_MESSAGE_BYTES = int(os.environ.get(LIMIT_ENV) or _memory_bytes())
+MAX_MESSAGE_BYTES, _LIMIT_ERROR = _initial_limit()
+
+
+def check_limit() -> None:
+    """Raise the PipeConfigError of a bad `PIPELINE_MAX_MESSAGE_BYTES`, if it was set so."""
+    if _LIMIT_ERROR is not None:
+        raise _LIMIT_ERROR
 
 
 class BadHeader(PipelineError):
@@ -137,14 +179,24 @@ def parse(meta: Meta) -> list[tuple[torch.dtype, bool, tuple[int, ...]] | None]:
         _check(0 <= ndim <= n - i - 4, f"ndim (entry {k})", ndim,
                f"0 to {n - i - 4} (the slots left in the header)")
         shape = meta[i + 4:i + 4 + ndim]
-        size = _DTYPES[code].itemsize
+        size = itemsize = dtype.itemsize
+        elements = 1
         for d, dim in enumerate(shape):
             _check(0 <= dim <= MAX_MESSAGE_BYTES, f"dimension {d} (entry {k})", dim,
                    f"0 to {MAX_MESSAGE_BYTES}")
             size *= dim
+            elements *= max(dim, 1)
         total += -(-size // ALIGN) * ALIGN
         _check(total <= MAX_MESSAGE_BYTES, "bytes", total,
                f"at most {MAX_MESSAGE_BYTES} (the bound on a message; {LIMIT_ENV} sets it)")
+        # A zero dimension makes the byte count 0 whatever the others are, but torch still
+        # computes strides from them: (0, 2**30, 2**30, 2**30) overflows them. So the
+        # nonzero dimensions are bounded as if the zero were a one (without a zero, this is
+        # the byte count checked above).
+        _check(elements * itemsize <= MAX_MESSAGE_BYTES,
+               f"product of the nonzero dimensions (entry {k})", elements,
+               f"at most {MAX_MESSAGE_BYTES // itemsize} ({str(dtype)[6:]} elements within the "
+               f"bound on a message, {LIMIT_ENV}, even when another dimension is 0)")
         out.append((_DTYPES[code], bool(grad), tuple(shape)))
         i += 4 + ndim
     _check(i == n, "length", n, f"{i} slots (what the entries take)")

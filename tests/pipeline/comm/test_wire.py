@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -16,15 +18,18 @@ from pipeline.comm.process_group import ProcessTransport
 from pipeline.comm.same_host import SocketLink
 from pipeline.comm.wire import (
     HEADER,
+    LIMIT_ENV,
     buffer_size,
+    check_limit,
     describe,
+    message_limit,
     pack,
     parse,
     parts,
     read_header,
     unpack,
 )
-from pipeline.errors import PipelineError
+from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.runtime.microbatch import Packed
 from tests.strategies import wire_headers, wire_values
 
@@ -36,6 +41,10 @@ MSG = ("F", 1, 0)
     ((0, 1, 1, -1, 0, 1, 4), "dtype"),         # once silently complex64 (the last entry)
     ((0, 1, 1, 11, 0, 1, 4), "dtype"),         # once an IndexError
     ((0, 1, 1, 0, 0, 3, 1 << 20, 1 << 20, 1 << 20), "bytes"),  # once a 4 EiB torch.empty
+    # 0 bytes, but strides of 2**90 elements: once torch.empty's "Stride calculation
+    # overflowed", naming neither peer nor field
+    ((0, 1, 1, 0, 0, 4, 0, 1 << 30, 1 << 30, 1 << 30), "product of the nonzero dimensions"),
+    ((0, 1, 1, 0, 0, 3, 1 << 30, 0, 1 << 30), "product of the nonzero dimensions"),
     ((0, 1, 1, 0, 0, 1, -4), "dimension 0"),
     ((0, 1, 1, 0, 0, -1), "ndim"),
     ((0, 1, 1, 0, 0, 9, 4), "ndim"),            # more dimensions than the header holds
@@ -298,3 +307,71 @@ def test_a_result_of_another_shape_is_a_pipeline_error() -> None:
         t.recv_result(0, (6,), torch.float32)
     t.close()
     sender.close()
+
+
+def test_a_header_of_zero_bytes_and_huge_dimensions_breaks_the_transport_naming_the_peer() -> None:
+    # (0, 2**30, 2**30, 2**30) is 0 bytes: it passed parse, then torch.empty raised a bare
+    # RuntimeError ("Stride calculation overflowed") and the transport stayed usable.
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t = _receiver(mine)
+    _expect(t, MSG, MSG)
+    meta = [0, 1, 1, 0, 0, 4, 0, 1 << 30, 1 << 30, 1 << 30]
+    theirs.sendall(_new_shapes(meta + [0] * (HEADER - len(meta))))
+    with pytest.raises(PipelineError, match=r"rank 0 sent .* bad header: header field product "
+                                            r"of the nonzero dimensions \(entry 0\) is "
+                                            rf"{1 << 90}; expected at most"):
+        t.wait(MSG, 0, CPU)
+    with pytest.raises(PipelineError, match="unusable after an earlier failure"):
+        t.wait(MSG, 0, CPU)
+    t.close()
+    theirs.close()
+
+
+@pytest.mark.parametrize(("raw", "limit"), [
+    ("1e9", 10**9), ("2.5e9", 2_500_000_000), ("1000000", 10**6), ("1_000_000", 10**6),
+    (" 4096 ", 4096), ("4611686018427387904", 1 << 62),
+])
+def test_the_message_bound_reads_whole_numbers_as_people_write_them(raw: str, limit: int
+                                                                   ) -> None:
+    assert message_limit(raw) == limit
+
+
+@pytest.mark.parametrize("raw", ["lots", "1.5", "1e3", "0", "-1e9", "inf", "nan", "1e30",
+                                 "1GiB"])
+def test_a_bad_message_bound_is_refused_with_the_rule_the_value_and_the_fix(raw: str) -> None:
+    with pytest.raises(PipeConfigError, match=(
+            rf"^{LIMIT_ENV} must be a whole number of bytes from 1024 to 2\*\*62 \(an integer "
+            rf"or float notation such as 1e9\); got '{raw}': set such a number, or unset it")):
+        message_limit(raw)
+
+
+def _import_with(raw: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**__import__("os").environ, LIMIT_ENV: raw}, timeout=120)
+
+
+def test_the_message_bound_never_breaks_import_pipeline() -> None:
+    # Before: `PIPELINE_MAX_MESSAGE_BYTES=1e9 python -c "import pipeline"` died with a bare
+    # ValueError (int('1e9')) from inside the import machinery.
+    done = _import_with("1e9", "import pipeline.comm.wire as w; print(w.MAX_MESSAGE_BYTES)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(10**9)
+    # A value no rule reads: import works (schedules, pipeviz, threads need no bound); the
+    # process transport refuses it when it is built (check_limit), before any message.
+    done = _import_with("lots", "import pipeline\nfrom pipeline.comm import wire\n"
+                                "try:\n    wire.check_limit()\n"
+                                "except pipeline.errors.PipeConfigError as e:\n    print(e)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{LIMIT_ENV} must be a whole number of bytes")
+    check_limit()  # this process's setting is fine
+
+
+def test_the_process_transport_refuses_a_bad_message_bound_before_anything_else(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Built on every rank alike, before any link or message: the one place it is raised.
+    try:
+        message_limit("lots")
+    except PipeConfigError as exc:
+        monkeypatch.setattr("pipeline.comm.wire._LIMIT_ERROR", exc)
+    with pytest.raises(PipeConfigError, match=f"{LIMIT_ENV} must be .* got 'lots'"):
+        ProcessTransport(0, CPU, timeout=1.0)  # no process group needed to get there
