@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import os
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,9 +62,9 @@ def export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     model.train(train)
     stack: list[str] = []
     try:
-        with _module_stack(model, stack):
+        with _module_stack(model, stack), _named_keywords(model, args, kwargs) as forward:
             ep = _EXPORT(model, args, kwargs, strict=False,
-                         dynamic_shapes=_batch_dims(model, args, kwargs),
+                         dynamic_shapes=_batch_dims(forward, args, kwargs),
                          preserve_module_call_signature=tuple(preserve))
     except ExportError:
         raise
@@ -76,7 +76,51 @@ def export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     return ep
 
 
-def _batch_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+@contextlib.contextmanager
+def _named_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> Iterator[Callable[..., Any]]:
+    """The model's forward, seen by export with every keyword it is given as a named
+    parameter where the forward takes them through `**kwargs` (Hugging Face's flags, PEFT's
+    `forward(*args, **kwargs)`): export binds the inputs to the forward's signature and then
+    lays the keywords out again one by one, so a `**kwargs` parameter makes its own
+    `dynamic_shapes` a tree that matches neither ("Must provide a tree_name"). An instance
+    attribute `forward` with that signature, calling the model's own, is what export sees;
+    the model is left as it was."""
+    forward = model.forward
+    try:
+        signature = inspect.signature(forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"example_inputs do not fit {type(model).__name__}.forward: "
+                          f"{exc}") from None
+    var = [p.name for p in signature.parameters.values()
+           if p.kind is inspect.Parameter.VAR_KEYWORD and p.name in bound.arguments]
+    if not var:
+        yield forward
+        return
+
+    def named(*a: Any, **k: Any) -> Any:
+        return forward(*a, **k)
+    named.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(f"_arg{i}", inspect.Parameter.POSITIONAL_ONLY)
+         for i in range(len(args))]
+        + [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs])
+    saved = model.__dict__.get("forward", _NONE)
+    model.__dict__["forward"] = named
+    try:
+        yield named
+    finally:
+        if saved is _NONE:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = saved
+
+
+_NONE = object()
+
+
+def _batch_dims(forward: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
     """Dim 0 of every tensor symbolic, keyed by the forward's parameter names as export wants
     (AUTO: export keeps it static only where the model needs it to be, which
     `_check_batch_dim` then reports)."""
@@ -87,10 +131,9 @@ def _batch_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
         return pytree.tree_map(lambda v: {0: auto} if isinstance(v, torch.Tensor)
                                and v.dim() > 0 else None, value)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = inspect.signature(forward).bind(*args, **kwargs)
     except TypeError as exc:
-        raise ExportError(f"example_inputs do not fit {type(model).__name__}.forward: "
-                          f"{exc}") from None
+        raise ExportError(f"example_inputs do not fit the forward: {exc}") from None
     return {name: dims(value) for name, value in bound.arguments.items()}
 
 
