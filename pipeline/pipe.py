@@ -210,8 +210,8 @@ class Pipe(nn.Module):
         stage's rank and None on the others.
         """
         chunks = self.chunks if chunks is None else chunks
-        if self._io is not None and x is not None:  # None: a rank without the first stage
-            x = self._io.flatten(x)
+        if self._io is not None:  # None: a rank without the first stage
+            x = self._io.prepare(x, chunks)
         self._agreement.check(self, [(x, None)])
         inputs, _, _ = batches.share(self, x, None, None, chunks)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
@@ -221,8 +221,8 @@ class Pipe(nn.Module):
             result = self._run(self.program(chunks, train=False), step)
         if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
-        out = gather([result.outputs[m] for m in range(chunks)])
-        return self._io.unflatten(out, _mode(self)) if self._io is not None else out
+        outputs = [result.outputs[m] for m in range(chunks)]  # 0-dim ones combined as loss is
+        return self._io.merge(outputs) if self._io is not None else gather(outputs)
 
     def step(self, x: Any, target: Any, loss_fn: LossFn, *,
              loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
@@ -284,8 +284,8 @@ class Pipe(nn.Module):
         how = weighting.resolve(loss_fn, loss_reduction, loss_weight)
         if self._io is not None:  # the model's inputs flattened, its outputs rebuilt
             # None: a rank without the first stage (multi-process), as for nn.Sequential
-            pairs = [(self._io.flatten(x) if x is not None else None, t) for x, t in pairs]
-            loss_fn = self._io.with_outputs(loss_fn, _mode(self))
+            pairs = [(self._io.prepare(x), t) for x, t in pairs]
+            loss_fn = self._io.with_outputs(loss_fn)
         self._agreement.check(self, pairs)
         if self._replicas is not None:
             self._replicas.agree(self, len(pairs))
@@ -437,10 +437,6 @@ class Pipe(nn.Module):
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
                 f"chunks={self.chunks}, schedule={self._probe.name!r}, "
                 f"checkpoint={self.checkpoint!r}")
-
-
-def _mode(module: nn.Module) -> str:
-    return "train" if module.training else "eval"
 
 
 def _step_seed() -> int:

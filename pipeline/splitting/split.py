@@ -12,6 +12,7 @@ from pipeline.errors import PipeConfigError
 from pipeline.splitting import cut as cutting
 from pipeline.splitting import trace
 from pipeline.splitting.outline import outline
+from pipeline.splitting.scalars import Scalars, plan
 from pipeline.splitting.traced import MODES, SplitModel, TracedStage, place_tensors
 
 __all__ = ["Agree", "block_points", "split"]
@@ -48,24 +49,27 @@ def split(model: nn.Module, example_inputs: Any, *, split_points: Sequence[str] 
                 for mode in MODES}
     for ep in programs.values():
         outline(ep, model, keep_whole)
+    scalars = {mode: plan(ep.graph, [node for node, _, tensor in cutting.user_inputs(ep)
+                                     if tensor and node.meta["val"].dim() > 0])
+               for mode, ep in programs.items()}
     if split_points is None:
         assert stages is not None
         split_points = _choose(model, programs["train"], (args, kwargs), stages, balance,
-                               agree)
+                               agree, scalars["train"])
     inside = [p for p in split_points if any(p.startswith(w + ".") for w in keep_whole)]
     if inside:
         raise PipeConfigError(f"split points {inside} lie inside modules kept whole "
                               f"({keep_whole}): a stage cannot begin inside a module call")
-    split = _build(model, programs, split_points)
+    split = _build(model, programs, split_points, scalars)
     split.whole = tuple(keep_whole)
     return split
 
 
-def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[str]
-           ) -> SplitModel:
+def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[str],
+           scalars: dict[str, Scalars]) -> SplitModel:
     pieces = {mode: cutting.cut(ep, model, split_points) for mode, ep in programs.items()}
     num = len(split_points) + 1
-    stages = [TracedStage(s, {m: pieces[m][s] for m in MODES}) for s in range(num)]
+    stages = [TracedStage(s, {m: pieces[m][s] for m in MODES}, model) for s in range(num)]
     used = [set(itertools.chain.from_iterable(pieces[m][s].tensors for m in MODES))
             for s in range(num)]
     place_tensors(model, stages, used)
@@ -76,7 +80,7 @@ def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[st
     constants = {i: value for i, (_, value, tensor) in enumerate(cutting.user_inputs(train))
                  if not tensor}
     return SplitModel(stages, in_spec, {m: programs[m].call_spec.out_spec for m in MODES},
-                      constants, split_points)
+                      constants, split_points, scalars)
 
 
 def block_points(model: nn.Module, ep: Any) -> list[str]:
@@ -99,7 +103,7 @@ def block_points(model: nn.Module, ep: Any) -> list[str]:
 
 
 def _choose(model: nn.Module, ep: Any, example: tuple[Any, Any], stages: int,
-            balance: str, agree: Agree | None) -> list[str]:
+            balance: str, agree: Agree | None, scalars: Scalars) -> list[str]:
     """Split points for `stages` stages: cut at every block, balance the pieces as Pipe
     balances layers, keep the cuts between stages."""
     from pipeline.splitting.config import balance_layers  # config imports this module
@@ -111,7 +115,7 @@ def _choose(model: nn.Module, ep: Any, example: tuple[Any, Any], stages: int,
             f"{len(points) + 1} blocks to split between), got {stages}")
     if stages == 1:
         return []
-    fine = _build(model, {m: ep for m in MODES}, points)
+    fine = _build(model, {m: ep for m in MODES}, points, {m: scalars for m in MODES})
 
     def sizes() -> list[int]:
         return balance_layers(fine, balance, stages, fine.flatten(example))

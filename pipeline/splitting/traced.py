@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
 from pipeline.splitting.cut import Piece
+from pipeline.splitting.scalars import Scalars
 from pipeline.splitting.trace import check_example
 
 __all__ = ["MODES", "Mirror", "SplitModel", "TracedStage", "layer_key", "merge_into",
@@ -35,16 +36,51 @@ class Mirror(nn.Module):
 
 class TracedStage(nn.Module):
     """One stage: takes the tuple of values crossing into it and returns the tuple crossing
-    out, running the train or the eval graph as `self.training` says (model.eval() turns
-    dropout off and BatchNorm to its running statistics, as in the model)."""
+    out, running the train or the eval graph as the model's mode says at each call
+    (model.eval() turns dropout off and BatchNorm to its running statistics, as in the
+    model)."""
 
-    def __init__(self, index: int, pieces: dict[str, Piece]) -> None:
+    def __init__(self, index: int, pieces: dict[str, Piece], model: nn.Module | None = None
+                 ) -> None:
         super().__init__()
         self.index = index
         self.inputs = {m: tuple(p.inputs) for m, p in pieces.items()}
         self.outputs = {m: tuple(p.outputs) for m, p in pieces.items()}
         self.__dict__["_pieces"] = pieces  # compiled once the tensors are in place
         self.__dict__["_code"] = {}
+        # The model (not a child: its tensors are placed here by name): its training flag is
+        # the mode, so model.eval() reaches the stages as it reaches the model's children.
+        self.__dict__["_model"] = model
+        self.__dict__["_dtypes"] = {}
+
+    @property
+    def mode(self) -> str:
+        """"train" or "eval": the model's mode (`model.train()`, `pipe.train()`, this
+        stage's or its SplitModel's `.train()` all set it)."""
+        model = self.__dict__["_model"]
+        return "train" if (model.training if model is not None else self.training) else "eval"
+
+    def train(self, mode: bool = True) -> TracedStage:
+        """As `nn.Module.train`, and the model's mode with it (what the stage runs)."""
+        super().train(mode)
+        model = self.__dict__["_model"]
+        if model is not None and model.training != mode:
+            model.train(mode)
+        return self
+
+    def check_dtypes(self) -> None:
+        """Refuse tensors whose dtype changed since the graph was captured: the graph
+        baked in the casts of the dtype it saw (Llama's RMSNorm casts back to float32), so it
+        would fail or compute in another precision than the model."""
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            was = self.__dict__["_dtypes"].get(name)
+            if was is not None and t.dtype != was:
+                raise PipeConfigError(
+                    f"{name} is {t.dtype}, but the model was split from a graph captured "
+                    f"with it in {was}: the graph bakes in that dtype's casts, so it would "
+                    f"not compute what the model does. Convert the model before splitting "
+                    f"it (model.to({t.dtype}), then Pipe(model, example_inputs=...)), or "
+                    f"convert it back (pipe.to({was}))")
 
     def compile(self) -> None:
         """Generate each mode's forward, naming this stage's attributes."""
@@ -61,10 +97,12 @@ class TracedStage(nn.Module):
                                              persistent=False)
                     node.target = name
             self.__dict__["_code"][mode] = _compile(graph)
+        self.__dict__["_dtypes"] = {name: t.dtype for name, t in
+                                    [*self.named_parameters(), *self.named_buffers()]}
 
     def forward(self, values: Any) -> tuple[Any, ...]:
         values = values if isinstance(values, tuple) else (values,)
-        mode = "train" if self.training else "eval"
+        mode = self.mode
         expected = self.inputs[mode]
         if len(values) != len(expected):
             raise PipeConfigError(
@@ -86,12 +124,15 @@ class SplitModel(nn.Sequential):
 
     def __init__(self, stages: Sequence[TracedStage], in_spec: pytree.TreeSpec,
                  out_specs: dict[str, pytree.TreeSpec], constants: dict[int, Any],
-                 split_points: Sequence[str]) -> None:
+                 split_points: Sequence[str], scalars: dict[str, Scalars] | None = None
+                 ) -> None:
         super().__init__(*stages)
         self.in_spec = in_spec
         self.out_specs = out_specs
         self.constants = constants  # leaf index -> the fixed non-tensor value (use_cache)
         self.split_points = list(split_points)
+        # Per mode, how 0-dim outputs combine over micro-batches (pipeline/splitting/scalars.py)
+        self.scalars = scalars or {m: Scalars(out_specs[m].num_leaves) for m in MODES}
         self.whole: tuple[str, ...] = ()  # modules run whole (pipeline/splitting/outline.py)
         # Its state_dict speaks the model's keys: `split.load_state_dict(model.state_dict())`.
         self._register_state_dict_hook(_model_keys)  # type: ignore[no-untyped-call]
@@ -127,23 +168,50 @@ class SplitModel(nn.Sequential):
                 tensors.append(leaf)
         return tuple(tensors)
 
-    def unflatten(self, outputs: Any, mode: str = "train") -> Any:
-        """The last stage's outputs as the model returns them (a ModelOutput, a dict...)."""
-        leaves = list(outputs) if isinstance(outputs, tuple) else [outputs]
-        return pytree.tree_unflatten(leaves, self.out_specs[mode])
+    @property
+    def mode(self) -> str:
+        """"train" or "eval": what the stages run now (the model's mode)."""
+        return self[0].mode if len(self) and isinstance(self[0], TracedStage) else (
+            "train" if self.training else "eval")
 
-    def with_outputs(self, loss_fn: Callable[[Any, Any], Any], mode: str
+    def prepare(self, inputs: Any, chunks: int | None = None) -> tuple[Any, ...] | None:
+        """Before any work: the checks a step or `pipe(x)` (with `chunks` micro-batches)
+        needs, and `inputs` flattened (None, a rank without the first stage, stays None)."""
+        for stage in self:
+            if isinstance(stage, TracedStage):
+                stage.check_dtypes()
+        if chunks is not None:
+            self.scalars[self.mode].check(chunks, self.out_specs[self.mode])
+        return None if inputs is None else self.flatten(inputs)
+
+    def unflatten(self, outputs: Any, mode: str | None = None) -> Any:
+        """The last stage's outputs as the model returns them (a ModelOutput, a dict...);
+        the weights of 0-dim outputs after the model's own outputs are left out."""
+        mode = mode or self.mode
+        leaves = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        return pytree.tree_unflatten(leaves[:self.scalars[mode].num_leaves],
+                                     self.out_specs[mode])
+
+    def merge(self, outputs: Sequence[tuple[Any, ...]]) -> Any:
+        """The model's output for the whole batch from each micro-batch's: rows
+        concatenated, 0-dim outputs combined as the batch's (weighted means, sums)."""
+        mode = self.mode
+        return pytree.tree_unflatten(self.scalars[mode].merge(outputs), self.out_specs[mode])
+
+    def with_outputs(self, loss_fn: Callable[[Any, Any], Any], mode: str | None = None
                      ) -> Callable[[Any, Any], Any]:
         """`loss_fn` called with the model's output as the model returns it."""
+        mode = mode or self.mode
+
         def loss(outputs: Any, target: Any) -> Any:
             return loss_fn(self.unflatten(outputs, mode), target)
         return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values: Any = self.flatten((args, kwargs))
+        values: Any = self.prepare((args, kwargs))
         for stage in self:
             values = stage(values)
-        return self.unflatten(values, "train" if self.training else "eval")
+        return self.unflatten(values)
 
 
 def _model_keys(module: SplitModel, state: dict[str, Any], prefix: str, _: Any) -> None:
