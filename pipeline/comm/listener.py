@@ -185,8 +185,7 @@ class Listener:
             conn.hi, conn.nonce = link_auth.check_mac(bytes(conn.got), self._secrets, self.lo)
         except link_auth.Refused:
             self._drop(pending, poller, fd)
-            return
-        poller.modify(fd, select.POLLIN)  # still watched: a close ends it
+        # Proved: it waits for `expect`, still watched (a close or more bytes drop it).
 
     def _link_proved(self, pending: dict[int, _Conn], poller: select.poll,
                      expected: dict[int, int]) -> None:
