@@ -48,34 +48,44 @@ def like(values: Sequence[Any], entries: Iterable[Any]) -> tuple[Any, ...]:
 
 
 def leading_rows(value: Any) -> int | None:
-    """Dim 0 of the first tensor in `value` that has one (None if none has), unchecked."""
-    for v in as_tuple(value):
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return int(v.shape[0])
-    return None
+    """The batch's rows in `value`: the largest dim 0 of its tensors (a tensor of one row
+    beside larger ones is broadcast over them); None if no tensor has a dim 0. Unchecked."""
+    sizes = [int(v.shape[0]) for v in as_tuple(value)
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return max(sizes) if sizes else None
+
+
+def _whole(v: torch.Tensor, size: int) -> bool:
+    """A tensor of one row in a batch of more: broadcast over the batch by the model
+    (`position_ids` of shape (1, T)), so every micro-batch takes all of it, exactly."""
+    return v.dim() == 0 or (v.shape[0] == 1 and size > 1)
 
 
 def batch_size(values: Sequence[Any]) -> int:
-    """Rows along dim 0 shared by every tensor of `values` (non-tensors are passed through)."""
+    """Rows along dim 0 shared by every tensor of `values` but those of one row, which are
+    broadcast (non-tensors are passed through)."""
     sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
     if not sizes:
         raise MicroBatchError(
             "the input holds no tensor with a batch dimension to split: pass at least one "
             "tensor whose dim 0 is the batch"
         )
-    if len(sizes) > 1:
+    rows = sizes - {1} or sizes
+    if len(rows) > 1:
         raise MicroBatchError(
             f"tensors in the input disagree on the batch size (dim 0 sizes: {sorted(sizes)}); "
-            f"every tensor in the input tuple must have the same dim 0"
+            f"every tensor in the input tuple must have the same dim 0 (or 1, to be passed "
+            f"whole to every micro-batch)"
         )
-    return sizes.pop()
+    return rows.pop()
 
 
 def scatter(value: Any, chunks: int) -> list[tuple[Any, ...]]:
     """Split `value` (a tensor, or a tuple of tensors and non-tensors) into `chunks` micro-batches.
 
     Tensors split along dim 0 into near-equal parts, larger first (10 rows into 4 chunks: 3, 3,
-    2, 2); non-tensors (and 0-dim tensors) are passed unchanged to every micro-batch.
+    2, 2); non-tensors, 0-dim tensors and tensors of one row beside larger ones (broadcast over
+    the batch) are passed unchanged to every micro-batch.
     """
     values = as_tuple(value)
     size = batch_size(values)
@@ -87,8 +97,8 @@ def scatter(value: Any, chunks: int) -> list[tuple[Any, ...]]:
             f"{size} (for inference on a small batch, pipe(x, chunks={size})) or a larger batch"
         )
     parts = [
-        torch.tensor_split(v, chunks, dim=0) if isinstance(v, torch.Tensor) and v.dim() > 0
-        else [v] * chunks
+        torch.tensor_split(v, chunks, dim=0) if isinstance(v, torch.Tensor)
+        and not _whole(v, size) else [v] * chunks
         for v in values
     ]
     return [like(values, (p[i] for p in parts)) for i in range(chunks)]
@@ -112,6 +122,7 @@ def backward_inputs(batches: list[Any], grads: dict[int, tuple[torch.Tensor | No
     tensors: list[torch.Tensor] = []
     gradients: list[torch.Tensor] = []
     for b, x in enumerate(batches):
+        size = leading_rows(x) or 0
         for i, v in enumerate(as_tuple(x)):
             if not (isinstance(v, torch.Tensor) and v.requires_grad):
                 continue
@@ -119,7 +130,7 @@ def backward_inputs(batches: list[Any], grads: dict[int, tuple[torch.Tensor | No
             per_mb = [p[i] if i < len(p) else None for p in parts]
             if all(g is None for g in per_mb):
                 continue
-            if v.dim() == 0:  # not split: every micro-batch saw all of it
+            if _whole(v, size):  # not split: every micro-batch saw all of it
                 grad = sum(g.to(v.device) for g in per_mb if g is not None)
             else:
                 pieces = torch.tensor_split(v, chunks)  # the rows `scatter` gave each

@@ -12,7 +12,8 @@ from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.runtime.microbatch import leading_rows
 
 __all__ = ["check_balance_list", "check_batch", "check_batches", "check_devices",
-           "check_loss_fn", "check_optimizer", "check_state_dict", "check_timeout"]
+           "check_input_rows", "check_loss_fn", "check_optimizer", "check_state_dict",
+           "check_timeout"]
 
 
 def check_timeout(timeout: object) -> float:
@@ -162,3 +163,28 @@ def check_state_dict(own: Mapping[str, torch.Tensor], given: Mapping[str, Any],
             "load_state_dict: the state_dict does not fit this Pipe's layers: "
             + "; ".join(problems) + ". Save it from the same model (pipe.state_dict() or "
             "model.state_dict()), or pass strict=False to skip missing and unexpected keys")
+
+
+def check_input_rows(tensors: Sequence[Any], names: Sequence[str],
+                     broadcast: frozenset[int]) -> None:
+    """A model split from its graph: an input captured with one row (`broadcast`, over the
+    batch) is passed whole to every micro-batch and must keep its one row; one captured with
+    the batch's rows must have them (one row would be passed whole, where the graph wants the
+    micro-batch's)."""
+    rows = leading_rows(tuple(tensors)) or 0
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or rows <= 1:
+            continue
+        name = names[i] if i < len(names) else f"#{i}"
+        if i in broadcast and t.shape[0] != 1:
+            raise PipeConfigError(
+                f"input {name!r} has {t.shape[0]} rows, but the model was split with 1 row of "
+                f"it (broadcast over the batch, so every micro-batch takes it whole, and the "
+                f"graph takes one row): pass it with 1 row, or split with example_inputs "
+                f"giving it a row per example")
+        if i not in broadcast and t.shape[0] == 1:
+            raise PipeConfigError(
+                f"input {name!r} has 1 row in a batch of {rows}, but the model was split with "
+                f"a row of it per example (its graph splits it into micro-batches): pass "
+                f"{rows} rows, or split with example_inputs giving it 1 row (then it is "
+                f"passed whole to every micro-batch)")

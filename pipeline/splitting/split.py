@@ -79,8 +79,17 @@ def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[st
     in_spec = train.call_spec.in_spec
     constants = {i: value for i, (_, value, tensor) in enumerate(cutting.user_inputs(train))
                  if not tensor}
-    return SplitModel(stages, in_spec, {m: programs[m].call_spec.out_spec for m in MODES},
-                      constants, split_points, scalars)
+    split = SplitModel(stages, in_spec, {m: programs[m].call_spec.out_spec for m in MODES},
+                       constants, split_points, scalars)
+    tensors = [node for node, _, tensor in cutting.user_inputs(train) if tensor]
+    split.input_names = [node.name for node in tensors]
+    # Export fixes a dim 0 of 1 (broadcast over the batch: position_ids (1, T)): such an
+    # input goes whole to every micro-batch, and must keep its one row.
+    split.broadcast = frozenset(i for i, node in enumerate(tensors)
+                                if node.meta["val"].dim() > 0
+                                and isinstance(node.meta["val"].shape[0], int)
+                                and node.meta["val"].shape[0] == 1)
+    return split
 
 
 def block_points(model: nn.Module, ep: Any) -> list[str]:

@@ -19,6 +19,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
+from pipeline.splitting.checks import check_input_rows
 from pipeline.splitting.cut import Piece
 from pipeline.splitting.scalars import Scalars
 from pipeline.splitting.trace import check_example
@@ -133,6 +134,8 @@ class SplitModel(nn.Sequential):
         self.split_points = list(split_points)
         # Per mode, how 0-dim outputs combine over micro-batches (pipeline/splitting/scalars.py)
         self.scalars = scalars or {m: Scalars(out_specs[m].num_leaves) for m in MODES}
+        self.input_names: list[str] = []  # of the tensor inputs, in flattening order
+        self.broadcast: frozenset[int] = frozenset()  # those captured with one row
         self.whole: tuple[str, ...] = ()  # modules run whole (pipeline/splitting/outline.py)
         # Its state_dict speaks the model's keys: `split.load_state_dict(model.state_dict())`.
         self._register_state_dict_hook(_model_keys)  # type: ignore[no-untyped-call]
@@ -182,7 +185,11 @@ class SplitModel(nn.Sequential):
                 stage.check_dtypes()
         if chunks is not None:
             self.scalars[self.mode].check(chunks, self.out_specs[self.mode])
-        return None if inputs is None else self.flatten(inputs)
+        if inputs is None:
+            return None
+        tensors = self.flatten(inputs)
+        check_input_rows(tensors, self.input_names, self.broadcast)
+        return tensors
 
     def unflatten(self, outputs: Any, mode: str | None = None) -> Any:
         """The last stage's outputs as the model returns them (a ModelOutput, a dict...);

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pipeline.runtime.microbatch import MicroBatchError, gather, scatter
+from pipeline.runtime.microbatch import MicroBatchError, gather, leading_rows, scatter
 
 
 def test_uneven_split_larger_first() -> None:
@@ -24,3 +24,14 @@ def test_errors() -> None:
         scatter((torch.randn(3, 2), torch.randn(4, 2)), 2)
     with pytest.raises(MicroBatchError, match="no tensor with a batch dimension"):
         scatter(("a", 1), 1)
+
+
+def test_a_tensor_of_one_row_beside_the_batch_goes_whole_to_every_micro_batch() -> None:
+    """`position_ids` of shape (1, T) beside (8, T) inputs: broadcast over the batch by the
+    model, so each micro-batch takes all of it (a batch of one row is still split)."""
+    x, positions = torch.randn(8, 3), torch.arange(3)[None]
+    parts = scatter((x, positions), 4)
+    assert [p[0].shape[0] for p in parts] == [2, 2, 2, 2]
+    assert all(p[1] is positions for p in parts)
+    assert leading_rows((positions, x)) == 8
+    assert [p[0].shape for p in scatter(torch.randn(1, 3), 1)] == [(1, 3)]
