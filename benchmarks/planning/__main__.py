@@ -1,6 +1,6 @@
 """`python -m benchmarks.planning`: the planning benchmark's command line."""
 
-from benchmarks.planning.run import main
+from benchmarks.planning import main
 
 __all__: list[str] = []
 
