@@ -1,6 +1,8 @@
 """Start N local ranks on CPU (gloo over loopback): a CLI like torchrun, and `spawn` for code.
 
     python -m pipeline.launch --nproc 2 train.py --steps 10
+    python -m pipeline.launch --replicas 2 --nproc 2 --max-restarts 3 train.py   # torchft
+
 
 Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 gloo bound to the loopback interface, one intra-op thread unless OMP_NUM_THREADS is set, and
@@ -8,6 +10,8 @@ glibc's allocator told to keep freed memory (`ALLOCATOR`) unless those variables
 The launcher itself hosts the rendezvous store, listening on 127.0.0.1 only (as torchrun's
 agent hosts it), so the store outlives any rank and nothing off this machine can reach it.
 If a rank fails, the others are given a few seconds to report their own error, then stopped.
+With --replicas, R groups of N ranks train one model under torchft and a lost group is
+restarted while the others go on (pipeline/replica_launch.py, docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -195,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--init-timeout", type=float, default=300.0,
                         help=f"seconds a rank waits for the others to join the process group "
                              f"(sets {INIT_TIMEOUT_ENV}; Pipe reads it)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="replica groups of --nproc ranks each, under torchft (needs the "
+                             "[ft] extra; the script builds Pipe(..., fault_tolerance=True))")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="with --replicas: restarts allowed per replica group")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -202,8 +211,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
     if not ns.init_timeout > 0:
         parser.error(f"--init-timeout must be > 0 seconds (got {ns.init_timeout})")
-    store, port = host_store()
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
+    if ns.replicas is not None:
+        from pipeline.errors import PipeConfigError
+        from pipeline.replica_launch import run_replicas
+
+        try:
+            return run_replicas(ns.script, ns.args, replicas=ns.replicas, nproc=ns.nproc,
+                                max_restarts=ns.max_restarts, init_timeout_env=extra)
+        except PipeConfigError as exc:
+            parser.error(str(exc))
+    store, port = host_store()
     procs = [subprocess.Popen([sys.executable, ns.script, *ns.args],
                               env={**os.environ, **rank_env(r, ns.nproc, port), **extra})
              for r in range(ns.nproc)]

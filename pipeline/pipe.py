@@ -16,6 +16,7 @@ from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel import agreement, tensor_parallel, ties
 from pipeline.parallel.clipping import clip_grad_norm
 from pipeline.parallel.data_parallel import Replicas
+from pipeline.parallel.fault_tolerance import FaultTolerance, FaultTolerantPipe
 from pipeline.parallel.scaling import agree_on_overflow
 from pipeline.runtime import batches, weighting
 from pipeline.runtime.batches import one_at_a_time
@@ -35,7 +36,7 @@ from schedules import Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
-class Pipe(nn.Module):
+class Pipe(FaultTolerantPipe, nn.Module):
     """Pipeline-parallel wrapper of an `nn.Sequential`.
 
     The model's own layers (and Parameter objects) are registered under their original names,
@@ -67,6 +68,7 @@ class Pipe(nn.Module):
         example_inputs: Any = None,
         split_points: Sequence[str] | None = None,
         tp_plan: dict[str, Any] | None = None,
+        fault_tolerance: bool = False,
     ) -> None:
         super().__init__()
         model, balance, stages = config.split_model(model, example_inputs, split_points,
@@ -146,6 +148,8 @@ class Pipe(nn.Module):
                                        remove_duplicate=False)))
         ties.register_hooks(self._tie_link)
         self._register_state_dict_hook(model_state.tied_keys)  # type: ignore[no-untyped-call]
+        # Replica groups under torchft (docs/fault-tolerance.md): the step protocol lives there.
+        self._ft = FaultTolerance(self, self.timeout) if fault_tolerance else None
 
     # -- configuration --------------------------------------------------------------------------
     def program(self, chunks: int | None = None, *, batches: int = 1, scaler: bool = False,
@@ -281,6 +285,8 @@ class Pipe(nn.Module):
         """Check, build the program, run it, return the loss: everything a step does across
         ranks is an action of the program (schedules/program.py)."""
         checks.check_loss_fn(loss_fn)
+        if self._ft is not None:  # the quorum (and a heal) before anything is computed
+            self._ft.before_step()
         how = weighting.resolve(loss_fn, loss_reduction, loss_weight)
         if self._io is not None:  # the model's inputs flattened, its outputs rebuilt
             # None: a rank without the first stage (multi-process), as for nn.Sequential
@@ -366,6 +372,8 @@ class Pipe(nn.Module):
         closed Pipe cannot run steps. A weight tied across stages whose owner is held here is
         tied again in the model (`head.weight is wte.weight`)."""
         self._executor.close()
+        if self._ft is not None:
+            self._ft.close()
         self._tie_link.retie()
         if self._batch_norm is not None:
             self._batch_norm.remove()

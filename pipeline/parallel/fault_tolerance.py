@@ -1,0 +1,232 @@
+"""Pipeline replicas that survive a lost rank: torchft's step protocol around a Pipe's stages."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipeline.errors import PipeConfigError
+
+__all__ = ["LIGHTHOUSE_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
+           "FaultTolerantPipe", "check_installed"]
+
+_log = logging.getLogger(__name__)
+
+# torchft's own names: its lighthouse address, and the replica group variables its torchx
+# launcher sets, so a job started by torchft's tools or by ours reads the same environment.
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_ID_ENV = "REPLICA_GROUP_ID"
+NUM_REPLICAS_ENV = "NUM_REPLICA_GROUPS"
+_INSTALL = "pip install 'pipeline-engine[ft]' (or: pip install 'torchft>=0.2,<0.3')"
+
+
+def check_installed(what: str) -> None:
+    """Raise PipeConfigError saying what to install when torchft is missing."""
+    if importlib.util.find_spec("torchft") is None:
+        raise PipeConfigError(f"{what} needs torchft, which is not installed: {_INSTALL}")
+
+
+def _environment() -> tuple[int, int, str]:
+    """This process's replica id, the number of replicas and the lighthouse, from the
+    environment (set by `python -m pipeline.launch --replicas R`, or by hand under torchrun)."""
+    names = (REPLICA_ID_ENV, NUM_REPLICAS_ENV, LIGHTHOUSE_ENV)
+    missing = [n for n in names if not os.environ.get(n)]
+    if missing:
+        raise PipeConfigError(
+            f"Pipe(fault_tolerance=True) runs as one of several replica groups and reads "
+            f"{', '.join(names)} from the environment; {', '.join(missing)} not set. Start it "
+            f"with `python -m pipeline.launch --replicas R --nproc N script.py`, or set them "
+            f"(one torchrun per replica group, a lighthouse from `torchft_lighthouse "
+            f"--min_replicas 1`; see docs/fault-tolerance.md)")
+    replica, count = os.environ[REPLICA_ID_ENV], os.environ[NUM_REPLICAS_ENV]
+    if not (replica.isdigit() and count.isdigit() and int(replica) < int(count)):
+        raise PipeConfigError(
+            f"{REPLICA_ID_ENV} must be an integer in [0, {NUM_REPLICAS_ENV}) and "
+            f"{NUM_REPLICAS_ENV} a positive integer; got {REPLICA_ID_ENV}={replica!r}, "
+            f"{NUM_REPLICAS_ENV}={count!r}: set them to this group's index and the group count")
+    return int(replica), int(count), os.environ[LIGHTHOUSE_ENV]
+
+
+class FaultTolerance:
+    """One torchft Manager per pipeline rank: rank r of every replica group holds the same
+    stage(s), so the Manager's managed process group joins exactly the ranks whose gradients
+    must be averaged, and its checkpoint transport heals a rank from its peer of that stage."""
+
+    def __init__(self, pipe: Any, timeout: float) -> None:
+        check_installed("Pipe(fault_tolerance=True)")
+        self.replica_id, self.num_replicas, lighthouse = _environment()
+        if not pipe.world:
+            raise PipeConfigError(
+                "Pipe(fault_tolerance=True) needs one process per rank (a replica group is a "
+                "multi-process pipeline); got a single-process Pipe: start the script with "
+                "`python -m pipeline.launch --replicas R --nproc N script.py`")
+        if pipe.mesh is not None or pipe.group is not None:
+            raise PipeConfigError(
+                "Pipe(fault_tolerance=True) replicates the whole pipeline across replica "
+                f"groups and does not combine with group= or mesh= yet (got group={pipe.group!r}"
+                f", mesh={pipe.mesh!r}): drop them; replicas take the place of dp")
+        if pipe.multi_batch:
+            raise PipeConfigError(
+                f"Pipe(fault_tolerance=True) commits once per batch, but schedule "
+                f"{pipe._probe.name!r} steps the optimizer inside the schedule: use a flushing "
+                f"schedule (1f1b, gpipe, interleaved, zb-*)")
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        rank, world_size = pipe.world
+        wait = timedelta(seconds=timeout)
+        self._pipe = pipe
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._quorum_started = False
+        # Quorum at the start of a step and healing before its forward (use_async_quorum
+        # False): a restarted group computes its first gradients at its peer's weights. The
+        # step count starts from the peers' (init_sync): weights agree from step 0.
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
+            min_replica_size=1, use_async_quorum=False, timeout=wait, quorum_timeout=wait,
+            connect_timeout=wait, rank=rank, world_size=world_size,
+            lighthouse_addr=lighthouse, replica_id=f"pipeline_replica_{self.replica_id}")
+        self.manager.register_state_dict_fn("pipe", self._load_model, self._model_state)
+
+    # -- what heals a rank: its stage's weights and its optimizer's state ----------------------
+    def _model_state(self) -> dict[str, Any]:
+        return {k: v.detach() for k, v in self._pipe.state_dict().items()}
+
+    def _load_model(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self._pipe.load_state_dict(state)
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer`, stepping only when the quorum commits (torchft's OptimizerWrapper)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise PipeConfigError(f"pipe.fault_tolerant(optimizer) takes a torch.optim."
+                                  f"Optimizer; got {type(optimizer).__name__}")
+        if self._optimizer is not None:
+            raise PipeConfigError("pipe.fault_tolerant(...) was already called on this Pipe: "
+                                  "wrap one optimizer, the one holding pipe.parameters()")
+        owned = {id(p) for p in self._pipe.parameters()}
+        foreign = [i for i, g in enumerate(optimizer.param_groups)
+                   if any(id(p) not in owned for p in g["params"])]
+        if foreign:
+            raise PipeConfigError(
+                f"pipe.fault_tolerant(optimizer): param group(s) {foreign} hold parameters "
+                f"that are not this rank's (pipe.parameters()); build the optimizer on "
+                f"pipe.parameters()")
+        self._optimizer = optimizer
+        self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
+                                            optimizer.state_dict)
+        from pipeline.parallel.ft_optimizer import ReplicaOptimizer
+
+        wrapped = ReplicaOptimizer(self.manager, optimizer, self)
+        # The first quorum now: a group that starts late or again heals here, so its
+        # committed_steps (and the data the loop picks by it) are its peers' from the start.
+        self.before_step()
+        return wrapped
+
+    # -- the step protocol ---------------------------------------------------------------------
+    def before_step(self) -> None:
+        """The quorum for this step (healing this rank first if it is behind)."""
+        if self._optimizer is None:
+            raise PipeConfigError(
+                "Pipe(fault_tolerance=True) commits steps through its optimizer: wrap it "
+                "before the first step, optimizer = pipe.fault_tolerant(torch.optim.AdamW("
+                "pipe.parameters()))")
+        if not self._quorum_started:
+            self.manager.start_quorum()
+            self._quorum_started = True
+
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Average this rank's gradients over the same stage of every replica in the quorum
+        (one flat buffer; a replica that is not participating contributes zeros, torchft's
+        rule). An error is recorded by the Manager, and the step is then not committed."""
+        if not self._quorum_started:
+            raise PipeConfigError("optimizer.step() before any pipe.step(...) in this step: "
+                                  "run pipe.step first, then optimizer.step()")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                n = g.numel()
+                if p.grad is None:  # unused here, used elsewhere: the average still applies
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        present = self.manager.num_participants()
+        if present < self.num_replicas:
+            # torchft's rule: the average is over the replicas present, so the step's batch
+            # is smaller than the job's (fewer replicas' batches).
+            _log.warning("step %d: averaged over %d of %d replicas (the others are missing)",
+                         self.committed_steps, present, self.num_replicas)
+
+    def commit(self, apply: Callable[[], None]) -> bool:
+        """Apply the step when every rank of every replica in the quorum agrees; the next
+        pipe.step then starts a new quorum whatever the outcome."""
+        try:
+            ok = bool(self.manager.should_commit())
+        finally:
+            self._quorum_started = False
+        if ok:
+            apply()
+        else:
+            _log.warning("step %d not committed (a replica failed or the quorum changed); "
+                         "it is taken again", self.committed_steps)
+        return ok
+
+    @property
+    def committed_steps(self) -> int:
+        return int(self.manager.current_step())
+
+    @property
+    def num_participants(self) -> int:
+        return int(self.manager.num_participants())
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class FaultTolerantPipe:
+    """What a Pipe offers its training loop under fault tolerance (a base class of Pipe)."""
+
+    _ft: FaultTolerance | None
+
+    def _require_ft(self, what: str) -> FaultTolerance:
+        if self._ft is None:
+            raise PipeConfigError(f"pipe.{what} needs Pipe(..., fault_tolerance=True); this "
+                                  f"Pipe was built without it")
+        return self._ft
+
+    def fault_tolerant(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` (built on pipe.parameters()), applying a step only when torchft's
+        quorum committed it: gradients are first averaged over the replicas present."""
+        return self._require_ft("fault_tolerant(optimizer)").wrap(optimizer)
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed by the quorum (a healed replica takes the count from its peer)."""
+        return self._require_ft("committed_steps").committed_steps
+
+    @property
+    def num_participants(self) -> int:
+        """Replica groups in the last quorum (0 before the first step): the step's gradients
+        were averaged over this many."""
+        return self._require_ft("num_participants").num_participants
+
+    @property
+    def replica_id(self) -> int:
+        """This replica group's index (0 without fault tolerance), to pick its data."""
+        return self._ft.replica_id if self._ft is not None else 0
+
+    @property
+    def num_replicas(self) -> int:
+        """The number of replica groups of the job (1 without fault tolerance)."""
+        return self._ft.num_replicas if self._ft is not None else 1

@@ -1,0 +1,146 @@
+"""Replica groups on one host: a torchft lighthouse, R pipelines of N ranks, lost groups restarted.
+
+    python -m pipeline.launch --replicas 2 --nproc 2 --max-restarts 3 train.py
+
+Each group has its own rendezvous store (a fresh one per start, so no failure report of a
+lost incarnation reaches the next) and the environment `Pipe(..., fault_tolerance=True)`
+reads: TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS. When a rank of a group exits
+non-zero or dies, the rest of that group is killed at once (its ranks cannot finish a step
+without it; the survivors of other groups see a broken collective, not a hang) and the group
+starts again, at most `max_restarts` times per group; the other groups keep training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.errors import PipeConfigError
+from pipeline.parallel.fault_tolerance import (
+    LIGHTHOUSE_ENV,
+    NUM_REPLICAS_ENV,
+    REPLICA_ID_ENV,
+    check_installed,
+)
+
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "ReplicaGroup", "run_replicas"]
+
+_log = logging.getLogger("pipeline.launch")
+
+# The lighthouse drops a replica whose heartbeats stop for this long, and only then forms a
+# quorum without it: the bound on a survivor's wait after a SIGKILL (torchft's default, 5 s,
+# would take the whole budget the docs promise).
+HEARTBEAT_TIMEOUT_MS = 1000
+
+
+@dataclass
+class ReplicaGroup:
+    """One replica group's current processes, its store, and its failures so far."""
+
+    replica_id: int
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    store: Any = None
+    failures: list[str] = field(default_factory=list)
+    done: bool = False
+
+    def start(self, argv: list[str], nproc: int, env: dict[str, str]) -> None:
+        from pipeline.launch import host_store, rank_env
+
+        self.store, port = host_store()
+        group_env = {REPLICA_ID_ENV: str(self.replica_id), **env}
+        self.procs = [subprocess.Popen(argv, env={**os.environ, **rank_env(r, nproc, port),
+                                                  **group_env})
+                      for r in range(nproc)]
+
+    def failed_rank(self) -> tuple[int, int] | None:
+        """(rank, exit code) of the first rank that exited non-zero, if any."""
+        for r, p in enumerate(self.procs):
+            code = p.poll()
+            if code not in (None, 0):
+                return r, code
+        return None
+
+    def stop(self, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
+        """Signal every live rank and reap them all (killed after `wait` seconds)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+        deadline = time.monotonic() + wait
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.store = None  # the store lived as long as this incarnation's ranks
+
+
+def _describe(code: int) -> str:
+    return (f"killed by {signal.Signals(-code).name}" if code < 0
+            else f"exit code {code}")
+
+
+def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
+                 max_restarts: int, init_timeout_env: dict[str, str]) -> int:
+    """Run `script args` as `replicas` groups of `nproc` ranks; return the exit code."""
+    check_installed("python -m pipeline.launch --replicas")
+    if replicas < 1 or max_restarts < 0:
+        raise PipeConfigError(f"--replicas must be >= 1 and --max-restarts >= 0; got "
+                              f"--replicas {replicas}, --max-restarts {max_restarts}")
+    from torchft.coordination import LighthouseServer
+
+    # min_replicas=1: a quorum of the survivors alone is a quorum (that is the point).
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    env = {LIGHTHOUSE_ENV: lighthouse.address(), NUM_REPLICAS_ENV: str(replicas),
+           **init_timeout_env}
+    argv = [sys.executable, script, *args]
+    groups = [ReplicaGroup(r) for r in range(replicas)]
+    for g in groups:
+        g.start(argv, nproc, env)
+    print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
+          f"{lighthouse.address()}", file=sys.stderr)
+    try:
+        while not all(g.done for g in groups):
+            for g in groups:
+                if g.done:
+                    continue
+                lost = g.failed_rank()
+                if lost is not None:
+                    rank, code = lost
+                    g.stop()  # the rest of its group: they cannot step without it
+                    g.failures.append(f"rank {rank} {_describe(code)}")
+                    if len(g.failures) > max_restarts:
+                        return _give_up(groups, g, max_restarts)
+                    print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
+                          f"({_describe(code)}); restarting it (restart "
+                          f"{len(g.failures)} of at most {max_restarts})", file=sys.stderr)
+                    g.start(argv, nproc, env)
+                elif all(p.poll() == 0 for p in g.procs):
+                    g.done = True
+            time.sleep(0.05)
+        return 0
+    finally:
+        for g in groups:
+            g.stop()
+        lighthouse.shutdown()
+
+
+def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) -> int:
+    """Stop every other group cleanly (SIGTERM, then SIGKILL) and say what failed."""
+    for g in groups:
+        if g is not lost and not g.done:
+            g.stop(signal.SIGTERM)
+    failures = "; ".join(f"group {g.replica_id}: {', '.join(g.failures)}"
+                         for g in groups if g.failures)
+    print(f"pipeline.launch: replica group {lost.replica_id} failed after {max_restarts} "
+          f"restart(s) (--max-restarts {max_restarts}); failures: {failures}. The other "
+          f"groups were stopped.", file=sys.stderr)
+    return 1
