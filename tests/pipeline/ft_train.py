@@ -6,7 +6,8 @@ under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measu
 KILL is "replica:rank:step:point" (point: forward, backward, step): that rank SIGKILLs itself
 at that point of the first step it runs at or after committed step `step`, once per job (a
 file in OUT marks it done). Each rank writes its final state to OUT/final_<replica>_<rank>.pt
-and one JSON line per step to OUT/log_<replica>_<rank>.jsonl.
+one JSON line per step to OUT/log_<replica>_<rank>.jsonl, and per start the first
+quorum's time (a heal's, for a restarted group) to OUT/start_<replica>_<rank>.jsonl.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kill_once(out: str) -> None:
     try:  # the first rank to get here kills itself; a restarted group never does again
-        os.close(os.open(os.path.join(out, "killed"), os.O_CREAT | os.O_EXCL))
+        fd = os.open(os.path.join(out, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return
+    os.write(fd, repr(time.time()).encode())  # when: for the measurements
+    os.close(fd)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -43,8 +46,13 @@ def main(out: str, steps: int, kill: str | None) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
     pipe = Pipe(model, balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60)
+    started = time.time()
     optimizer = pipe.fault_tolerant(torch.optim.AdamW(pipe.parameters(), lr=0.01))
     rank = int(os.environ["RANK"])
+    with open(os.path.join(out, f"start_{pipe.replica_id}_{rank}.jsonl"), "a") as f:
+        # The first quorum (a heal, for a group that starts late or again) ran in the wrap.
+        f.write(json.dumps({"built": started, "quorum_s": time.time() - started,
+                            "step": pipe.committed_steps}) + "\n")
     where = ""
     if kill is not None:
         replica, kill_rank, kill_step, where = kill.split(":")
