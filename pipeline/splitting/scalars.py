@@ -79,10 +79,12 @@ class Scalars:
             return
         paths = _paths(spec, self.num_leaves)
         i, why = next(iter(self.refused.items()))
+        names = ", ".join(f"output{paths[k]}" for k in self.refused)
         raise PipeConfigError(
-            f"pipe(x) with chunks={chunks} cannot give output {paths[i]} as the model does: "
-            f"it is a 0-dim value {why}, which no weighting of the micro-batches' values "
-            f"reproduces (a mixture of experts' load-balancing loss is one). Run it in one "
+            f"pipe(x) with chunks={chunks} cannot give {names} as the model does: "
+            f"output{paths[i]} is a 0-dim value {why}, which no weighting of the "
+            f"micro-batches' values reproduces (a mixture of experts' load-balancing loss is "
+            f"one). Run it in one "
             f"micro-batch, pipe(x, chunks=1), or compute it from outputs that have rows "
             f"(the router logits)")
 
@@ -125,9 +127,9 @@ def _paths(spec: pytree.TreeSpec, num: int) -> list[str]:
         tree = pytree.tree_unflatten(list(range(num)), spec)
         found = dict((leaf, pytree.keystr(path)) for path, leaf in
                      pytree.tree_flatten_with_path(tree)[0])
-        return [repr(found.get(i, f"[{i}]")) for i in range(num)]
+        return [found.get(i, f"[{i}]") for i in range(num)]
     except Exception:  # a type registered without keys: the leaf's index says enough
-        return [f"leaf {i}" for i in range(num)]
+        return [f"[{i}]" for i in range(num)]
 
 
 def _tokens(target: torch.Tensor, weight: torch.Tensor | None, ignore: int) -> torch.Tensor:
