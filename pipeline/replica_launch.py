@@ -97,16 +97,18 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
     from torchft.coordination import LighthouseServer
 
     # min_replicas=1: a quorum of the survivors alone is a quorum (that is the point).
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
+    # On loopback: every group runs on this host, and the lighthouse authenticates no one.
+    # Its address() names the host, which may resolve to another interface: the port alone.
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
                                   heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
-    env = {LIGHTHOUSE_ENV: lighthouse.address(), NUM_REPLICAS_ENV: str(replicas),
-           **init_timeout_env}
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas), **init_timeout_env}
     argv = [sys.executable, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
     for g in groups:
         g.start(argv, nproc, env)
     print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
-          f"{lighthouse.address()}", file=sys.stderr)
+          f"{address}", file=sys.stderr)
     try:
         while not all(g.done for g in groups):
             for g in groups:

@@ -53,6 +53,25 @@ def _environment() -> tuple[int, int, str]:
     return int(replica), int(count), os.environ[LIGHTHOUSE_ENV]
 
 
+def _weights_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, reading a peer's checkpoint with
+    `weights_only=True`: its own reads it with `weights_only=False`, so a process that can
+    answer on the healing rank's behalf (its servers authenticate no one) could run code in
+    it. What a heal carries (weights, optimizer state, step counts) is plain data."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing import HTTPTransport
+
+    class _WeightsOnly(HTTPTransport):  # type: ignore[misc]
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return _WeightsOnly(timeout=timeout, num_chunks=0)
+
+
 class FaultTolerance:
     """One torchft Manager per pipeline rank: rank r of every replica group holds the same
     stage(s), so the Manager's managed process group joins exactly the ranks whose gradients
@@ -91,6 +110,7 @@ class FaultTolerance:
             pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
             min_replica_size=1, use_async_quorum=False, timeout=wait, quorum_timeout=wait,
             connect_timeout=wait, rank=rank, world_size=world_size,
+            checkpoint_transport=_weights_only_transport(wait),
             lighthouse_addr=lighthouse, replica_id=f"pipeline_replica_{self.replica_id}")
         self.manager.register_state_dict_fn("pipe", self._load_model, self._model_state)
 

@@ -122,3 +122,54 @@ def test_more_failures_than_max_restarts(tmp_path: Path) -> None:
     assert ("replica group 1 failed after 0 restart(s) (--max-restarts 0); failures: "
             "group 1: rank 0 killed by SIGKILL" in done.stderr), done.stderr[-4000:]
     assert "The other groups were stopped." in done.stderr
+
+
+# -- a heal trusts no code from its peer ------------------------------------------------------
+class _Payload:
+    """A pickle that would run `touch <path>` when loaded without weights_only."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (subprocess.call, (["touch", self.path],))
+
+
+@needs_torchft
+def test_a_heal_reads_its_peers_checkpoint_as_plain_data(tmp_path: Path) -> None:
+    # torchft's own transport loads a peer's checkpoint with weights_only=False, and its
+    # servers authenticate no one: whoever answers the healing rank could run code in it.
+    import http.server
+    import io
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed._serialization import _streaming_save
+
+    planted = tmp_path / "ran"
+    bodies = {"/good": {"step": 3, "w": torch.arange(4.0)}, "/evil": _Payload(str(planted))}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            buffer = io.BytesIO()
+            _streaming_save(bodies[self.path], buffer)  # the transport's format
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(buffer.getvalue())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    transport = fault_tolerance._weights_only_transport(timedelta(seconds=10))
+    try:
+        good = transport._load_from_address(f"{base}/good", timedelta(seconds=10))
+        assert good["step"] == 3 and torch.equal(good["w"], torch.arange(4.0))
+        with pytest.raises(Exception, match=r"Weights only load failed|Unsupported global"):
+            transport._load_from_address(f"{base}/evil", timedelta(seconds=10))
+        assert not planted.exists()
+    finally:
+        transport.shutdown(wait=False)
+        server.shutdown()
