@@ -11,7 +11,10 @@ import schedules
 from schedules import Action, Op, Schedule
 
 __all__ = [
+    "FILE_KINDS",
+    "METADATA_FIELDS",
     "balances",
+    "crafted_checkpoints",
     "model_profiles",
     "mutated_schedules",
     "padded_labels",
@@ -292,3 +295,36 @@ def wire_headers(draw: st.DrawFn) -> tuple[tuple[Any, ...] | None, list[int]]:
             slots.insert(at, draw(_SLOTS))
     header = (slots + [0] * HEADER)[:HEADER]
     return (values if edits == 0 else None), header
+
+
+# -- crafted checkpoint files (tests/pipeline/state/test_shard_reader.py) -------------------------
+# Values a crafted `.metadata` may hold where DCP's own has something else: wrong types, sizes
+# out of range, names that leave the directory or that no file system accepts.
+_odd_values = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.sampled_from(["", ".", "..", "../x.distcp", "/etc/passwd", "a/b", "\x00", "x\x00y",
+                     ".metadata", "__0_0.distcp", "12"]),
+    st.binary(max_size=8), st.lists(st.integers(-3, 3), max_size=3),
+    st.tuples(st.integers(-3, 2**40), st.integers(-3, 3)),
+    st.dictionaries(st.integers(-2, 2), st.integers(), max_size=2),
+)
+METADATA_FIELDS = ("metadata", "state_dict_metadata", "storage_data", "storage_meta", "version",
+                   "planner_data", "entry", "key", "size", "chunks", "chunk.offsets",
+                   "chunk.sizes", "properties", "index", "index.fqn", "index.offset",
+                   "relative_path", "offset", "length", "transform_descriptors")
+FILE_KINDS = ("regular", "cut", "garbage", "empty", "fifo", "directory", "symlink-inside",
+              "symlink-outside", "absent")
+
+
+@st.composite
+def crafted_checkpoints(draw: st.DrawFn) -> dict[str, Any]:
+    """How to damage a saved checkpoint: `mutations` of its metadata ((field, value) pairs,
+    fields from METADATA_FIELDS) and the kind each of `.metadata` and the shard file becomes
+    (one of FILE_KINDS: 'regular' keeps the file, with the mutations in `.metadata`)."""
+    return {
+        "mutations": draw(st.lists(st.tuples(st.sampled_from(METADATA_FIELDS), _odd_values),
+                                   max_size=3)),
+        "metadata": draw(st.sampled_from(FILE_KINDS)),
+        "shard": draw(st.sampled_from(FILE_KINDS)),
+    }

@@ -1,28 +1,42 @@
-"""Reading a sharded checkpoint that is not trusted: no pickle in it runs code, bad files are named.
+"""Reading a sharded checkpoint that is not trusted: no pickle runs code, bad fields are named.
 
 DCP's own reader unpickles `.metadata` with `pickle.load` and the planner reads saved objects
 with `torch.load(weights_only=False)`: a crafted checkpoint could run code on load. Here the
 metadata is unpickled with only DCP's metadata classes (and torch's sizes, dtypes and layouts)
-allowed, saved objects are read with `weights_only=True`, and every shard file the metadata
-names is checked to exist inside the directory and to be long enough, before DCP reads any.
+allowed, every field DCP and `sharded.load` use is checked for its type and range (a crafted
+file then raises an error naming the field, never some exception from deep inside DCP), saved
+objects are read with `weights_only=True`, and DCP reads the shard files from descriptors
+`pipeline.state.opened` holds, never by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import io
 import os
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
-__all__ = ["Planner", "Reader", "read_metadata", "shard_problems"]
+__all__ = ["METADATA", "Planner", "Reader", "check_metadata", "shard_ends", "unpickle_metadata"]
 
-_METADATA = ".metadata"
+METADATA = ".metadata"
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -30,12 +44,28 @@ _ALLOWED = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},  # and dtypes, below
+    # StorageMeta's checkpoint_id is the path DCP saved to, a pathlib object
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
 }
+# Python 3.11.0 to 3.11.4 (Debian 12 has 3.11.2) pickle an enum member as
+# `builtins.getattr(cls, name)`: allowed for members of these classes, nothing else.
+_ENUMS: tuple[type[enum.Enum], ...] = (dcp_metadata._MEM_FORMAT_ENCODING,)
+
+
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """`getattr(cls, name)` as those Pythons pickle an enum member; refused for anything else."""
+    if cls in _ENUMS and isinstance(name, str) and name in cls.__members__:
+        member: enum.Enum = cls.__members__[name]
+        return member
+    raise pickle.UnpicklingError(f"it calls getattr({cls!r}, {name!r}), which DCP metadata "
+                                 f"never holds but for members of {[e.__name__ for e in _ENUMS]}"
+                                 f" (refused: unpickling it could run code)")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name == "getattr":
+            return _enum_member
         if name in _ALLOWED.get(module, ()) or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
@@ -43,49 +73,168 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      f"holds (refused: unpickling it could run code)")
 
 
-def read_metadata(path: str) -> Metadata:
-    """The `.metadata` of checkpoint directory `path`, unpickled with only DCP's classes.
-    Raises FileNotFoundError/NotADirectoryError if absent, ValueError if it is not DCP's."""
-    with open(os.path.join(path, _METADATA), "rb") as f:
-        try:
-            metadata = _MetadataUnpickler(f).load()
-        except Exception as exc:  # any unpickling failure: a damaged or foreign file
-            raise ValueError(f"its {_METADATA} cannot be read ({type(exc).__name__}: {exc})"
-                             ) from exc
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise ValueError(f"its {_METADATA} holds a {type(metadata).__name__}, not DCP metadata")
-    return metadata
+def unpickle_metadata(data: bytes) -> Metadata:
+    """`.metadata`'s bytes as DCP metadata, checked (`check_metadata`); ValueError naming the
+    file and the field if they are not DCP's."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any unpickling failure: a damaged or foreign file
+        raise ValueError(f"its {METADATA} cannot be read ({type(exc).__name__}: {exc})"
+                         ) from exc
+    check_metadata(metadata)
+    return metadata  # type: ignore[no-any-return]
 
 
-def shard_problems(path: str, metadata: Metadata) -> list[str]:
-    """Shard files the metadata names that are outside `path`, missing, or shorter than the
-    entries it places in them (a save cut short, or a copy that was)."""
+def _bad(field: str, value: Any, expected: str) -> ValueError:
+    seen = repr(value)
+    seen = seen if len(seen) <= 80 else seen[:77] + "..."
+    if value is not None and type(value) not in (str, int):
+        seen = f"a {type(value).__name__} {seen}"
+    return ValueError(f"its {METADATA}: {field} is {seen}, where DCP writes {expected}")
+
+
+def _index(value: Any, field: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _bad(field, value, "an integer >= 0")
+
+
+def _size(value: Any, field: str) -> None:
+    if not isinstance(value, torch.Size):
+        raise _bad(field, value, "a torch.Size")
+    for i, n in enumerate(value):
+        _index(n, f"{field}[{i}]")
+
+
+def check_metadata(metadata: Any) -> None:
+    """Raise ValueError naming the first field of `metadata` that DCP never writes so."""
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"its {METADATA} holds a {type(metadata).__name__}, not DCP metadata")
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict):
+        raise _bad("state_dict_metadata", entries, "a dict")
+    if not isinstance(storage, dict):
+        raise _bad("storage_data", storage, "a dict")
+    if not isinstance(metadata.storage_meta, StorageMeta | None):
+        raise _bad("storage_meta", metadata.storage_meta, "a StorageMeta or None")
+    if not isinstance(metadata.version, str | None):
+        raise _bad("version", metadata.version, "a str or None")
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise _bad(f"state_dict_metadata key {key!r}", key, "a str")
+        _check_entry(entry, f"state_dict_metadata[{key!r}]")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise _bad("storage_data key", index, "a MetadataIndex naming a key")
+        if index.offset is not None:
+            _size(index.offset, f"storage_data key {index.fqn!r} offset")
+        if index.index is not None:
+            _index(index.index, f"storage_data key {index.fqn!r} index")
+        field = f"storage_data[{index.fqn!r}]"
+        name = getattr(info, "relative_path", None)
+        if (not isinstance(info, _StorageInfo) or not isinstance(name, str)
+                or name in ("", ".", "..", METADATA) or "/" in name or "\x00" in name
+                or os.sep in name or (os.altsep is not None and os.altsep in name)):
+            raise _bad(f"{field}.relative_path", name, "the name of a shard file inside the "
+                       "directory (nothing outside it is read)")
+        _index(getattr(info, "offset", None), f"{field}.offset")
+        _index(getattr(info, "length", None), f"{field}.length")
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms is not None and not (isinstance(transforms, list | tuple)
+                                           and all(isinstance(t, str) for t in transforms)):
+            raise _bad(f"{field}.transform_descriptors", transforms, "a list of str or None")
+
+
+def _check_entry(entry: Any, field: str) -> None:
+    if isinstance(entry, BytesStorageMetadata):
+        return
+    if not isinstance(entry, TensorStorageMetadata):
+        raise _bad(field, entry, "a TensorStorageMetadata or BytesStorageMetadata")
+    _size(entry.size, f"{field}.size")
+    if not isinstance(entry.properties, TensorProperties) or not isinstance(
+            entry.properties.dtype, torch.dtype):
+        raise _bad(f"{field}.properties", entry.properties, "TensorProperties with a dtype")
+    if not isinstance(entry.chunks, list):
+        raise _bad(f"{field}.chunks", entry.chunks, "a list")
+    for i, chunk in enumerate(entry.chunks):
+        where = f"{field}.chunks[{i}]"
+        if not isinstance(chunk, ChunkStorageMetadata):
+            raise _bad(where, chunk, "a ChunkStorageMetadata")
+        _size(chunk.offsets, f"{where}.offsets")
+        _size(chunk.sizes, f"{where}.sizes")
+        if not len(chunk.offsets) == len(chunk.sizes) == len(entry.size) or any(
+                o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size,
+                                             strict=True)):
+            raise _bad(where, chunk, f"a chunk within the tensor's size {tuple(entry.size)}")
+
+
+def shard_ends(metadata: Metadata) -> dict[str, int]:
+    """Each shard file the (checked) metadata names, and the byte its entries need it to reach."""
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
-        name = getattr(info, "relative_path", None)
-        if (not isinstance(name, str) or not name or os.path.basename(name) != name
-                or name in (".", "..")):
-            return [f"its {_METADATA} names a shard file {name!r} outside the directory"]
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-        needed[name] = max(needed.get(name, 0), end)
-    problems = []
-    for name, end in sorted(needed.items()):
-        try:
-            size = os.stat(os.path.join(path, name)).st_size
-        except OSError:
-            problems.append(f"shard file {name!r} is missing")
-            continue
-        if size < end:
-            problems.append(f"shard file {name!r} is cut short ({size} bytes; its entries "
-                            f"need {end})")
-    return problems
+        name = info.relative_path
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    return needed
+
+
+class _HeldFile(io.RawIOBase):
+    """A read-only view of a descriptor held open elsewhere, with its own position (pread):
+    closing it leaves the descriptor open."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd, self._position = fd, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = os.pread(self._fd, len(view), self._position)
+        view[:len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position,
+                io.SEEK_END: os.fstat(self._fd).st_size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+class _HeldFiles(FileSystem):
+    """DCP's file system, opening only the shard files held open, by their names: what is at
+    those names now (a save may have replaced the directory) is never read."""
+
+    def __init__(self, files: dict[str, int]) -> None:
+        super().__init__()
+        self._files = files
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = os.path.basename(os.fspath(path))
+        if mode != "rb" or name not in self._files:
+            raise PermissionError(f"{name!r} ({mode}): a load reads only the files it opened")
+        with io.BufferedReader(_HeldFile(self._files[name])) as stream:
+            yield stream
 
 
 class Reader(FileSystemReader):
-    """DCP's file-system reader, unpickling `.metadata` with only DCP's classes."""
+    """DCP's file-system reader over a checkpoint opened once: its checked metadata, and shard
+    files read from descriptors (`files`: name -> descriptor, owned by the caller)."""
+
+    def __init__(self, path: str, metadata: Metadata, files: dict[str, int]) -> None:
+        super().__init__(path)
+        self.fs = _HeldFiles(files)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(os.fspath(self.path))
+        metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,11 +26,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.state import shard_reader, staging
+from pipeline.state.opened import Opened, open_checkpoint
 from schedules.files import fsync_directory
 
 __all__ = ["load", "save"]
 
 _FORMAT = 1  # version of the layout record saved beside the state
+_AGREEMENT_ROUNDS = 3  # times the ranks open the checkpoint again if they opened different ones
 
 # The optimizer's state flattened per parameter name ("state.<fqn>.exp_avg",
 # "param_groups.<fqn>.lr"): every entry belongs to one parameter, so it follows that parameter
@@ -54,18 +57,43 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     nothing but a checkpoint.
     """
     group, distributed = _group(module)
-    problems = _foreign_parameters(module, optimizer)
-    problems += [p for p in [staging.target_problem(path)] if p is not None]
-    lines = _lines(_everyone(problems, set(), group, distributed))
-    if lines:
-        raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: " + "; ".join(lines))
-    token = _gather(staging.new_token(), group, distributed)[0]  # the first rank's
+    leader = not distributed or dist.get_rank(group) == 0
+    with contextlib.ExitStack() as held:
+        problems = _foreign_parameters(module, optimizer)
+        if leader and not problems:  # one save of `path` at a time (staging.save_lock)
+            try:
+                held.enter_context(staging.save_lock(path))
+            except PipeConfigError as exc:
+                problems.append(str(exc))
+        problems += [p for p in [staging.target_problem(path)] if p is not None]
+        lines = _lines(_everyone(problems, set(), group, distributed))
+        if lines:
+            raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: "
+                                  + "; ".join(lines))
+        begun, modes = ("", ""), None
+        if leader:  # the staged directory exists, private, before any rank writes into it
+            try:
+                token = staging.new_token(path)
+                modes = staging.modes_for(path)
+                staging.prepare(path, token)
+                begun = (token, "")
+            except (OSError, PipeConfigError) as exc:
+                begun = ("", _reason(exc))
+        token, error = _gather(begun, group, distributed)[0]  # the first rank's
+        if error:
+            raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: creating its "
+                                  f"staged directory failed ({error})")
+        _write(module, path, optimizer, token, modes, group, distributed)
+
+
+def _write(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None, token: str,
+           modes: staging.Modes | None, group: Any, distributed: bool) -> None:
+    """Every rank writes into the staged directory; the leader (it has `modes`) swaps it in."""
     staged = staging.staged_path(path, token)
     state: dict[str, Any] = {_MODEL: dict(module.state_dict()),
                              _LAYOUT: json.dumps(_layout(module, optimizer))}
     if optimizer is not None:
         state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
-    leader = not distributed or dist.get_rank(group) == 0
     try:  # every rank's files fsynced (sync_files), and the directory holding them
         _run(dcp_save, state, group, distributed,
              storage_writer=FileSystemWriter(staged, sync_files=True))
@@ -74,11 +102,12 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     except (Exception, CheckpointException) as exc:  # any rank's is every rank's, below
         failed = [f"writing failed: {_reason(exc)}"]
     _agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
-           distributed, cleanup=staged if leader else None)
+           distributed, cleanup=staged if modes is not None else None)
     swapped = []
-    if leader:
+    if modes is not None:
         try:
             staging.mark_complete(staged, token)
+            staging.seal(staged, modes)
             staging.swap_in(staged, path, token)
         except Exception as exc:  # reported to every rank: none is left waiting below
             swapped = [f"swapping {staged!r} in failed: {_reason(exc)}"]
@@ -100,11 +129,21 @@ def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     read (`pipeline.state.staging` has the rule).
     """
     group, distributed = _group(module)
-    source = staging.resolve(path)
+    problems = _foreign_parameters(module, optimizer)
+    opened = _open_agreed(path, problems, group, distributed)
+    try:
+        _load_opened(module, path, optimizer, opened, problems, group, distributed)
+    finally:
+        if opened is not None:
+            opened.close()
+
+
+def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None,
+                 opened: Opened | None, problems: list[str], group: Any,
+                 distributed: bool) -> None:
     own = dict(module.state_dict())
     state: dict[str, Any] = {_MODEL: own}
-    problems = _foreign_parameters(module, optimizer)
-    saved = _read_metadata(source, problems)
+    saved = opened.metadata if opened is not None else None
     if saved is not None:
         problems += _misfits(own, saved, _MODEL)
         if optimizer is not None and not problems:
@@ -115,21 +154,44 @@ def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
                 state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
                 problems += _misfits(state[_OPTIM], saved, _OPTIM)
                 problems += _stranded(state[_OPTIM], saved, module)
-    _raise_unless_fits(path, source, saved, _everyone(problems, set(own), group, distributed))
-    if source != os.path.realpath(path):
+    _raise_unless_fits(path, opened, _everyone(problems, set(own), group, distributed))
+    assert opened is not None  # _raise_unless_fits raised otherwise
+    if opened.path != os.path.realpath(path):
         warnings.warn(f"{os.fspath(path)!r} is missing (a save of it was cut short between its "
-                      f"two renames): loading the complete new checkpoint {source!r}; the next "
-                      f"save of {os.fspath(path)!r} tidies up", stacklevel=2)
+                      f"two renames): loading the complete new checkpoint {opened.path!r}; the "
+                      f"next save of {os.fspath(path)!r} tidies up", stacklevel=3)
     try:
-        _run(dcp_load, state, group, distributed, storage_reader=shard_reader.Reader(source),
+        _run(dcp_load, state, group, distributed, storage_reader=_reader(opened),
              planner=shard_reader.Planner())
     except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
-        raise PipeConfigError(f"load: {_describe(path, source, saved)} is damaged: reading it "
+        raise PipeConfigError(f"load: {_describe(path, opened)} is damaged: reading it "
                               f"failed ({_reason(exc)}). Load another checkpoint, or save this "
                               f"one again") from exc
     module.load_state_dict(own)  # tensors were filled in place; this lets the module react
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state[_OPTIM], options=_OPTIONS)
+
+
+def _reader(opened: Opened) -> shard_reader.Reader:
+    return shard_reader.Reader(opened.path, opened.metadata, opened.files)
+
+
+def _open_agreed(path: Path, problems: list[str], group: Any, distributed: bool
+                 ) -> Opened | None:
+    """The checkpoint every rank opened, the same one (a save between two ranks' opens makes
+    them open it again); None with the reason among `problems` if there is none to load."""
+    for _ in range(_AGREEMENT_ROUNDS):
+        found: list[str] = []
+        opened = _open(path, found)
+        seen = _gather(opened.identity if opened is not None else None, group, distributed)
+        if len({s for s in seen if s is not None}) <= 1:
+            problems += found
+            return opened
+        if opened is not None:
+            opened.close()
+    problems.append(f"the ranks opened different checkpoints {_AGREEMENT_ROUNDS} times (saves "
+                    f"kept replacing it): load again")
+    return None
 
 
 def _group(module: nn.Module) -> tuple[Any, bool]:
@@ -162,14 +224,14 @@ def _layout(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
             "optimizer": type(optimizer).__name__ if optimizer is not None else None}
 
 
-def _describe(path: Path, source: str, saved: Metadata | None) -> str:
+def _describe(path: Path, opened: Opened | None) -> str:
     """What the checkpoint was saved from, in words (read from its layout record)."""
     where = f"the checkpoint at {os.fspath(path)!r}"
-    if saved is None or _LAYOUT not in saved.state_dict_metadata:
+    if opened is None or _LAYOUT not in opened.metadata.state_dict_metadata:
         return where
     record: dict[str, Any] = {_LAYOUT: ""}
     try:
-        _run(dcp_load, record, None, False, storage_reader=shard_reader.Reader(source),
+        _run(dcp_load, record, None, False, storage_reader=_reader(opened),
              planner=shard_reader.Planner())
         layout = json.loads(record[_LAYOUT])
         shape = (f" with balance {layout['balance']}" if layout["balance"] is not None else "")
@@ -180,25 +242,28 @@ def _describe(path: Path, source: str, saved: Metadata | None) -> str:
         return where
 
 
-def _read_metadata(path: str, problems: list[str]) -> Metadata | None:
-    """The checkpoint's metadata, if it and the shard files it names are sound; else None,
-    with what is wrong among `problems`."""
+def _open(path: Path, problems: list[str]) -> Opened | None:
+    """The checkpoint a load of `path` reads, opened, if it and the shard files its metadata
+    names are sound; else None, with what is wrong among `problems`."""
     try:
-        saved = shard_reader.read_metadata(path)
+        opened = open_checkpoint(path)
     except (FileNotFoundError, NotADirectoryError):
         problems.append("there is no DCP checkpoint there (no .metadata file): save one with "
                         "pipeline.state.sharded.save(pipe, path)")
+        return None
+    except PipeConfigError as exc:  # it may not be read: the message says why and what to do
+        problems.append(str(exc))
         return None
     except (OSError, ValueError) as exc:
         problems.append(f"{exc}: it is damaged or no DCP checkpoint; load another, or save it "
                         f"again")
         return None
-    damaged = shard_reader.shard_problems(path, saved)
-    if damaged:
-        problems.append("; ".join(damaged) + ": the checkpoint is damaged (a copy or a save "
-                        "cut short?); load another, or save it again")
+    if opened.damage:
+        problems.append("; ".join(opened.damage) + ": the checkpoint is damaged (a copy or a "
+                        "save cut short?); load another, or save it again")
+        opened.close()
         return None
-    return saved
+    return opened
 
 
 def _misfits(own: dict[str, Any], saved: Metadata, prefix: str) -> list[str]:
@@ -283,20 +348,20 @@ def _agree(what: str, problems: list[str], group: Any, distributed: bool, *,
         raise PipelineError(f"{what}: " + "; ".join(lines))
 
 
-def _raise_unless_fits(path: Path, source: str, saved: Metadata | None,
+def _raise_unless_fits(path: Path, opened: Opened | None,
                        everyone: list[tuple[int, list[str], set[str]]]) -> None:
     """Raise (on every rank alike) for any rank's problem, or model keys no rank has."""
     lines = _lines(everyone)
-    if saved is None:  # this rank has said so among its problems
+    if opened is None:  # this rank has said so among its problems
         raise PipeConfigError(f"load: nothing to load at {os.fspath(path)!r}: " + "; ".join(lines))
     union = {f"{_MODEL}.{k}" for _, _, keys in everyone for k in keys}
-    unexpected = sorted(k[len(_MODEL) + 1:] for k in saved.state_dict_metadata
+    unexpected = sorted(k[len(_MODEL) + 1:] for k in opened.metadata.state_dict_metadata
                         if k.startswith(_MODEL + ".") and k not in union)
     if unexpected:
         lines.append(f"model keys unexpected {unexpected} (no layer here has them)")
     if lines:
         raise PipeConfigError(
-            f"load: {_describe(path, source, saved)} does not fit this model: " + "; ".join(lines)
+            f"load: {_describe(path, opened)} does not fit this model: " + "; ".join(lines)
             + ". Load a checkpoint of the same model (balance, number of ranks, threads or "
             "processes may differ)")
 

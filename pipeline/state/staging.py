@@ -1,48 +1,84 @@
 """Checkpoint directories swapped in whole: written beside the target, marked complete, renamed.
 
-A save of checkpoint directory `ckpt` never writes into `ckpt`. Every rank writes into the
-staged sibling `ckpt.tmp-<token>` (one token per save, chosen by one rank); once every rank
-has agreed that its writes succeeded, one rank marks the staged directory complete (a
-`.complete` file, fsynced with the directory) and swaps it in with two renames:
+A save of checkpoint directory `ckpt` never writes into `ckpt`. It holds the lock file
+`ckpt.lock` (one save at a time: a second is refused, see `save_lock`), and every rank writes
+into the staged sibling `ckpt.tmp-<token>`, created private (0700). Once every rank has agreed
+that its writes succeeded, one rank gives the files and the directory their final modes (those
+of the checkpoint replaced, see `modes_for`), marks it complete (a `.complete` file holding the
+token, fsynced with the directory) and swaps it in with two renames:
 
     ckpt            -> ckpt.old-<token>      (skipped when there is no `ckpt` yet)
     ckpt.tmp-<token> -> ckpt                 (then the parent is fsynced)
 
-and removes `ckpt.old-<token>` and any other `ckpt.tmp-*` / `ckpt.old-*` left by earlier saves
-that died. POSIX cannot rename a directory onto a non-empty one, so `ckpt` is briefly missing
-between the renames; the recovery rule covers that window: a load of `ckpt` reads `ckpt` when it
-exists, and otherwise the newest staged sibling that carries `.complete` (tokens begin with the
-time, so "newest" is the greatest token). A staged directory without `.complete` is never read.
-So `ckpt` always resolves to the old checkpoint or the new one, each complete; renames must be
-atomic on the filesystem (true of local POSIX filesystems; a shared one must provide it).
+and removes `ckpt.old-<token>` and any other `ckpt.tmp-*` / `ckpt.old-*` of this user left by
+earlier saves that died. POSIX cannot rename a directory onto a non-empty one, so `ckpt` is
+briefly missing between the renames. The recovery rule covers that window, and no clock enters
+it: a token is `<generation>-<random>`, the generation one more than any this user's `ckpt` or
+its siblings carry. A load of `ckpt` reads `ckpt` when it exists; otherwise, among this user's
+staged siblings that carry `.complete`, the one whose token matches a `ckpt.old-<token>` (its
+save had begun the swap: the old checkpoint was already renamed away), the greatest generation
+if several; if none matches (there was no `ckpt` before), the greatest generation. A staged
+directory without `.complete`, or not owned by this user (planted in a shared directory), is
+never read and never counts. So `ckpt` resolves to the old checkpoint or the new one, each
+complete; renames must be atomic on the filesystem (true of local POSIX filesystems).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import secrets
 import shutil
-import time
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+from pipeline.errors import PipeConfigError
 from schedules.files import fsync_directory, write_atomic
 
-__all__ = ["MARKER", "clean", "mark_complete", "new_token", "resolve", "staged_path",
-           "swap_in", "target_problem"]
+__all__ = ["MARKER", "Modes", "clean", "mark_complete", "modes_for", "new_token", "prepare",
+           "resolve", "save_lock", "seal", "staged_path", "swap_in", "target_problem"]
 
 MARKER = ".complete"
-_PATTERN = r"\.(tmp|old)-([0-9a-f]{16}-[0-9a-f]{8})"
-# What DCP's FileSystemWriter writes, and our marker: a directory holding only these (or
-# nothing) is a checkpoint that a save may replace.
+_LOCK = ".lock"
+_TOKEN = r"([0-9a-f]{16})-([0-9a-f]{8})"
+_PATTERN = r"\.(tmp|old)-" + _TOKEN
+# What DCP's FileSystemWriter writes, and our marker: a directory holding only regular files
+# of these names (or nothing) is a checkpoint that a save may replace.
 _CHECKPOINT_FILE = re.compile(r"(\.metadata|\.metadata\.tmp|__\d+\.metadata|.*\.distcp|"
                               + re.escape(MARKER) + ")")
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_NO_WRITE_FOR_OTHERS = ~0o022
 
 Path = str | os.PathLike[str]
 
 
-def new_token() -> str:
-    """Nanoseconds since the epoch, then randomness: tokens sort by the time they were made."""
-    return f"{time.time_ns():016x}-{secrets.token_hex(4)}"
+@dataclass(frozen=True, slots=True)
+class Modes:
+    """What a new checkpoint's directory and files get: permission bits, and the group when
+    the old checkpoint had another one (None: the process's)."""
+
+    directory: int
+    files: int
+    group: int | None
+
+
+def new_token(path: Path) -> str:
+    """The next generation of checkpoint `path` (one more than its own and its siblings'), then
+    randomness. Call while holding `save_lock(path)`."""
+    target = _normal(path)
+    seen = [int(m.group(2), 16) for _, m in _own_siblings(target)]
+    marker = read_marker(target)
+    if marker is not None:
+        seen.append(int(marker[:16], 16))
+    generation = max(seen, default=0) + 1
+    if generation >= 16**16:
+        raise PipeConfigError(f"save: the generation of {target!r} would overflow (its "
+                              f"siblings or marker hold {max(seen):#x}): remove its "
+                              f".tmp-/.old- siblings")
+    return f"{generation:016x}-{secrets.token_hex(4)}"
 
 
 def staged_path(path: Path, token: str, kind: str = "tmp") -> str:
@@ -50,22 +86,138 @@ def staged_path(path: Path, token: str, kind: str = "tmp") -> str:
     return f"{_normal(path)}.{kind}-{token}"
 
 
+def read_marker(directory: Path, dir_fd: int | None = None) -> str | None:
+    """The token in `directory`'s `.complete` (relative to `dir_fd` if given), if it is a
+    regular file holding one; else None. Never follows a link, never blocks."""
+    try:
+        fd = os.open(MARKER if dir_fd is not None else os.path.join(directory, MARKER), _READ,
+                     dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return text if re.fullmatch(_TOKEN, text) else None
+
+
 def target_problem(path: Path) -> str | None:
     """Why a save may not replace `path` (it holds something other than a checkpoint), or
-    None: absent, or a directory holding nothing but a checkpoint's files."""
+    None: absent, or a directory holding nothing but a checkpoint's regular files."""
     target = _normal(path)
     if not os.path.lexists(target):
         return None
     if not os.path.isdir(target):
         return (f"{target!r} exists and is not a directory: save to a new path or a "
                 f"checkpoint directory")
-    others = sorted(n for n in os.listdir(target) if not _CHECKPOINT_FILE.fullmatch(n))
+    with os.scandir(target) as entries:  # a directory or link named like a shard is not one
+        others = sorted(e.name for e in entries if not _CHECKPOINT_FILE.fullmatch(e.name)
+                        or not e.is_file(follow_symlinks=False))
     if others:
         more = f" and {len(others) - 5} more" if len(others) > 5 else ""
         return (f"{target!r} holds files that are not a checkpoint's ({others[:5]}{more}), and a "
                 f"save replaces the whole directory: save to a new or empty directory, or "
                 f"remove them")
     return None
+
+
+@contextlib.contextmanager
+def save_lock(path: Path) -> Iterator[None]:
+    """Hold `<path>.lock` for one save of `path`: a second save at the same time (another
+    process or thread) is refused with PipeConfigError, not queued (see docs/checkpoints.md)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one save at a time is the caller's to ensure
+        yield
+        return
+    lock = _normal(path) + _LOCK
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as exc:
+            raise PipeConfigError(f"save: cannot open the lock file {lock!r} ({exc}): it must "
+                                  f"be a regular file of yours; remove it") from exc
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(fd)
+            raise PipeConfigError(f"save: the lock file {lock!r} is not a regular file of "
+                                  f"yours (owner uid {info.st_uid}): remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise PipeConfigError(f"save: another save of {_normal(path)!r} is running (it "
+                                  f"holds {lock!r}); two at once would replace each other's "
+                                  f"checkpoint: wait for it, or save to another path") from exc
+        try:  # a save that just finished removed the file we locked: lock the new one
+            current = os.lstat(lock)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        if (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # before unlocking: whoever waits then locks a new file
+        os.close(fd)
+
+
+def modes_for(path: Path) -> Modes:
+    """The modes of the checkpoint at `path` (its directory, and the narrowest of its files),
+    or from the umask if there is none; never write for group or others on the directory
+    (a load refuses such a directory)."""
+    target = _normal(path)
+    try:
+        old = os.lstat(target)
+    except FileNotFoundError:
+        umask = _umask()
+        return Modes((0o777 & ~umask) & _NO_WRITE_FOR_OTHERS, 0o666 & ~umask, None)
+    files = 0o7777
+    with os.scandir(target) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                files &= stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+    if files == 0o7777:  # no files: what the directory grants, without execute
+        files = stat.S_IMODE(old.st_mode) & 0o666
+    group = old.st_gid if old.st_gid != os.getegid() else None
+    return Modes(stat.S_IMODE(old.st_mode) & _NO_WRITE_FOR_OTHERS & 0o777, files & 0o777,
+                 group)
+
+
+def prepare(path: Path, token: str) -> str:
+    """Create the staged directory of this save, private (0700) until `seal`: the files DCP
+    creates in it with the umask's modes are never reachable by others."""
+    staged = staged_path(path, token)
+    os.mkdir(staged, 0o700)
+    os.chmod(staged, 0o700)  # the umask may have narrowed it further
+    return staged
+
+
+def seal(staged: Path, modes: Modes) -> None:
+    """Give the staged directory and its files their final `modes` (files first, so none is
+    ever wider than it ends)."""
+    for name in os.listdir(staged):
+        file = os.path.join(staged, name)
+        if stat.S_ISREG(os.lstat(file).st_mode):
+            _set_mode(file, modes.files, modes.group)
+    _set_mode(os.fspath(staged), modes.directory, modes.group)
+
+
+def _set_mode(path: str, mode: int, group: int | None) -> None:
+    if group is not None:
+        try:
+            os.chown(path, -1, group)
+        except OSError:  # not a member of the old group: nobody of that group gets in either
+            mode &= ~0o070
+    os.chmod(path, mode)
 
 
 def mark_complete(staged: Path, token: str) -> None:
@@ -88,32 +240,72 @@ def swap_in(staged: Path, path: Path, token: str) -> None:
 
 
 def clean(path: Path) -> None:
-    """Remove every `<path>.tmp-<token>` and `<path>.old-<token>` sibling (only names of
-    exactly that form; call only once `path` holds a complete checkpoint)."""
-    for name in _siblings(path):
-        shutil.rmtree(os.path.join(os.path.dirname(_normal(path)), name), ignore_errors=True)
+    """Remove this user's `<path>.tmp-<token>` and `<path>.old-<token>` siblings (only names
+    of exactly that form; call only once `path` holds a complete checkpoint). Another user's
+    are left alone: they never count (see `resolve`)."""
+    target = _normal(path)
+    for name, _ in _own_siblings(target):
+        shutil.rmtree(os.path.join(os.path.dirname(target), name), ignore_errors=True)
 
 
 def resolve(path: Path) -> str:
-    """The directory a load of `path` reads: `path` if it exists, else the newest complete
-    staged sibling (a save died between its renames), else `path`."""
+    """The directory a load of `path` reads: `path` if it exists, else this user's complete
+    staged sibling that the module's rule picks (a save died between its renames), else
+    `path`."""
     target = _normal(path)
     if os.path.lexists(target):
         return target
     parent = os.path.dirname(target)
-    complete = [os.path.join(parent, name) for name in _siblings(target, "tmp")
-                if os.path.isfile(os.path.join(parent, name, MARKER))]
-    return max(complete) if complete else target  # one prefix: the greatest token wins
+    siblings = _own_siblings(target)
+    old = {m.group(2, 3) for _, m in siblings if m.group(1) == "old"}
+    complete = [(int(m.group(2), 16), name, m.group(2, 3) in old) for name, m in siblings
+                if m.group(1) == "tmp" and _own_marker(os.path.join(parent, name))]
+    mid_swap = [c for c in complete if c[2]]
+    chosen = max(mid_swap or complete, default=None)
+    return os.path.join(parent, chosen[1]) if chosen is not None else target
 
 
-def _siblings(path: Path, kind: str = "tmp|old") -> list[str]:
-    target = _normal(path)
-    pattern = re.compile(re.escape(os.path.basename(target)) + _PATTERN.replace("tmp|old", kind))
+def _own_marker(staged: str) -> bool:
     try:
-        names = os.listdir(os.path.dirname(target))
+        info = os.lstat(os.path.join(staged, MARKER))
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def _own_siblings(target: str) -> list[tuple[str, re.Match[str]]]:
+    """The `.tmp-` / `.old-` siblings of `target` that are directories of this user (another
+    user's, planted in a shared directory, are not ours to read, count or remove)."""
+    parent = os.path.dirname(target)
+    pattern = re.compile(re.escape(os.path.basename(target)) + _PATTERN)
+    try:
+        names = os.listdir(parent)
     except FileNotFoundError:
         return []
-    return [n for n in names if pattern.fullmatch(n)]
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            info = os.lstat(os.path.join(parent, name))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+            found.append((name, match))
+    return found
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (no race with
+    threads creating files); else set and restored."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _normal(path: Path) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from pipeline import Pipe
 from pipeline.state import sharded
 from tests.pipeline.sharded_workers import adam, model, pack, snapshot, train_step
 
-__all__ = ["POINTS", "save_twice"]
+__all__ = ["POINTS", "save_and_die", "save_twice"]
 
 # Where a rank dies while saving B: (the rank, the point). The points are in torch's
 # FileSystemWriter (common to any design) or counted renames (DCP renames `.metadata.tmp`
@@ -72,17 +73,22 @@ def _arm(where: str) -> None:
             return result
 
         sharded.dcp_save = patched_save  # type: ignore[attr-defined]
+    elif kind == "before":  # before the arg-th rename (after `.complete`, for the swap's first)
+        os.rename = _counting(os.rename, int(arg), before=True)
     else:
         os.rename = _counting(os.rename, int(arg))
 
 
-def _counting(rename: Callable[..., None], limit: int) -> Callable[..., None]:
+def _counting(rename: Callable[..., None], limit: int, *, before: bool = False
+              ) -> Callable[..., None]:
     count = 0
 
     def patched(*args: Any, **kwargs: Any) -> None:
         nonlocal count
-        rename(*args, **kwargs)
         count += 1
+        if before and count == limit:
+            _die()
+        rename(*args, **kwargs)
         if count == limit:
             _die()
 
@@ -101,5 +107,21 @@ def save_twice(rank: int, path: str, snaps: str, point: str) -> None:
     Path(snaps, f"B-{rank}.pt").write_bytes(pack(snapshot(pipe, optimizer)))
     victim, where = POINTS[point]
     if rank == victim:
+        _arm(where)
+    sharded.save(pipe, path, optimizer)
+
+
+def save_and_die(rank: int, path: str, snaps: str, steps: int, where: str, skew_ns: int) -> None:
+    """Train `steps` steps, write this rank's snapshot to `snaps/<steps>-<rank>.pt`, then save
+    with rank 0 dying at `where` (see `_arm`) and this process's clock `skew_ns` ahead."""
+    pipe = Pipe(model(0), [2, 4])
+    optimizer = adam(pipe)
+    for step in range(steps):
+        train_step(pipe, optimizer, step)
+    Path(snaps, f"{steps}-{rank}.pt").write_bytes(pack(snapshot(pipe, optimizer)))
+    if skew_ns:
+        time_ns = time.time_ns
+        time.time_ns = lambda: time_ns() + skew_ns
+    if rank == 0:
         _arm(where)
     sharded.save(pipe, path, optimizer)

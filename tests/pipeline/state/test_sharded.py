@@ -271,5 +271,34 @@ def test_a_shard_named_outside_the_directory_is_refused(tmp_path: Path) -> None:
     for info in metadata.storage_data.values():
         info.relative_path = "../" + info.relative_path
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(PipeConfigError, match=r"names a shard file '\.\./.*' outside"):
+    with pytest.raises(PipeConfigError, match=r"\.metadata: storage_data\[.*\]\.relative_path "
+                                              r"is '\.\./.*'.*inside the directory"):
         sharded.load(model(1), path)
+
+
+def test_a_load_reads_the_checkpoint_it_opened_while_a_save_replaces_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save swaps B in after the load has looked at A and before it reads the shards: the load
+    returns A whole (it holds A's files open), and the next load B."""
+    path = tmp_path / "ckpt"
+    plain = _saved_plain(path)
+    first = {k: v.clone() for k, v in plain.state_dict().items()}
+    other = model(1)
+    train_step(other, adam(other), 0)
+    dcp_load = sharded.dcp_load  # type: ignore[attr-defined]
+    saves: list[int] = []
+
+    def save_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        if not saves:
+            saves.append(1)
+            sharded.save(other, path)
+        return dcp_load(*args, **kwargs)
+
+    monkeypatch.setattr(sharded, "dcp_load", save_meanwhile)
+    target = model(9)
+    sharded.load(target, path)
+    assert saves
+    assert_same(dict(target.state_dict()), first, "the checkpoint the load began with")
+    monkeypatch.undo()
+    sharded.load(target, path)
+    assert_same(dict(target.state_dict()), dict(other.state_dict()), "the new checkpoint")

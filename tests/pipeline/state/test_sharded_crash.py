@@ -4,6 +4,8 @@ complete and bit-identical: never a mix, never a load error."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,16 @@ import torch
 from pipeline.launch import RankFailed, spawn
 from pipeline.state import sharded
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
-from tests.pipeline.crash_workers import POINTS, save_twice
-from tests.pipeline.sharded_workers import adam, assert_same, load_continue, model, snapshot, unpack
+from tests.pipeline.crash_workers import POINTS, save_and_die, save_twice
+from tests.pipeline.sharded_workers import (
+    adam,
+    assert_same,
+    load_continue,
+    model,
+    snapshot,
+    train_step,
+    unpack,
+)
 
 # What the checkpoint must hold after each crash: A (the save had not been agreed by every rank)
 # or B (it had, and the swap had begun or finished).
@@ -78,3 +88,71 @@ def test_a_rank_killed_while_saving_leaves_one_complete_checkpoint(tmp_path: Pat
     sharded.save(plain, path, optimizer)
     assert _siblings(path) == ["ckpt"], _siblings(path)
     assert_same(_load_plain(path), snapshot(plain, optimizer), "saved after the crash")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(3 * DIST_TEST_TIMEOUT)  # two spawns and loads
+def test_a_save_killed_before_its_swap_never_wins_whatever_its_clock(tmp_path: Path) -> None:
+    """Save S dies after `.complete` and before its first rename, its clock 10 minutes ahead;
+    save T dies between its renames. T had replaced the checkpoint: T loads."""
+    path, snaps = tmp_path / "ckpt", tmp_path / "snaps"
+    snaps.mkdir()
+    plain = model(0)
+    sharded.save(plain, path, adam(plain))  # the checkpoint S and T replace
+    ten_minutes = 600 * 10**9
+    for steps, where, skew in ((1, "before:2", ten_minutes), (2, "rename:2", 0)):
+        with pytest.raises(RankFailed, match=r"rank 0: process died \(exit code -9\)"):
+            spawn(save_and_die, 2, str(path), str(snaps), steps, where, skew,
+                  timeout=SPAWN_TIMEOUT, grace=5.0)
+    assert not path.exists()
+    expected = unpack([(snaps / f"2-{rank}.pt").read_bytes() for rank in (0, 1)])
+    with pytest.warns(UserWarning, match="cut short between its two renames"):
+        assert_same(_load_plain(path), expected, "T, the save that was mid-swap")
+
+
+def _which(loaded: dict[str, Any], candidates: list[dict[str, Any]]) -> int | None:
+    """The index of the candidate `loaded` equals, every key bitwise; None for a mix."""
+    for i, candidate in enumerate(candidates):
+        if sorted(candidate) == sorted(loaded) and all(_equal(loaded[k], v)
+                                                       for k, v in candidate.items()):
+            return i
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_loads_while_saves_replace_the_checkpoint_see_one_whole_checkpoint(
+        tmp_path: Path) -> None:
+    """One saver replaces the checkpoint again and again (two states in turn); every load
+    meanwhile returns one of them whole, never a mix and never an error."""
+    path = tmp_path / "ckpt"
+    states = []
+    for seed in (0, 1):
+        plain = model(seed)
+        optimizer = adam(plain)
+        train_step(plain, optimizer, seed)
+        states.append((plain, optimizer, snapshot(plain, optimizer)))
+    sharded.save(states[0][0], path, states[0][1])
+    stop, failures = threading.Event(), []
+
+    def saver() -> None:
+        try:
+            for i in range(1, 400):
+                if stop.is_set():
+                    return
+                sharded.save(states[i % 2][0], path, states[i % 2][1])
+        except Exception as exc:  # reported by the test below
+            failures.append(exc)
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    seen = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a load between the renames warns: expected
+            while len(seen) < 30 and thread.is_alive():
+                seen.append(_which(_load_plain(path), [s[2] for s in states]))
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures, failures
+    assert len(seen) >= 5 and None not in seen, seen
