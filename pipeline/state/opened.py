@@ -65,7 +65,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
             return _open(source, path)
         except _Replaced:
             continue
-    raise PipeConfigError(f"load: {os.fspath(path)!r} was replaced {_ATTEMPTS} times while "
+    raise PipeConfigError(f"{os.fspath(path)!r} was replaced {_ATTEMPTS} times while "
                           f"its files were being opened (saves in a tight loop?): load again")
 
 
@@ -99,13 +99,20 @@ def _open(source: str, path: str | os.PathLike[str]) -> Opened:
 
 
 def _check_directory(source: str, info: os.stat_result) -> None:
-    """Refuse a directory others may write to: they could swap its files while it loads."""
+    """Refuse a directory others may write to (they could swap its files while it loads), and
+    another user's in a directory where anyone may create one (it may be planted)."""
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022:
         raise PipeConfigError(
-            f"load: the checkpoint directory {source!r} is writable by other users (mode "
+            f"the checkpoint directory {source!r} is writable by other users (mode "
             f"{mode:#o}): they could replace its files as it loads; if you trust them, "
             f"chmod go-w {source!r} (a save never makes one so)")
+    parent = os.path.dirname(source)
+    if info.st_uid != os.geteuid() and os.stat(parent).st_mode & 0o002:
+        raise PipeConfigError(
+            f"the checkpoint directory {source!r} belongs to another user (uid {info.st_uid}) "
+            f"and lies in {parent!r}, where anyone may create it: it may be planted; load a "
+            f"copy you made, or one from a directory only its owner can write")
 
 
 def _open_file(directory: int, name: str, source: str, path: str | os.PathLike[str]) -> int:

@@ -321,3 +321,25 @@ def test_a_staged_directory_another_user_planted_is_never_read(tmp_path: Path,
         assert_same(_loaded(path), expected, "ours, not the planted one")
     _saved(path, seed=2)  # the clean-up leaves the other user's directory alone
     assert os.path.isdir(planted)
+
+
+_PLANT_TARGET = """
+import os, shutil, sys
+shutil.copytree(sys.argv[1], sys.argv[2])
+os.chmod(sys.argv[2], 0o755)
+"""
+
+
+@other_user
+def test_a_checkpoint_another_user_planted_at_the_path_is_refused(tmp_path: Path,
+                                                                 shared_dir: str) -> None:
+    """`ckpt` is missing between a save's renames: another user may create it in a directory
+    anyone can write to. Such a directory is refused, not loaded."""
+    _saved(tmp_path / "theirs", seed=5)
+    theirs = _readable_copy(tmp_path / "theirs", Path(shared_dir) / "theirs-src")
+    path = Path(shared_dir) / "ckpt"
+    done = run_as_other(_PLANT_TARGET, str(theirs), str(path))
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(PipeConfigError, match=r"belongs to another user \(uid 65534\) and lies "
+                                              r"in .*where anyone may create it"):
+        _loaded(path)
