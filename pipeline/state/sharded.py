@@ -54,7 +54,8 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     `path` always holds a complete checkpoint, the old or the new, even if a rank dies or the
     power fails part-way: the ranks write into a staged sibling, agree that all succeeded, and
     one rank swaps it in by renaming (see `pipeline.state.staging`). `path`, if it exists, must hold
-    nothing but a checkpoint.
+    nothing but a checkpoint's files; the new one takes its modes. One save of `path` at a time:
+    a second one meanwhile raises `PipeConfigError` (loads meanwhile are safe).
     """
     group, distributed = _group(module)
     leader = not distributed or dist.get_rank(group) == 0
@@ -126,7 +127,9 @@ def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     or cut short, raises `PipeConfigError` naming it before anything is loaded (damage within
     a shard's length shows only while reading: the error comes then). If `path` is missing
     because a save died between its two renames, the complete staged checkpoint beside it is
-    read (`pipeline.state.staging` has the rule).
+    read (`pipeline.state.staging` has the rule). The checkpoint is opened once, its files held
+    open before any is read (`pipeline.state.opened`): a save replacing it meanwhile leaves
+    this load the checkpoint it opened, whole; every rank loads the same one.
     """
     group, distributed = _group(module)
     problems = _foreign_parameters(module, optimizer)

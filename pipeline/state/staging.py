@@ -75,7 +75,7 @@ def new_token(path: Path) -> str:
         seen.append(int(marker[:16], 16))
     generation = max(seen, default=0) + 1
     if generation >= 16**16:
-        raise PipeConfigError(f"save: the generation of {target!r} would overflow (its "
+        raise PipeConfigError(f"the generation of {target!r} would overflow (its "
                               f"siblings or marker hold {max(seen):#x}): remove its "
                               f".tmp-/.old- siblings")
     return f"{generation:016x}-{secrets.token_hex(4)}"
@@ -133,17 +133,18 @@ def save_lock(path: Path) -> Iterator[None]:
         yield
         return
     lock = _normal(path) + _LOCK
+    os.makedirs(os.path.dirname(lock), exist_ok=True)  # as DCP would: `runs/step-1000`
     while True:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                          | getattr(os, "O_CLOEXEC", 0), 0o600)
         except OSError as exc:
-            raise PipeConfigError(f"save: cannot open the lock file {lock!r} ({exc}): it must "
+            raise PipeConfigError(f"cannot open the lock file {lock!r} ({exc}): it must "
                                   f"be a regular file of yours; remove it") from exc
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             os.close(fd)
-            raise PipeConfigError(f"save: the lock file {lock!r} is not a regular file of "
+            raise PipeConfigError(f"the lock file {lock!r} is not a regular file of "
                                   f"yours (owner uid {info.st_uid}): remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -151,7 +152,7 @@ def save_lock(path: Path) -> Iterator[None]:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-            raise PipeConfigError(f"save: another save of {_normal(path)!r} is running (it "
+            raise PipeConfigError(f"another save of {_normal(path)!r} is running (it "
                                   f"holds {lock!r}); two at once would replace each other's "
                                   f"checkpoint: wait for it, or save to another path") from exc
         try:  # a save that just finished removed the file we locked: lock the new one
@@ -196,6 +197,7 @@ def prepare(path: Path, token: str) -> str:
     """Create the staged directory of this save, private (0700) until `seal`: the files DCP
     creates in it with the umask's modes are never reachable by others."""
     staged = staged_path(path, token)
+    os.makedirs(os.path.dirname(staged), exist_ok=True)  # as DCP would: `runs/step-1000`
     os.mkdir(staged, 0o700)
     os.chmod(staged, 0o700)  # the umask may have narrowed it further
     return staged
