@@ -31,7 +31,7 @@ def _rate(entries: list[dict[str, Any]]) -> float:
     done = [e for e in entries if e["committed"]]
     if len(done) < 2:
         return float("nan")
-    return (len(done) - 1) / (done[-1]["t"] - done[0]["t"])
+    return (len(done) - 1) / float(done[-1]["t"] - done[0]["t"])
 
 
 def measure(steps: int, kill_at: int, point: str) -> dict[str, float]:
