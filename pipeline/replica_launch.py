@@ -60,12 +60,12 @@ class ReplicaGroup:
                       for r in range(nproc)]
 
     def failed_rank(self) -> tuple[int, int] | None:
-        """(rank, exit code) of the first rank that exited non-zero, if any."""
-        for r, p in enumerate(self.procs):
-            code = p.poll()
-            if code not in (None, 0):
-                return r, code
-        return None
+        """(rank, exit code) of a rank that exited non-zero, if any: one killed by a signal
+        first, since its peers then fail on their own (exit code 1) and may all be seen gone
+        by the same poll."""
+        failed = [(r, code) for r, p in enumerate(self.procs)
+                  if (code := p.poll()) is not None and code != 0]
+        return min(failed, key=lambda f: (f[1] >= 0, f[0])) if failed else None
 
     def stop(self, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
         """Signal every live rank and reap them all (killed after `wait` seconds)."""
