@@ -1,0 +1,122 @@
+"""A model's own loss (`labels=` in the inputs, `loss_fn=lambda out, y: out.loss`) trains exactly
+without `loss_weight=`: each micro-batch is weighted by what the graph's loss divides by, counted
+from the inputs by the graph's own ops (a causal LM's shift included), over the whole batch.
+
+Micro-batches of 2 rows (chunks=4 on 8 rows) count 22, 2, 0 and 22 shifted tokens: weighting
+them by rows is off by a third and more, and the micro-batch counting nothing has a 0/0 loss.
+Tolerance: fp32, the same sums in another order (rtol 1e-5, atol 1e-6 for values zero in
+exact arithmetic), as tests/models_traced.py's `assert_same_training`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline import Pipe, PipeConfigError
+from tests.models_traced import Case, exports_reused, gpt2_case, llama_case
+
+pytest.importorskip("transformers")
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+CASES = {"llama": llama_case, "gpt2": gpt2_case}
+
+
+def model_loss(out: Any, target: Any) -> torch.Tensor:
+    """What Hugging Face's model cards and its Trainer use: the model's own loss."""
+    return out.loss
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reuse_exports() -> Iterator[None]:
+    with exports_reused():
+        yield
+
+
+def _with_labels(case: Case) -> dict[str, Any]:
+    return {**case.inputs, "labels": case.labels}
+
+
+def _assert_as_the_model(pipe: Pipe, model: nn.Module, reference: nn.Module, inputs: Any,
+                         loss: torch.Tensor, what: str) -> None:
+    want = reference(**inputs).loss
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), **TOL, msg=lambda m: f"{what}: loss: {m}")
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL,
+                                   msg=lambda m, n=name: f"{what}: grad {n}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_models_own_loss_is_exact_without_loss_weight(name: str, schedule: str) -> None:
+    """Two accumulating steps: the target given as the labels, then as None (the loss reads
+    the labels from the inputs); no warning, loss and every gradient as the unsplit model's."""
+    case = CASES[name]()
+    model = case.model()
+    reference = copy.deepcopy(model)
+    inputs = _with_labels(case)
+    pipe = Pipe(model, example_inputs=inputs, split_points=[case.blocks[2]],
+                devices=["cpu", "cpu"], chunks=4, schedule=schedule)
+    try:
+        for target in (case.labels, None):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*loss_weight.*")
+                loss = pipe.step(inputs, target, model_loss)
+            _assert_as_the_model(pipe, model, reference, inputs, loss,
+                                 f"{name}/{schedule}/target {'None' if target is None else 'labels'}")
+    finally:
+        pipe.close()
+
+
+class _Penalised(nn.Module):
+    """A token mean plus a row mean of the logits: no weighting of micro-batches makes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.embed(ids)))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + (logits ** 2).mean()
+        return {"logits": logits, "loss": loss}
+
+
+def test_a_loss_the_graph_cannot_weigh_still_warns() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (4, 6))
+    labels = ids.clone()
+    labels[2:, 2:] = -100
+    inputs = {"ids": ids, "labels": labels}
+    pipe = Pipe(_Penalised(), example_inputs=inputs, split_points=["head"],
+                devices=["cpu", "cpu"], chunks=2)
+    try:
+        with pytest.warns(UserWarning, match="loss_weight"):
+            pipe.step(inputs, labels, lambda out, y: out["loss"])
+    finally:
+        pipe.close()
+
+
+def test_a_loss_fn_that_is_not_the_models_loss_is_weighed_as_before() -> None:
+    """A loss of the logits (not the model's own 0-dim output) keeps today's rule: rows, and
+    the warning, unless `loss_weight=` says what it averages over."""
+    case = gpt2_case()
+    inputs = _with_labels(case)
+    pipe = Pipe(case.model(), example_inputs=inputs, split_points=[case.blocks[2]],
+                devices=["cpu", "cpu"], chunks=4)
+    try:
+        with pytest.warns(UserWarning, match="loss_weight"):
+            pipe.step(inputs, case.labels, case.loss)
+        with pytest.raises(PipeConfigError, match="pass target"):
+            pipe.step(inputs, None, case.loss)
+    finally:
+        pipe.close()
