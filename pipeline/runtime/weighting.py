@@ -13,6 +13,10 @@ micro-batch losses is the batch's loss exactly:
   `functools.partial`): class-index targets not equal to `ignore_index`, each counted by its
   class weight; class-probability targets by their positions (what torch divides by);
 - any loss, with `loss_weight=fn`: `fn(target)` per micro-batch, a number >= 0;
+- a model split from its graph whose own 0-dim loss `loss_fn` returns as it is (Hugging Face's
+  `labels=` and `lambda out, y: out.loss`): what the graph's loss divides by, counted from each
+  micro-batch's inputs by the graph's own ops (a causal LM's shift included; see
+  `from_model` and pipeline/splitting/scalars.py);
 - otherwise rows; a loss that sums (`reduction="sum"`) adds micro-batch losses unweighted.
 
 A micro-batch whose measure is 0 adds nothing (its own mean would be 0/0); a batch whose total is
@@ -34,7 +38,7 @@ from torch.nn import functional as F
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.runtime.microbatch import leading_rows
 
-__all__ = ["LossWeight", "Weighting", "padding_warning", "resolve", "zero_loss"]
+__all__ = ["LossWeight", "Weighting", "from_model", "padding_warning", "resolve", "zero_loss"]
 
 LossWeight = Callable[[Any], Any]  # target -> a number >= 0 (int, float or 0-dim tensor)
 
@@ -51,11 +55,17 @@ class Weighting:
     mean: bool  # False: the loss sums, micro-batch losses add up unweighted
     measure: Callable[[Any], Any]  # what a micro-batch's mean is over, from its target
     by_rows: bool  # the measure is rows because nothing said otherwise (see `looks_padded`)
+    # The model's own loss (`from_model`): the measure from a micro-batch's flattened inputs
+    from_inputs: Callable[[Sequence[Any]], float] | None = None
 
-    def measures(self, targets: Sequence[Any]) -> list[float]:
-        """Each micro-batch's measure, from its target as `loss_fn` receives it."""
+    def measures(self, targets: Sequence[Any], inputs: Sequence[Sequence[Any]] = ()
+                 ) -> list[float]:
+        """Each micro-batch's measure, from its target as `loss_fn` receives it (or from its
+        inputs, for the model's own loss)."""
         if not self.mean:
             return [1.0] * len(targets)
+        if self.from_inputs is not None:
+            return [self.from_inputs(part) for part in inputs]
         out = []
         for m, target in enumerate(targets):
             value = self.measure(target)
@@ -87,9 +97,10 @@ class Weighting:
 
 
 def resolve(loss_fn: object, loss_reduction: str | None,
-            loss_weight: LossWeight | None) -> Weighting:
+            loss_weight: LossWeight | None, model: Any = None) -> Weighting:
     """The weighting of `loss_fn`: its reduction (a loss module's `reduction`, a partial's
-    keyword, or `loss_reduction` for a plain function; default "mean") and its measure."""
+    keyword, or `loss_reduction` for a plain function; default "mean") and its measure
+    (`model`: a SplitModel, whose own loss `loss_fn` may return; see `from_model`)."""
     reduction = _reduction(loss_fn, loss_reduction)
     mean = _REDUCTIONS[reduction]
     if loss_weight is not None:
@@ -107,7 +118,33 @@ def resolve(loss_fn: object, loss_reduction: str | None,
     if counting is not None:
         return Weighting(mean, functools.partial(_counted, *counting), False)
     plain = not isinstance(loss_fn, nn.modules.loss._Loss)
-    return Weighting(mean, _rows, plain)
+    how = Weighting(mean, _rows, plain)
+    if plain and loss_reduction is None and callable(loss_fn):
+        return from_model(how, loss_fn, model)
+    return how
+
+
+def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any) -> Weighting:
+    """`how`, or, for a plain `loss_fn` with nothing said (no `loss_weight=`, no reduction)
+    that returns a 0-dim output of `model` (a SplitModel) as it is, that output's own rule:
+    its micro-batches weighted by what the graph's mean divides by (counted from the inputs),
+    or added up for a sum. Where the graph cannot say (a loss that adds a token mean and a
+    row mean), `how` as before, and its warning."""
+    if model is None or not (how.mean and how.by_rows):
+        return how
+    mode = model.mode
+    scalars = model.scalars[mode]
+    leaf = scalars.returned(loss_fn, model.out_specs[mode])
+    if leaf is None:
+        return how
+    kind = scalars.combine[leaf][0]
+    if kind == "sum":
+        return Weighting(False, how.measure, False)
+    counter = scalars.counters.get(leaf)
+    if kind != "mean" or counter is None:
+        return how
+    return Weighting(True, how.measure, False,
+                     from_inputs=functools.partial(counter, list(model.input_names)))
 
 
 def padding_warning(loss_fn: object) -> str:

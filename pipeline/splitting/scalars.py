@@ -16,7 +16,10 @@ the micro-batches' values make the batch's, exactly:
 | of one kind; a mean plus a constant                   |                                         |
 
 The weights (element counts, counted targets) are computed by the graph itself, as extra
-outputs after the model's own. Anything else (a product of two batch means: a mixture of
+outputs after the model's own. For training, a mean's weight is also built as a small graph of
+its own (`Counter`): the graph's ops from the model's inputs to what the mean divides by (a
+causal LM's shift of its labels included), so a step can count every micro-batch before any
+forward (pipeline/runtime/weighting.py). Anything else (a product of two batch means: a mixture of
 experts' load-balancing loss; a sum of a token mean and a row mean) has no exact combination:
 `pipe(x)` refuses it with more than one micro-batch, naming the output.
 """
@@ -24,7 +27,8 @@ experts' load-balancing loss; a sum of a token mean and a row mean) has no exact
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
 
-__all__ = ["Scalars", "plan"]
+__all__ = ["Counter", "Scalars", "plan"]
 
 aten = torch.ops.aten
 _MEAN, _SUM, _SAME = "mean", "sum", "same"
@@ -63,15 +67,56 @@ class _Kind:
     source: fx.Node | None = field(default=None, compare=False)
 
 
+@dataclass(frozen=True)
+class Counter:
+    """What a 0-dim mean output divides by, from one micro-batch's model inputs alone:
+    `graph` (the model's own ops on the inputs named `names`) gives its counted targets, or,
+    for a mean over rows (None), the micro-batch's rows, which weigh every such mean alike."""
+
+    names: tuple[str, ...]
+    graph: fx.GraphModule | None
+
+    def __call__(self, input_names: Sequence[str], inputs: Sequence[Any]) -> float:
+        """The count for one micro-batch, its inputs flattened as the first stage takes them
+        (`input_names` name them)."""
+        if self.graph is None:
+            rows = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0]
+            return float(max(rows, default=1))
+        by_name = dict(zip(input_names, inputs, strict=True))
+        with torch.no_grad():
+            return float(self.graph(*(by_name[n] for n in self.names)))
+
+
 @dataclass
 class Scalars:
     """One mode's plan: the model's output leaves, which of them are 0-dim and how each
-    combines (`combine[i] = (kind, index of its weight among the extra outputs)`), and why
-    the others cannot be (`refused[i]`)."""
+    combines (`combine[i] = (kind, index of its weight among the extra outputs)`), what a
+    mean's weight is counted from (`counters[i]`), and why the others cannot be
+    (`refused[i]`)."""
 
     num_leaves: int
     combine: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
+    counters: dict[int, Counter] = field(default_factory=dict)
+    dims: dict[int, int] = field(default_factory=dict)  # leaf -> dims, of tensor leaves
+
+    def returned(self, loss_fn: Callable[[Any, Any], Any], spec: pytree.TreeSpec
+                 ) -> int | None:
+        """The 0-dim output `loss_fn` returns as it is (`lambda out, y: out.loss`), found by
+        calling it once on stand-ins of the outputs (meta tensors, no data, target None);
+        None if it returns anything else or fails on them (it computes a loss of its own)."""
+        if not self.combine:
+            return None
+        leaves = [torch.empty((1,) * self.dims.get(i, 1), device="meta")
+                  for i in range(self.num_leaves)]
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = loss_fn(pytree.tree_unflatten(leaves, spec), None)
+        except Exception:  # a loss of its own: it reads the target or computes on the logits
+            return None
+        found = [i for i in self.combine if got is leaves[i]]
+        return found[0] if found else None
 
     def check(self, chunks: int, spec: pytree.TreeSpec) -> None:
         """Refuse, before any work, a 0-dim output that micro-batches cannot reproduce."""
@@ -157,6 +202,9 @@ def plan(graph: fx.Graph, batch_inputs: Sequence[fx.Node]) -> Scalars:
             symbols |= size.node.expr.free_symbols
     analysis = _Analysis(set(batch_inputs), symbols)
     result = Scalars(len(leaves))
+    result.dims = {i: leaf.meta["val"].dim() for i, leaf in enumerate(leaves)
+                   if isinstance(leaf, fx.Node)
+                   and isinstance(leaf.meta.get("val"), torch.Tensor)}
     extra: list[fx.Node] = []
     weights: dict[tuple[Any, ...], int] = {}
     for i, leaf in enumerate(leaves):
@@ -182,10 +230,51 @@ def plan(graph: fx.Graph, batch_inputs: Sequence[fx.Node]) -> Scalars:
                 weights[found.weight] = len(extra)
                 extra.append(node)
             index = weights[found.weight]
+            counter = _counter(graph, found.weight, analysis.batch_inputs)
+            if counter is not None:
+                result.counters[i] = counter
         result.combine[i] = (found.kind, index)
     if extra:
         output.args = ((*leaves, *extra),)
     return result
+
+
+def _counter(graph: fx.Graph, weight: tuple[Any, ...], inputs: set[fx.Node]
+             ) -> Counter | None:
+    """A mean's weight from the model's inputs alone: the graph's ops that make its targets
+    (and class weights), copied into a graph of their own; None where they read anything but
+    the model's inputs split by rows, `inputs` (a class weight held as a buffer), or call a
+    module."""
+    if weight[0] == "rows":
+        return Counter((), None)
+    target, class_weight, ignore = weight[1:]
+    roots = [n for n in (target, class_weight) if isinstance(n, fx.Node)]
+    needed: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    names = []
+    copy = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:  # in graph order: every node after its inputs
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            if node not in inputs:
+                return None
+            names.append(node.name)
+            env[node] = copy.placeholder(node.name)
+        elif node.op == "call_function":
+            env[node] = copy.node_copy(node, lambda n: env[n])
+        else:
+            return None
+    count = copy.call_function(_tokens, (env[target], env.get(class_weight, class_weight),
+                                         ignore))
+    copy.output(count)
+    return Counter(tuple(names), fx.GraphModule(torch.nn.Module(), copy))
 
 
 def _name(kind: _Kind) -> str:

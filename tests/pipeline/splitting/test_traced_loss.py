@@ -71,8 +71,9 @@ def test_the_models_own_loss_is_exact_without_loss_weight(name: str, schedule: s
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message=".*loss_weight.*")
                 loss = pipe.step(inputs, target, model_loss)
+            given = "None" if target is None else "labels"
             _assert_as_the_model(pipe, model, reference, inputs, loss,
-                                 f"{name}/{schedule}/target {'None' if target is None else 'labels'}")
+                                 f"{name}/{schedule}/target {given}")
     finally:
         pipe.close()
 
