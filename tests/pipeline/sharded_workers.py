@@ -65,6 +65,25 @@ def assert_same(got: dict[str, Any], expected: dict[str, Any], what: str) -> Non
         assert same, f"{what}: {k} differs: {got[k]} != {v}"
 
 
+def save_trained(path: Any, seed: int = 0) -> dict[str, Any]:
+    """A plain model and Adam, one step trained, saved to `path` in this process; their
+    snapshot."""
+    plain = model(seed)
+    optimizer = adam(plain)
+    train_step(plain, optimizer, 0)
+    sharded.save(plain, path, optimizer)
+    return snapshot(plain, optimizer)
+
+
+def load_fresh(path: Any) -> dict[str, Any]:
+    """A fresh model (other weights, another lr) loaded from `path` in this process; its
+    snapshot."""
+    target = model(9)
+    optimizer = adam(target, lr=0.5)
+    sharded.load(target, path, optimizer)
+    return snapshot(target, optimizer)
+
+
 def pack(snap: dict[str, Any]) -> bytes:
     """A snapshot as bytes: tensors sent back from a rank through the result queue would be
     shared memory, gone once that rank exits."""

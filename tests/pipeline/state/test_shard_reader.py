@@ -19,24 +19,12 @@ from hypothesis import given
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pipeline import PipeConfigError
-from pipeline.state import sharded
-from tests.pipeline.sharded_workers import adam, assert_same, model, snapshot, train_step
+from tests.pipeline.sharded_workers import (
+    assert_same,
+    load_fresh,
+    save_trained,
+)
 from tests.strategies import crafted_checkpoints
-
-
-def _saved(path: Path, seed: int = 0) -> dict[str, Any]:
-    plain = model(seed)
-    optimizer = adam(plain)
-    train_step(plain, optimizer, 0)
-    sharded.save(plain, path, optimizer)
-    return snapshot(plain, optimizer)
-
-
-def _load(path: Path) -> dict[str, Any]:
-    target = model(9)
-    optimizer = adam(target, lr=0.5)
-    sharded.load(target, path, optimizer)
-    return snapshot(target, optimizer)
 
 
 def _metadata(path: Path) -> Metadata:
@@ -56,13 +44,13 @@ def _first(mapping: dict[Any, Any]) -> Any:
 
 # -- links and file kinds -------------------------------------------------------------------------
 def test_a_shard_linked_to_another_checkpoint_is_refused(tmp_path: Path) -> None:
-    _saved(tmp_path / "private", seed=1)
-    _saved(tmp_path / "ckpt", seed=0)
+    save_trained(tmp_path / "private", seed=1)
+    save_trained(tmp_path / "ckpt", seed=0)
     (shard,) = (tmp_path / "ckpt").glob("*.distcp")
     shard.unlink()
     shard.symlink_to(tmp_path / "private" / shard.name)
     with pytest.raises(PipeConfigError, match=rf"'{shard.name}' is a symbolic link"):
-        _load(tmp_path / "ckpt")
+        load_fresh(tmp_path / "ckpt")
 
 
 @pytest.mark.timeout(60)  # a load that blocks on the FIFO would hang: fail instead
@@ -70,7 +58,7 @@ def test_a_shard_linked_to_another_checkpoint_is_refused(tmp_path: Path) -> None
 def test_a_metadata_file_of_another_kind_is_refused_without_reading(tmp_path: Path,
                                                                     kind: str) -> None:
     path = tmp_path / "ckpt"
-    _saved(path)
+    save_trained(path)
     (path / ".metadata").rename(tmp_path / "elsewhere")
     if kind == "fifo":
         os.mkfifo(path / ".metadata")
@@ -80,18 +68,18 @@ def test_a_metadata_file_of_another_kind_is_refused_without_reading(tmp_path: Pa
         (path / ".metadata").symlink_to(tmp_path / "elsewhere")
     what = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symbolic link"}[kind]
     with pytest.raises(PipeConfigError, match=rf"\.metadata is {what}, not a regular file"):
-        _load(path)
+        load_fresh(path)
 
 
 @pytest.mark.timeout(60)
 def test_a_shard_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    _saved(path)
+    save_trained(path)
     (shard,) = path.glob("*.distcp")
     shard.unlink()
     os.mkfifo(shard)
     with pytest.raises(PipeConfigError, match=rf"'{shard.name}' is a FIFO, not a regular file"):
-        _load(path)
+        load_fresh(path)
 
 
 # -- crafted metadata -----------------------------------------------------------------------------
@@ -114,10 +102,10 @@ def _storage(metadata: Metadata) -> Any:
 ])
 def test_crafted_metadata_is_named_by_file_and_field(tmp_path: Path, change: Any,
                                                      field: str) -> None:
-    _saved(tmp_path)
+    save_trained(tmp_path)
     _rewrite(tmp_path, change)
     with pytest.raises(PipeConfigError, match=r"\.metadata: .*" + field):
-        _load(tmp_path)
+        load_fresh(tmp_path)
 
 
 def _apply(metadata: Metadata, field: str, value: Any) -> None:
@@ -168,7 +156,7 @@ def _make(path: Path, kind: str, content: bytes, outside: Path) -> None:
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("template") / "ckpt"
-    _saved(path)
+    save_trained(path)
     return path
 
 
@@ -192,7 +180,7 @@ def test_crafted_checkpoints_raise_only_pipe_config_error(template: Path,
         _make(shard, crafted["shard"], (template / shard.name).read_bytes(),
               template / shard.name)
         with contextlib.suppress(PipeConfigError):  # loading, or this: nothing else
-            _load(path)
+            load_fresh(path)
 
 
 # -- pickles of older Pythons ---------------------------------------------------------------------
@@ -206,12 +194,12 @@ class _GetattrEnums(pickle.Pickler):
 
 
 def test_metadata_pickled_by_python_3_11_2_loads(tmp_path: Path) -> None:
-    expected = _saved(tmp_path)
+    expected = save_trained(tmp_path)
     buffer = io.BytesIO()
     _GetattrEnums(buffer).dump(_metadata(tmp_path))
     assert b"getattr" in buffer.getvalue() and b"_MEM_FORMAT_ENCODING" in buffer.getvalue()
     (tmp_path / ".metadata").write_bytes(buffer.getvalue())
-    assert_same(_load(tmp_path), expected, "metadata with enums pickled by getattr")
+    assert_same(load_fresh(tmp_path), expected, "metadata with enums pickled by getattr")
 
 
 # GLOBAL builtins getattr, GLOBAL <module> <class>, the name, TUPLE2, REDUCE, STOP.
@@ -229,12 +217,12 @@ def _getattr_pickle(module: str, cls: str, name: str) -> bytes:
 ])
 def test_getattr_in_metadata_is_refused_but_for_enum_members(tmp_path: Path, module: str,
                                                             cls: str, name: str) -> None:
-    _saved(tmp_path)
+    save_trained(tmp_path)
     (tmp_path / ".metadata").write_bytes(_getattr_pickle(module, cls, name))
     with pytest.raises(PipeConfigError, match=rf"getattr\(.*{cls}.*'{name}'\).*refused"):
-        _load(tmp_path)
+        load_fresh(tmp_path)
     member = _getattr_pickle("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING",
                              "TORCH_CONTIGUOUS_FORMAT")
     (tmp_path / ".metadata").write_bytes(member)
     with pytest.raises(PipeConfigError, match=r"holds a _MEM_FORMAT_ENCODING, not DCP metadata"):
-        _load(tmp_path)
+        load_fresh(tmp_path)

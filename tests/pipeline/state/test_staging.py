@@ -12,31 +12,20 @@ import pytest
 from pipeline import PipeConfigError, PipelineError
 from pipeline.state import sharded, staging
 from tests.other_user import other_user, run_as_other
-from tests.pipeline.sharded_workers import adam, assert_same, model, snapshot, train_step
-
-
-def _saved(path: Path, seed: int) -> dict[str, object]:
-    plain = model(seed)
-    optimizer = adam(plain)
-    train_step(plain, optimizer, 0)
-    sharded.save(plain, path, optimizer)
-    return snapshot(plain, optimizer)
-
-
-def _loaded(path: Path) -> dict[str, object]:
-    target = model(9)
-    optimizer = adam(target, lr=0.5)
-    sharded.load(target, path, optimizer)
-    return snapshot(target, optimizer)
+from tests.pipeline.sharded_workers import (
+    assert_same,
+    load_fresh,
+    save_trained,
+)
 
 
 def test_a_save_replaces_the_checkpoint_and_leaves_no_siblings(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    _saved(path, seed=0)
-    second = _saved(path, seed=1)
+    save_trained(path, seed=0)
+    second = save_trained(path, seed=1)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert staging.MARKER in os.listdir(path)
-    assert_same(_loaded(path), second, "the second save")
+    assert_same(load_fresh(path), second, "the second save")
 
 
 def test_leftovers_of_this_checkpoint_are_cleaned_and_nothing_else(tmp_path: Path) -> None:
@@ -46,7 +35,7 @@ def test_leftovers_of_this_checkpoint_are_cleaned_and_nothing_else(tmp_path: Pat
     for name in leftovers + kept:
         (tmp_path / name).mkdir()
         (tmp_path / name / "x.distcp").write_bytes(b"half")
-    _saved(tmp_path / "ckpt/", seed=0)  # a trailing separator names the same directory
+    save_trained(tmp_path / "ckpt/", seed=0)  # a trailing separator names the same directory
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *kept])
 
 
@@ -55,36 +44,36 @@ def test_between_the_renames_the_newest_complete_staged_checkpoint_loads(tmp_pat
     counts only with its marker; the greatest generation wins."""
     path = tmp_path / "ckpt"
     older, newer, unmarked = (f"{g:016x}-0000000{g}" for g in (1, 2, 3))
-    expected = _saved(tmp_path / "b", seed=2)
-    _saved(tmp_path / "a", seed=1)
+    expected = save_trained(tmp_path / "b", seed=2)
+    save_trained(tmp_path / "a", seed=1)
     (tmp_path / "a").rename(staging.staged_path(path, older))
     (tmp_path / "b").rename(staging.staged_path(path, newer))
-    _saved(tmp_path / "c", seed=3)
+    save_trained(tmp_path / "c", seed=3)
     os.remove(tmp_path / "c" / staging.MARKER)
     (tmp_path / "c").rename(staging.staged_path(path, unmarked))
     assert staging.resolve(path) == staging.staged_path(path, newer)
     with pytest.warns(UserWarning, match=r"is missing .* loading the complete new checkpoint"):
-        assert_same(_loaded(path), expected, "the newest complete staged checkpoint")
+        assert_same(load_fresh(path), expected, "the newest complete staged checkpoint")
     os.remove(Path(staging.staged_path(path, newer)) / staging.MARKER)
     os.remove(Path(staging.staged_path(path, older)) / staging.MARKER)
     assert staging.resolve(path) == os.fspath(path)  # no complete one: nothing is read
     with pytest.raises(PipeConfigError, match=r"nothing to load at .*ckpt'.*no \.metadata"):
-        _loaded(path)
+        load_fresh(path)
 
 
 def test_a_save_replaces_only_a_checkpoint_or_an_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    _saved(tmp_path / "empty", seed=0)  # an empty directory may be replaced
+    save_trained(tmp_path / "empty", seed=0)  # an empty directory may be replaced
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "README.txt").write_text("mine")
     with pytest.raises(PipeConfigError, match=r"holds files that are not a checkpoint's "
                                               r"\(\['README.txt'\]\).*save to a new or empty"):
-        _saved(notes, seed=0)
+        save_trained(notes, seed=0)
     assert os.listdir(notes) == ["README.txt"]
     (tmp_path / "file").write_text("mine")
     with pytest.raises(PipeConfigError, match="exists and is not a directory"):
-        _saved(tmp_path / "file", seed=0)
+        save_trained(tmp_path / "file", seed=0)
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
@@ -92,16 +81,16 @@ def test_a_link_to_a_checkpoint_keeps_pointing_at_the_new_one(tmp_path: Path) ->
     (tmp_path / "real").mkdir()
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "real")
-    _saved(link, seed=0)
-    second = _saved(link, seed=1)
+    save_trained(link, seed=0)
+    second = save_trained(link, seed=1)
     assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["link", "real"]
-    assert_same(_loaded(tmp_path / "real"), second, "through the link")
+    assert_same(load_fresh(tmp_path / "real"), second, "through the link")
 
 
 def test_a_failed_write_leaves_the_checkpoint_and_no_staged_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt"
-    first = _saved(path, seed=0)
+    first = save_trained(path, seed=0)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
@@ -109,15 +98,15 @@ def test_a_failed_write_leaves_the_checkpoint_and_no_staged_directory(
     monkeypatch.setattr(sharded, "dcp_save", broken)
     with pytest.raises(PipelineError, match=r"ckpt' is unchanged: writing failed: "
                                                      r"OSError: .*No space left"):
-        _saved(path, seed=1)
+        save_trained(path, seed=1)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert_same(_loaded(path), first, "the checkpoint before the failed save")
+    assert_same(load_fresh(path), first, "the checkpoint before the failed save")
 
 
 def test_a_failed_swap_is_raised_and_the_old_checkpoint_stays(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt"
-    first = _saved(path, seed=0)
+    first = save_trained(path, seed=0)
     real_rename = os.rename
 
     def refused(source: str, destination: str) -> None:
@@ -128,12 +117,12 @@ def test_a_failed_swap_is_raised_and_the_old_checkpoint_stays(
     monkeypatch.setattr(os, "rename", refused)
     with pytest.raises(PipelineError, match=r"swapping the new checkpoint in at .*ckpt' failed "
                                              r".*PermissionError"):
-        _saved(path, seed=1)
+        save_trained(path, seed=1)
     monkeypatch.undo()
-    assert_same(_loaded(path), first, "the checkpoint the swap did not replace")
-    second = _saved(path, seed=1)  # the next save clears the staged one the failure left
+    assert_same(load_fresh(path), first, "the checkpoint the swap did not replace")
+    second = save_trained(path, seed=1)  # the next save clears the staged one the failure left
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert_same(_loaded(path), second, "the next save")
+    assert_same(load_fresh(path), second, "the next save")
 
 
 # -- commit order, ownership, modes, one saver ---------------------------------------------------
@@ -148,43 +137,43 @@ def test_the_save_that_was_mid_swap_wins_whatever_the_clocks(tmp_path: Path) -> 
     """S was killed after `.complete` and before its first rename, its token greater (a clock
     ahead); T was killed between its renames. T is the one that replaced `ckpt`: it loads."""
     path = tmp_path / "ckpt"
-    _saved(path, seed=0)  # the checkpoint both saves replace
+    save_trained(path, seed=0)  # the checkpoint both saves replace
     skewed, later = "ffffffff00000000-00000001", "0000000000000002-00000002"
-    _saved(tmp_path / "s", seed=1)
+    save_trained(tmp_path / "s", seed=1)
     _staged_copy(tmp_path / "s", path, skewed)  # S: complete, never renamed anything
-    expected = _saved(tmp_path / "t", seed=2)
+    expected = save_trained(tmp_path / "t", seed=2)
     _staged_copy(tmp_path / "t", path, later)
     path.rename(staging.staged_path(path, later, "old"))  # T's first rename, then T died
     assert staging.resolve(path) == staging.staged_path(path, later)
     with pytest.warns(UserWarning, match="cut short between its two renames"):
-        assert_same(_loaded(path), expected, "the save that was mid-swap")
+        assert_same(load_fresh(path), expected, "the save that was mid-swap")
 
 
 def test_tokens_count_generations_not_time(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt"
-    _saved(path, seed=0)
+    save_trained(path, seed=0)
     first = (path / staging.MARKER).read_text().split("-")[0]
     monkeypatch.setattr("time.time_ns", lambda: 0)  # a clock that went back
-    _saved(path, seed=1)
+    save_trained(path, seed=1)
     second = (path / staging.MARKER).read_text().split("-")[0]
     assert int(second, 16) == int(first, 16) + 1
 
 
 def test_a_directory_or_link_named_like_a_shard_is_not_replaced(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    _saved(path, seed=0)
+    save_trained(path, seed=0)
     (path / "old-run.distcp").mkdir()
     (path / "old-run.distcp" / "notes.txt").write_text("mine")
     with pytest.raises(PipeConfigError, match=r"not a checkpoint's \(\['old-run\.distcp'\]\)"):
-        _saved(path, seed=1)
+        save_trained(path, seed=1)
     assert (path / "old-run.distcp" / "notes.txt").read_text() == "mine"
     (path / "old-run.distcp" / "notes.txt").unlink()
     (path / "old-run.distcp").rmdir()
     (tmp_path / "mine.txt").write_text("mine")
     (path / "link.distcp").symlink_to(tmp_path / "mine.txt")
     with pytest.raises(PipeConfigError, match=r"not a checkpoint's \(\['link\.distcp'\]\)"):
-        _saved(path, seed=1)
+        save_trained(path, seed=1)
     assert (tmp_path / "mine.txt").read_text() == "mine"
 
 
@@ -195,13 +184,13 @@ def _modes(path: Path) -> tuple[int, set[int]]:
 
 def test_a_private_checkpoint_stays_private(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    _saved(path, seed=0)
+    save_trained(path, seed=0)
     path.chmod(0o700)
     for p in path.iterdir():
         p.chmod(0o600)
     old = os.umask(0o022)
     try:
-        _saved(path, seed=1)
+        save_trained(path, seed=1)
     finally:
         os.umask(old)
     assert _modes(path) == (0o700, {0o600})
@@ -215,30 +204,30 @@ def test_a_new_checkpoint_takes_the_umask_less_write_for_others(
     """No group or other write on the directory even under umask 002: load refuses those."""
     old = os.umask(umask)
     try:
-        _saved(tmp_path / "ckpt", seed=0)
+        save_trained(tmp_path / "ckpt", seed=0)
     finally:
         os.umask(old)
     assert _modes(tmp_path / "ckpt") == expected
-    _loaded(tmp_path / "ckpt")
+    load_fresh(tmp_path / "ckpt")
 
 
 def test_a_directory_others_can_write_is_refused_on_load(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    _saved(path, seed=0)
+    save_trained(path, seed=0)
     path.chmod(0o777)
     with pytest.raises(PipeConfigError, match=r"writable by other users \(mode 0o777\).*chmod "
                                               r"go-w"):
-        _loaded(path)
+        load_fresh(path)
 
 
 def test_two_saves_at_once_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    first = _saved(path, seed=0)
+    first = save_trained(path, seed=0)
     with (staging.save_lock(path),  # another save is running
           pytest.raises(PipeConfigError, match=r"another save of .*ckpt' is running")):
-        _saved(path, seed=1)
-    assert_same(_loaded(path), first, "the checkpoint the refused save left")
-    _saved(path, seed=2)  # the lock was released: saves go on
+        save_trained(path, seed=1)
+    assert_same(load_fresh(path), first, "the checkpoint the refused save left")
+    save_trained(path, seed=2)  # the lock was released: saves go on
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
@@ -257,7 +246,7 @@ except OSError as exc:
 def test_another_user_never_reads_a_private_checkpoint_while_it_is_saved(
         tmp_path: Path, shared_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     path = Path(shared_dir) / "ckpt"
-    _saved(path, seed=0)
+    save_trained(path, seed=0)
     path.chmod(0o700)
     for p in path.iterdir():
         p.chmod(0o600)
@@ -270,7 +259,7 @@ def test_another_user_never_reads_a_private_checkpoint_while_it_is_saved(
             seen.append(run_as_other(_READ, str(shard)).stdout.strip())
 
     monkeypatch.setattr(sharded, "dcp_save", watched)
-    _saved(path, seed=1)
+    save_trained(path, seed=1)
     assert seen and all(s.startswith("refused") for s in seen), seen
     (shard,) = path.glob("*.distcp")
     assert run_as_other(_READ, str(shard)).stdout.startswith("refused")
@@ -300,7 +289,7 @@ def _readable_copy(source: Path, where: Path) -> Path:
 def test_a_staged_directory_another_user_planted_is_never_read(tmp_path: Path,
                                                                 shared_dir: str) -> None:
     path = Path(shared_dir) / "ckpt"
-    _saved(tmp_path / "theirs", seed=5)
+    save_trained(tmp_path / "theirs", seed=5)
     theirs = _readable_copy(tmp_path / "theirs", Path(shared_dir) / "theirs-src")
     planted = staging.staged_path(path, "ffffffffffffffff-00000000")
     done = run_as_other(_PLANT, str(theirs), planted)
@@ -308,18 +297,18 @@ def test_a_staged_directory_another_user_planted_is_never_read(tmp_path: Path,
     # Nothing of ours there: the planted one is not a checkpoint of `ckpt`.
     assert staging.resolve(path) == os.fspath(path)
     with pytest.raises(PipeConfigError, match=r"nothing to load at .*no \.metadata"):
-        _loaded(path)
+        load_fresh(path)
     # A save of ours goes on beside it (its generation does not count), and a crash of the next
     # one between its renames loads ours, not the planted one.
-    _saved(path, seed=0)
-    expected = _saved(tmp_path / "b", seed=1)
+    save_trained(path, seed=0)
+    expected = save_trained(tmp_path / "b", seed=1)
     token = staging.new_token(path)
     _staged_copy(tmp_path / "b", path, token)
     path.rename(staging.staged_path(path, token, "old"))
     assert staging.resolve(path) == staging.staged_path(path, token)
     with pytest.warns(UserWarning, match="cut short between its two renames"):
-        assert_same(_loaded(path), expected, "ours, not the planted one")
-    _saved(path, seed=2)  # the clean-up leaves the other user's directory alone
+        assert_same(load_fresh(path), expected, "ours, not the planted one")
+    save_trained(path, seed=2)  # the clean-up leaves the other user's directory alone
     assert os.path.isdir(planted)
 
 
@@ -335,11 +324,11 @@ def test_a_checkpoint_another_user_planted_at_the_path_is_refused(tmp_path: Path
                                                                  shared_dir: str) -> None:
     """`ckpt` is missing between a save's renames: another user may create it in a directory
     anyone can write to. Such a directory is refused, not loaded."""
-    _saved(tmp_path / "theirs", seed=5)
+    save_trained(tmp_path / "theirs", seed=5)
     theirs = _readable_copy(tmp_path / "theirs", Path(shared_dir) / "theirs-src")
     path = Path(shared_dir) / "ckpt"
     done = run_as_other(_PLANT_TARGET, str(theirs), str(path))
     assert done.returncode == 0, done.stderr
     with pytest.raises(PipeConfigError, match=r"belongs to another user \(uid 65534\) and lies "
                                               r"in .*where anyone may create it"):
-        _loaded(path)
+        load_fresh(path)
