@@ -14,7 +14,8 @@ from torch.nn import functional as F
 from pipeline import Pipe
 from tests.models import ClassesFirst, FlattenTokens, lm_loss, tiny_lm
 
-__all__ = ["flattened_head", "padded_labels_dp", "padded_labels_pp"]
+__all__ = ["flattened_head", "model_loss_dp", "model_loss_pp", "padded_labels_dp",
+           "padded_labels_pp"]
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only
 VOCAB, CONTEXT = 13, 8
@@ -132,3 +133,74 @@ def flattened_head(rank: int) -> float:
         assert out.shape == (8 * CONTEXT, VOCAB), out.shape
     pipe.close()
     return float(loss)
+
+
+def _model_loss(out: Any, target: Any) -> torch.Tensor:
+    """The loss a Hugging Face model computes itself from `labels=` in its inputs."""
+    return out.loss
+
+
+def _traced(name: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]]:
+    """A Hugging Face causal LM (`name`: llama, gpt2), an unsplit copy, its inputs with padded
+    labels (micro-batches counting unequal tokens, one none) and its blocks."""
+    from tests.models_traced import gpt2_case, llama_case
+
+    case = {"llama": llama_case, "gpt2": gpt2_case}[name]()
+    model = case.model()
+    return model, copy.deepcopy(model), {**case.inputs, "labels": case.labels}, case.blocks
+
+
+def _compare_model(model: nn.Module, reference: nn.Module, loss: torch.Tensor,
+                   expected: torch.Tensor, what: str) -> int:
+    """This rank's parameters (those with a gradient) against the unsplit model's; returns
+    how many it checked."""
+    torch.testing.assert_close(loss, expected.detach(), **TOL, msg=lambda m: f"{what}: {m}")
+    ref = dict(reference.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, **TOL,
+                                       msg=lambda m, n=name: f"{what}: {n}: {m}")
+            checked += 1
+    return checked
+
+
+def model_loss_pp(rank: int, runs: list[tuple[str, str]]) -> int:
+    """Two pipeline ranks, `labels=` in the inputs and the model's own `out.loss`, no
+    loss_weight=: every rank passes the inputs (the last counts the tokens in them), the
+    last the labels as target, the first None; the loss and this rank's gradients equal the
+    unsplit model's. Returns the parameters checked."""
+    checked = 0
+    for name, schedule in runs:
+        model, reference, inputs, blocks = _traced(name)
+        pipe = Pipe(model, example_inputs=inputs, split_points=[blocks[2]], chunks=4,
+                    schedule=schedule)
+        last = len(pipe.balance) - 1 in pipe.local_stages
+        loss = pipe.step(inputs, inputs["labels"] if last else None, _model_loss)
+        expected = reference(**inputs).loss
+        expected.backward()
+        checked += _compare_model(model, reference, loss, expected, f"{name}/{schedule}")
+        pipe.close()
+    return checked
+
+
+def model_loss_dp(rank: int, runs: list[tuple[str, str]]) -> int:
+    """dp x pp = 2 x 2, the model's own `out.loss`: replicas hold 3 and 5 rows counting
+    unequal tokens; the loss and every gradient are the global batch's (the unsplit model's on
+    all 8 rows), each micro-batch weighted by its share of the count over both replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    rows = slice(0, 3) if mesh.get_local_rank("dp") == 0 else slice(3, 8)
+    checked = 0
+    for name, schedule in runs:
+        model, reference, inputs, blocks = _traced(name)
+        shard = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        pipe = Pipe(model, example_inputs=shard, split_points=[blocks[2]], chunks=2,
+                    schedule=schedule, mesh=mesh)
+        loss = pipe.step(shard, None, _model_loss)
+        expected = reference(**inputs).loss
+        expected.backward()
+        checked += _compare_model(model, reference, loss, expected, f"dp/{name}/{schedule}")
+        pipe.close()
+    return checked

@@ -39,3 +39,20 @@ def test_padded_labels_on_a_2x2_mesh_use_the_global_token_count() -> None:
 def test_a_flattening_head_trains_over_processes() -> None:
     losses = spawn(loss_workers.flattened_head, 2, timeout=SPAWN_TIMEOUT)
     assert losses[0] == losses[1]
+
+
+MODEL_LOSS_RUNS = [("llama", "1f1b"), ("gpt2", "zb-h1"), ("gpt2", "1f1b"), ("llama", "zb-h1")]
+
+
+def test_a_traced_models_own_loss_over_two_processes() -> None:
+    """`labels=` in the inputs and `lambda out, y: out.loss`, no loss_weight=: exact."""
+    pytest.importorskip("transformers")
+    checked = spawn(loss_workers.model_loss_pp, 2, MODEL_LOSS_RUNS, timeout=SPAWN_TIMEOUT)
+    assert all(c > 0 for c in checked), checked
+
+
+@pytest.mark.slow
+def test_a_traced_models_own_loss_on_a_2x2_mesh_uses_the_global_token_count() -> None:
+    pytest.importorskip("transformers")
+    checked = spawn(loss_workers.model_loss_dp, 4, MODEL_LOSS_RUNS, timeout=SPAWN_TIMEOUT)
+    assert all(c > 0 for c in checked), checked
