@@ -28,9 +28,9 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
     checks.check_batch(x, target, chunks)
     last = len(pipe.balance) - 1
     rank = pipe.world[0] if pipe.world else None
-    own_loss = how is not None and how.from_inputs is not None  # counted from the inputs
+    counted = how is not None and how.from_inputs is not None  # from the inputs
     parts_x: list[tuple[Any, ...]] = [()] * chunks
-    if 0 in pipe.local_stages or (own_loss and last in pipe.local_stages):
+    if 0 in pipe.local_stages or (counted and last in pipe.local_stages):
         if x is None:
             why = ("holds the first stage and needs the input" if 0 in pipe.local_stages else
                    "holds the last stage, whose loss is the model's own (weighted by what it "
@@ -42,14 +42,14 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
     targets = None
     weights = [1.0 / chunks] * chunks
     if loss_fn is not None and last in pipe.local_stages:
-        if target is None and not own_loss:
+        assert how is not None
+        if target is None and not how.model_loss:
             raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
                                   f"pass target (only other ranks may pass None)")
-        assert how is not None
         device = pipe.devices[pipe._probe.rank_of(last)]
         parts = scatter(target, chunks) if target is not None else [(None,)] * chunks
         values = [from_tuple(p) for p in parts]  # as loss_fn receives them
-        measures = how.measures(values, parts_x if own_loss else ())
+        measures = how.measures(values, parts_x if counted else ())
         total, scale = (pipe._replicas.weighting(sum(measures)) if pipe._replicas
                         else (sum(measures), 1.0))
         weights = how.weights(measures, total, scale)

@@ -55,7 +55,9 @@ class Weighting:
     mean: bool  # False: the loss sums, micro-batch losses add up unweighted
     measure: Callable[[Any], Any]  # what a micro-batch's mean is over, from its target
     by_rows: bool  # the measure is rows because nothing said otherwise (see `looks_padded`)
-    # The model's own loss (`from_model`): the measure from a micro-batch's flattened inputs
+    # The model's own loss (`from_model`): loss_fn reads no target; a mean's measure comes
+    # from a micro-batch's flattened inputs
+    model_loss: bool = False
     from_inputs: Callable[[Sequence[Any]], float] | None = None
 
     def measures(self, targets: Sequence[Any], inputs: Sequence[Sequence[Any]] = ()
@@ -139,11 +141,11 @@ def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any) -
         return how
     kind = scalars.combine[leaf][0]
     if kind == "sum":
-        return Weighting(False, how.measure, False)
+        return Weighting(False, how.measure, False, model_loss=True)
     counter = scalars.counters.get(leaf)
     if kind != "mean" or counter is None:
         return how
-    return Weighting(True, how.measure, False,
+    return Weighting(True, how.measure, False, model_loss=True,
                      from_inputs=functools.partial(counter, list(model.input_names)))
 
 

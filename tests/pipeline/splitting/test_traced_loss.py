@@ -121,3 +121,24 @@ def test_a_loss_fn_that_is_not_the_models_loss_is_weighed_as_before() -> None:
             pipe.step(inputs, None, case.loss)
     finally:
         pipe.close()
+
+
+def test_num_items_in_batch_in_the_inputs_adds_micro_batch_sums() -> None:
+    """Hugging Face's Trainer way: `num_items_in_batch` (the batch's shifted count) among the
+    inputs makes the model's loss a sum over that count; the graph says so and the
+    micro-batches' losses add up as they are: the unsplit model's mean, exactly."""
+    case = llama_case()
+    model = case.model()
+    reference = copy.deepcopy(model)
+    count = (case.labels[:, 1:] != -100).sum()
+    inputs = {**_with_labels(case), "num_items_in_batch": count}
+    pipe = Pipe(model, example_inputs=inputs, split_points=[case.blocks[2]],
+                devices=["cpu", "cpu"], chunks=4)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*loss_weight.*")
+            loss = pipe.step(inputs, None, model_loss)
+        _assert_as_the_model(pipe, model, reference, _with_labels(case), loss,
+                             "num_items_in_batch")
+    finally:
+        pipe.close()
