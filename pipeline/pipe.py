@@ -29,7 +29,7 @@ from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.versions import WeightVersions
 from pipeline.runtime.weighting import LossWeight
-from pipeline.splitting import checks, config
+from pipeline.splitting import checks, config, lengths
 from pipeline.splitting.traced import SplitModel, merge_into
 from pipeline.state import model_state
 from schedules import Schedule, Timeline
@@ -133,6 +133,7 @@ class Pipe(FaultTolerantPipe, nn.Module):
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout, self.mesh)
+        lengths.connect(self._io, self._executor.transport)  # ranks agree on each batch's shapes
         self._replicas = (Replicas(self.mesh, {s: self.partitions[s] for s in self.local_stages},
                                    self.devices[self.world[0]], self.timeout, data_parallel,
                                    broadcast_buffers=broadcast_buffers)
@@ -238,8 +239,8 @@ class Pipe(FaultTolerantPipe, nn.Module):
         module's `reduction` says which; for a plain function pass `loss_reduction="sum"`
         (default "mean"). A mean is weighted by what it averages over: rows, or the counted
         targets of a cross-entropy or NLL loss (`ignore_index`, class weights), or
-        `loss_weight(target)` for any other (e.g. `lambda t: (t != -100).sum()` for a plain
-        function averaging over tokens); see pipeline/runtime/weighting.py. With
+        `loss_weight(target)` for any other (`lambda t: (t != -100).sum()`), or what a split
+        model's own loss (`out.loss`) counts; see pipeline/runtime/weighting.py. With
         `schedule="2bw"` the gradients are taken at the previous step's weights
         (PipeDream-2BW). Runs under the caller's autocast. With a `torch.amp.GradScaler`, each
         micro-batch's loss is scaled before its backward (the returned loss is not):

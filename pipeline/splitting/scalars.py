@@ -10,6 +10,8 @@ the micro-batches' values make the batch's, exactly:
 |                                                       | each one's element count                |
 | a token mean (`cross_entropy`/`nll_loss`, mean)       | weighted by each one's counted targets  |
 |                                                       | (not `ignore_index`; class weights)     |
+| an element-wise loss's mean (`mse_loss`, `l1_loss`,   | weighted by each one's element count    |
+| `binary_cross_entropy`...) of a tensor with rows      | (a sum: the micro-batches' sum)         |
 | a sum of a tensor with rows of the batch              | the micro-batches' sum                  |
 | a value that does not depend on the batch             | any micro-batch's (all equal)           |
 | a scaling, cast or view of one of these; a sum of two | the same, if the weights agree          |
@@ -51,6 +53,11 @@ _THROUGH = {aten.clone.default, aten.alias.default, aten.detach.default, aten.ne
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.div.Tensor,
           aten.div.Scalar, aten.div_.Tensor}
 _ADD = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
+# Losses averaging over every element of their input: op -> the index of its reduction.
+_ELEMENTWISE = {aten.mse_loss.default: 2, aten.l1_loss.default: 2,
+                aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
+                aten.binary_cross_entropy.default: 3,
+                aten.binary_cross_entropy_with_logits.default: 4}
 _TOKEN = {aten.cross_entropy_loss.default: 4, aten.nll_loss.default: 4,
           aten.nll_loss_nd.default: 4, aten.nll_loss2d.default: 4}  # op: ignore_index arg
 
@@ -337,6 +344,13 @@ class _Analysis:
                         f"over the batch came first)")
             mean = op in (aten.mean.default, aten.mean.dim)
             return _Kind(_MEAN, ("rows",), x) if mean else _Kind(_SUM)
+        if op in _ELEMENTWISE:  # (input, target, ..., reduction): 1 a mean, 2 a sum
+            at = _ELEMENTWISE[op]
+            reduction = args[at] if len(args) > at else node.kwargs.get("reduction", 1)
+            x = args[0]
+            if not isinstance(x, fx.Node) or not self.rows(x) or reduction not in (1, 2):
+                return f"made by {op} of a tensor without rows of the batch"
+            return _Kind(_MEAN, ("rows",), x) if reduction == 1 else _Kind(_SUM)
         if op in _TOKEN or op is aten.nll_loss_forward.default or (
                 op is operator.getitem and isinstance(args[0], fx.Node)
                 and args[0].target is aten.nll_loss_forward.default and args[1] == 0):

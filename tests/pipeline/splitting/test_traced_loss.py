@@ -142,3 +142,49 @@ def test_num_items_in_batch_in_the_inputs_adds_micro_batch_sums() -> None:
                              "num_items_in_batch")
     finally:
         pipe.close()
+
+
+class _RowMean(nn.Module):
+    """A model whose own loss is a mean over rows of its output (a regression head's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.b(torch.tanh(self.a(x)))
+        return out, F.mse_loss(out, y)
+
+
+def test_a_row_mean_loss_of_the_model_is_weighted_by_rows_target_none() -> None:
+    """8 rows in 3 micro-batches (3, 3, 2): the model's own mean over rows, target None."""
+    torch.manual_seed(0)
+    model = _RowMean()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    pipe = Pipe(model, example_inputs=(x, y), split_points=["b"], devices=["cpu", "cpu"],
+                chunks=3)
+    try:
+        loss = pipe.step((x, y), None, lambda out, _: out[1])
+        want = reference(x, y)[1]
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), **TOL)
+        ref = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name].grad, **TOL)
+    finally:
+        pipe.close()
+
+
+def test_the_last_stage_without_the_inputs_is_told_to_pass_them() -> None:
+    """A process holding only the last stage counts the model's loss from the inputs: x None
+    there is refused before any work, naming the rule."""
+    from types import SimpleNamespace
+
+    from pipeline.runtime import batches, weighting
+
+    how = weighting.Weighting(True, len, False, model_loss=True, from_inputs=lambda part: 1.0)
+    rank = SimpleNamespace(balance=[1, 1], world=(1, 2), local_stages={1})
+    with pytest.raises(PipeConfigError, match=r"rank 1 holds the last stage.*pass x"):
+        batches.share(rank, None, None, model_loss, 2, how)
