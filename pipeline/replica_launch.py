@@ -30,7 +30,7 @@ from pipeline.parallel.fault_tolerance import (
     check_installed,
 )
 
-__all__ = ["HEARTBEAT_TIMEOUT_MS", "ReplicaGroup", "run_replicas"]
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "RUST_LOG_DEFAULT", "ReplicaGroup", "run_replicas"]
 
 _log = logging.getLogger("pipeline.launch")
 
@@ -38,6 +38,10 @@ _log = logging.getLogger("pipeline.launch")
 # quorum without it: the bound on a survivor's wait after a SIGKILL (torchft's default, 5 s,
 # would take the whole budget the docs promise).
 HEARTBEAT_TIMEOUT_MS = 1000
+
+# torchft's Rust side (lighthouse, managers) logs through RUST_LOG, at INFO by default: a few
+# lines per rank per step, thousands a run. Warnings and errors only, unless the user set it.
+RUST_LOG_ENV, RUST_LOG_DEFAULT = "RUST_LOG", "warn"
 
 
 @dataclass
@@ -94,15 +98,11 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
     if replicas < 1 or max_restarts < 0:
         raise PipeConfigError(f"--replicas must be >= 1 and --max-restarts >= 0; got "
                               f"--replicas {replicas}, --max-restarts {max_restarts}")
-    from torchft.coordination import LighthouseServer
-
-    # min_replicas=1: a quorum of the survivors alone is a quorum (that is the point).
-    # On loopback: every group runs on this host, and the lighthouse authenticates no one.
-    # Its address() names the host, which may resolve to another interface: the port alone.
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
-                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    rust_log = os.environ.get(RUST_LOG_ENV, RUST_LOG_DEFAULT)
+    lighthouse = _lighthouse(rust_log)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas), **init_timeout_env}
+    env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas),
+           RUST_LOG_ENV: rust_log, **init_timeout_env}
     argv = [sys.executable, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
     for g in groups:
@@ -133,6 +133,28 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
         for g in groups:
             g.stop()
         lighthouse.shutdown()
+
+
+def _lighthouse(rust_log: str) -> Any:
+    """torchft's lighthouse in this process, logging at `rust_log` (its logger reads RUST_LOG
+    when torchft is first imported; the variable is restored after, for a caller in the same
+    process)."""
+    before = os.environ.get(RUST_LOG_ENV)
+    os.environ[RUST_LOG_ENV] = rust_log
+    try:
+        from torchft.coordination import LighthouseServer
+
+        # min_replicas=1: a quorum of the survivors alone is a quorum (that is the point).
+        # On loopback: every group runs on this host, and the lighthouse authenticates no
+        # one. Its address() names the host, which may resolve to another interface: callers
+        # use the port alone.
+        return LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
+                                heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    finally:
+        if before is None:
+            del os.environ[RUST_LOG_ENV]
+        else:
+            os.environ[RUST_LOG_ENV] = before
 
 
 def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) -> int:

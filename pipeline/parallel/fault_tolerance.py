@@ -59,15 +59,22 @@ def _weights_only_transport(timeout: timedelta) -> Any:
     answer on the healing rank's behalf (its servers authenticate no one) could run code in
     it. What a heal carries (weights, optimizer state, step counts) is plain data."""
     import urllib.request
+    import warnings
 
     from torch.distributed._serialization import _streaming_load
+    from torch.utils._pytree import tree_map_only
     from torchft.checkpointing import HTTPTransport
 
     class _WeightsOnly(HTTPTransport):  # type: ignore[misc]
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=True)
+            with (urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f,
+                  warnings.catch_warnings()):
+                # The loader wraps each tensor around the read-only bytes it received (and
+                # warns so); the clone below gives the optimizer state memory of its own.
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                state = _streaming_load(f, weights_only=True)
+            return tree_map_only(torch.Tensor, torch.Tensor.clone, state)
 
     return _WeightsOnly(timeout=timeout, num_chunks=0)
 
@@ -103,6 +110,7 @@ class FaultTolerance:
         self._pipe = pipe
         self._optimizer: torch.optim.Optimizer | None = None
         self._quorum_started = False
+        self.participants: tuple[int, ...] = ()
         # Quorum at the start of a step and healing before its forward (use_async_quorum
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
@@ -169,9 +177,14 @@ class FaultTolerance:
             raise PipeConfigError("optimizer.step() before any pipe.step(...) in this step: "
                                   "run pipe.step first, then optimizer.step()")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # This replica's one-hot rides in the same buffer: averaged, its nonzero entries are
+        # exactly the replicas whose gradients the average holds (a replica torchft does not
+        # count as participating sends zeros, its one-hot too).
+        here = torch.zeros(self.num_replicas, dtype=torch.float32)
+        here[self.replica_id] = 1.0
+        device = grads[0].device if grads else here.device
+        dtype = grads[0].dtype if grads else here.dtype
+        flat = torch.cat([g.reshape(-1) for g in grads] + [here.to(device, dtype)])
         self.manager.allreduce(flat).wait()
         offset = 0
         with torch.no_grad():
@@ -181,12 +194,16 @@ class FaultTolerance:
                     p.grad = torch.empty_like(p)
                 p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
-        present = self.manager.num_participants()
-        if present < self.num_replicas:
+        if self.manager.errored() is not None:  # the buffer may be torn: not committed
+            self.participants = ()
+            return
+        self.participants = tuple(int(r) for r in flat[offset:].nonzero().flatten())
+        if len(self.participants) < self.num_replicas:
             # torchft's rule: the average is over the replicas present, so the step's batch
             # is smaller than the job's (fewer replicas' batches).
-            _log.warning("step %d: averaged over %d of %d replicas (the others are missing)",
-                         self.committed_steps, present, self.num_replicas)
+            _log.warning("step %d: averaged over %d of %d replicas (%s)", self.committed_steps,
+                         len(self.participants), self.num_replicas,
+                         ", ".join(map(str, self.participants)) or "none")
 
     def commit(self, apply: Callable[[], None]) -> bool:
         """Apply the step when every rank of every replica in the quorum agrees; the next
@@ -240,6 +257,12 @@ class FaultTolerantPipe:
         """Replica groups in the last quorum (0 before the first step): the step's gradients
         were averaged over this many."""
         return self._require_ft("num_participants").num_participants
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        """The replica ids whose gradients the last step's average held (read off the
+        average itself); a step that was then not committed says so in committed_steps."""
+        return self._require_ft("participants").participants
 
     @property
     def replica_id(self) -> int:

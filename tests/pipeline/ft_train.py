@@ -1,22 +1,37 @@
 """A fault-tolerant training script: run by tests/pipeline/parallel/test_fault_tolerance.py
 under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measurement.
 
-    python tests/pipeline/ft_train.py OUT STEPS [KILL]
+    python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
 
-KILL is "replica:rank:step:point" (point: forward, backward, step): that rank SIGKILLs itself
-at that point of the first step it runs at or after committed step `step`, once per job (a
-file in OUT marks it done). Each rank writes its final state to OUT/final_<replica>_<rank>.pt
-one JSON line per step to OUT/log_<replica>_<rank>.jsonl, and per start the first
-quorum's time (a heal's, for a restarted group) to OUT/start_<replica>_<rank>.jsonl.
+SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
+runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
+step (after the backward, before the cross-replica average), allreduce (inside the average's
+collective, once the same rank of another replica is inside it too), optimizer (inside the
+optimizer's step, after the quorum agreed to commit), heal (a group restarted after the
+previous kill, while it fetches its state from its peer). Kills run in the order given, each
+once per job (OUT/killed_<i> marks it done, with the time and step), and each only after every
+replica took part in a step after the previous kill: one group is lost at a time.
+
+With --checkpoint-every N the script is the baseline instead: one replica group without
+torchft, saving a sharded checkpoint (pipe.save) every N steps and resuming from the last one
+(pipe.load) when the launcher restarts it.
+
+Each rank writes its final state to OUT/final_<replica>_<rank>.pt, one JSON line per step to
+OUT/log_<replica>_<rank>.jsonl (with the replicas the step's average held), and per start
+the first quorum's time (a heal's, for a restarted group) to OUT/start_<replica>_<rank>.jsonl.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
-import sys
 import time
+import urllib.request
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +39,13 @@ from torch import nn
 from pipeline import Pipe
 
 WIDTH = 16
+LR = 0.01
+POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal")
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,60 +54,185 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
 
 
-def _kill_once(out: str) -> None:
-    try:  # the first rank to get here kills itself; a restarted group never does again
-        fd = os.open(os.path.join(out, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return
-    os.write(fd, repr(time.time()).encode())  # when: for the measurements
-    os.close(fd)
-    os.kill(os.getpid(), signal.SIGKILL)
+@dataclass(frozen=True)
+class Kill:
+    replica: int
+    rank: int
+    step: int
+    point: str
 
 
-def main(out: str, steps: int, kill: str | None) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
-    pipe = Pipe(model, balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60)
-    started = time.time()
-    optimizer = pipe.fault_tolerant(torch.optim.AdamW(pipe.parameters(), lr=0.01))
-    rank = int(os.environ["RANK"])
-    with open(os.path.join(out, f"start_{pipe.replica_id}_{rank}.jsonl"), "a") as f:
+def parse_kills(text: str) -> list[Kill]:
+    kills = []
+    for spec in filter(None, text.split(",")):
+        replica, rank, step, point = spec.split(":")
+        if point not in POINTS:
+            raise SystemExit(f"kill point {point!r}: use one of {', '.join(POINTS)}")
+        kills.append(Kill(int(replica), int(rank), int(step), point))
+    return kills
+
+
+class Killer:
+    """This rank's part in the job's kills: which one (if any) is armed at a step."""
+
+    def __init__(self, out: str, kills: list[Kill], replica: int, rank: int) -> None:
+        self.out, self.kills, self.replica, self.rank = out, kills, replica, rank
+        self.last_everyone = -1  # the last committed step every replica took part in
+        self.step = 0  # the step this rank runs now
+        self.now: tuple[str, int] | None = None  # what is armed for it
+
+    def marker(self, i: int) -> str:
+        return os.path.join(self.out, f"killed_{i}")
+
+    def done(self, i: int) -> dict[str, Any] | None:
+        try:
+            with open(self.marker(i)) as f:
+                return dict(json.load(f))
+        except FileNotFoundError:
+            return None
+
+    def next(self) -> int | None:
+        return next((i for i in range(len(self.kills)) if self.done(i) is None), None)
+
+    def arm(self, committed: int) -> None:
+        """Arm what this rank does at the step it starts now."""
+        self.step, self.now = committed, self._armed(committed)
+
+    def fire(self, point: str) -> None:
+        """SIGKILL this rank if `point` is armed now."""
+        if self.now is not None and self.now[0] == point:
+            self.kill(self.now[1], self.step)
+
+    def _armed(self, committed: int) -> tuple[str, int] | None:
+        """("forward" | ... | "partner", i) when kill i is this rank's to run (or to be the
+        collective's other end of) at this step."""
+        i = self.next()
+        if i is None:
+            return None
+        kill = self.kills[i]
+        if kill.point == "heal" or kill.rank != self.rank or committed < kill.step:
+            return None
+        previous = self.done(i - 1) if i else None
+        if previous is not None and self.last_everyone <= previous["step"]:
+            return None  # the previous kill's group has not taken part in a step again
+        if kill.replica == self.replica:
+            return kill.point, i
+        return ("partner", i) if kill.point == "allreduce" else None
+
+    def heal_armed(self) -> int | None:
+        """At a start: kill i if it is this rank's heal kill (its group was just lost)."""
+        i = self.next()
+        if i is None or not i:
+            return None
+        kill = self.kills[i]
+        mine = (kill.replica, kill.rank) == (self.replica, self.rank)
+        return i if mine and kill.point == "heal" else None
+
+    def finished(self) -> bool:
+        """Every kill ran, and every replica took part in a step after the last one."""
+        if not self.kills:
+            return True
+        last = self.done(len(self.kills) - 1)
+        return last is not None and self.last_everyone > last["step"]
+
+    def kill(self, i: int, step: int) -> None:
+        """Mark kill i done (atomically: a reader sees all of it or nothing) and SIGKILL."""
+        staged = f"{self.marker(i)}.{os.getpid()}"
+        with open(staged, "w") as f:
+            json.dump({"t": time.time(), "step": step}, f)
+        try:
+            os.link(staged, self.marker(i))  # fails if another rank got there first
+        except FileExistsError:
+            return
+        finally:
+            os.unlink(staged)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_kills(pipe: Pipe, inner: torch.optim.Optimizer, killer: Killer,
+                   rank: int) -> None:
+    """Hooks that SIGKILL this rank at the armed point (the test reaches into the Manager:
+    a kill must land inside torchft's own calls)."""
+    layer = next(iter(pipe.partitions[rank]))
+
+    def forward_hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        killer.fire("forward")
+        if output.requires_grad and killer.now is not None and killer.now[0] == "backward":
+            output.register_hook(lambda g: killer.fire("backward"))
+
+    layer.register_forward_hook(forward_hook)
+    inner.register_step_pre_hook(lambda opt, args, kwargs: killer.fire("optimizer"))
+    assert pipe._ft is not None
+    manager = pipe._ft.manager
+    allreduce = manager.allreduce
+
+    def killing_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = allreduce(tensor, *args, **kwargs)  # launched: the collective is in flight
+        if killer.now is not None and killer.now[0] in ("partner", "allreduce"):
+            inside = os.path.join(killer.out, f"inside_{killer.now[1]}")
+            if killer.now[0] == "partner":
+                open(inside, "w").close()
+            deadline = time.monotonic() + 10  # the kill waits until the other end is in
+            while not os.path.exists(inside) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            killer.fire("allreduce")
+        return work
+
+    manager.allreduce = killing_allreduce
+
+
+def _kill_during_heal(pipe: Pipe, killer: Killer, i: int) -> None:
+    """Kill i lands once the restarted rank has read part of its peer's checkpoint."""
+    assert pipe._ft is not None
+    transport = type(pipe._ft.manager._checkpoint_transport)
+
+    def load(cls: Any, address: str, timeout: timedelta) -> object:
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            f.read(64)  # the transfer has begun
+            # ".../checkpoint/<step>/full": the step the peer is at
+            killer.kill(i, int(address.rstrip("/").split("/")[-2]))
+        raise AssertionError("unreachable: the kill above ends the process")
+
+    transport._load_from_address = classmethod(load)
+
+
+def _log_start(out: str, replica: int, rank: int, started: float, step: int) -> None:
+    with open(os.path.join(out, f"start_{replica}_{rank}.jsonl"), "a") as f:
         # The first quorum (a heal, for a group that starts late or again) ran in the wrap.
         f.write(json.dumps({"built": started, "quorum_s": time.time() - started,
-                            "step": pipe.committed_steps}) + "\n")
-    where = ""
-    if kill is not None:
-        replica, kill_rank, kill_step, where = kill.split(":")
-        if (int(replica), int(kill_rank)) != (pipe.replica_id, rank):
-            where = ""
-    armed = [False]
-    if where in ("forward", "backward"):
-        layer = next(iter(pipe.partitions[rank]))
+                            "step": step}) + "\n")
 
-        def forward_hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
-            if armed[0] and where == "forward":
-                _kill_once(out)
-            if armed[0] and where == "backward" and output.requires_grad:
-                output.register_hook(lambda g: _kill_once(out))
 
-        layer.register_forward_hook(forward_hook)
+def train(out: str, steps: int, kills: list[Kill]) -> None:
+    pipe = Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60)
+    rank = int(os.environ["RANK"])
+    killer = Killer(out, kills, pipe.replica_id, rank)
+    heal = killer.heal_armed()
+    if heal is not None:
+        _kill_during_heal(pipe, killer, heal)
+    started = time.time()
+    inner = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    _install_kills(pipe, inner, killer, rank)
+    optimizer = pipe.fault_tolerant(inner)
+    _log_start(out, pipe.replica_id, rank, started, pipe.committed_steps)
     log = open(os.path.join(out, f"log_{pipe.replica_id}_{rank}.jsonl"), "a")  # noqa: SIM115
-    # Train to `steps`, and on until a step every replica took part in is committed: a group
-    # that was restarted catches up (heals) before the others stop, so all end at one step.
-    everyone = False
-    while pipe.committed_steps < steps or not everyone:
+    # Train to `steps`, and on until a step every replica took part in is committed after the
+    # last kill: a restarted group catches up (heals) before the others stop, so all end at
+    # one step.
+    while pipe.committed_steps < steps or not killer.finished():
         step = pipe.committed_steps
-        armed[0] = bool(where) and step >= int(kill_step)
+        killer.arm(step)
         x, y = batch(pipe.replica_id, step)
         loss = pipe.step(x, y, nn.MSELoss())
-        if armed[0] and where == "step":
-            _kill_once(out)
+        killer.fire("step")
         optimizer.step()
         optimizer.zero_grad()
-        everyone = pipe.committed_steps > step and pipe.num_participants == pipe.num_replicas
+        committed = pipe.committed_steps > step
+        if committed and len(pipe.participants) == pipe.num_replicas:
+            killer.last_everyone = step
         log.write(json.dumps({"t": time.time(), "step": step, "loss": loss.item(),
-                              "committed": pipe.committed_steps > step,
-                              "participants": pipe.num_participants}) + "\n")
+                              "committed": committed, "participants": pipe.num_participants,
+                              "members": list(pipe.participants)}) + "\n")
         log.flush()
     torch.save({"model": pipe.state_dict(), "optimizer": optimizer.state_dict(),
                 "committed_steps": pipe.committed_steps},
@@ -93,5 +240,55 @@ def main(out: str, steps: int, kill: str | None) -> None:
     pipe.close()
 
 
+def train_from_checkpoints(out: str, steps: int, kills: list[Kill], every: int) -> None:
+    """The baseline: one pipeline, a sharded checkpoint every `every` steps, resumed from."""
+    started = time.time()
+    pipe = Pipe(build_model(), balance=[2, 2], chunks=2, timeout=60)
+    rank = int(os.environ["RANK"])
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    path = os.path.join(out, "checkpoint")
+    step = 0
+    if os.path.exists(path):
+        pipe.load(path, optimizer)
+        # The step count is AdamW's own, saved with its state: no second file to agree with.
+        step = int(next(iter(optimizer.state.values()))["step"])
+    _log_start(out, 0, rank, started, step)
+    killer = Killer(out, kills, 0, rank)
+    killer.last_everyone = steps  # one replica: every step has everyone
+    log = open(os.path.join(out, f"log_0_{rank}.jsonl"), "a")  # noqa: SIM115
+    while step < steps:
+        killer.arm(step)
+        x, y = batch(0, step)
+        loss = pipe.step(x, y, nn.MSELoss())
+        killer.fire("step")  # the baseline is killed between its backward and its step
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        entry = {"t": time.time(), "step": step - 1, "loss": loss.item(), "committed": True,
+                 "participants": 1, "members": [0]}
+        if step % every == 0:
+            pipe.save(path, optimizer)
+            entry["saved_s"] = time.time() - entry["t"]
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+    torch.save({"model": pipe.state_dict(), "optimizer": optimizer.state_dict(),
+                "committed_steps": step}, os.path.join(out, f"final_0_{rank}.pt"))
+    pipe.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--kill", default="")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    ns = parser.parse_args(argv)
+    kills = parse_kills(ns.kill)
+    if ns.checkpoint_every:
+        train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
+    else:
+        train(ns.out, ns.steps, kills)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    main()
