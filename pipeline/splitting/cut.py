@@ -197,6 +197,7 @@ def _build(k: int, inputs: list[fx.Node], outputs: list[fx.Node] | None, output:
     first_tensor: fx.Node | None = None
     for node in inputs:
         ph = g.placeholder(node.name)
+        ph.meta["val"] = node.meta.get("val")  # its shape: which capture a call fits
         piece.inputs.append(node.name)
         if _is_size(node):
             env[node] = g.call_function(_carried_size, (ph,))
@@ -255,7 +256,8 @@ def _drop_whole_slices(g: fx.Graph) -> None:
         defaults: list[Any] = [None, 0, None, None, 1]  # (self, dim, start, end, step)
         args: list[Any] = [*node.args, *defaults[len(node.args):]]
         source, start, end, step = args[0], args[2], args[3], args[4]
-        if start in (None, 0) and (end is None or end >= 2**62) and step == 1 \
+        if start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2**62)) \
+                and step == 1 \
                 and not node.kwargs:
             node.replace_all_uses_with(source)
             g.erase_node(node)

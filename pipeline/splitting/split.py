@@ -10,10 +10,11 @@ from torch import nn
 
 from pipeline.errors import PipeConfigError
 from pipeline.splitting import cut as cutting
-from pipeline.splitting import trace
+from pipeline.splitting import lengths, trace
 from pipeline.splitting.outline import outline
+from pipeline.splitting.placing import place_tensors
 from pipeline.splitting.scalars import Scalars, plan
-from pipeline.splitting.traced import MODES, SplitModel, TracedStage, place_tensors
+from pipeline.splitting.traced import MODES, SplitModel, TracedStage
 
 __all__ = ["Agree", "block_points", "split"]
 
@@ -73,8 +74,8 @@ def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[st
     used = [set(itertools.chain.from_iterable(pieces[m][s].tensors for m in MODES))
             for s in range(num)]
     place_tensors(model, stages, used)
-    for stage in stages:
-        stage.compile()
+    for s, stage in enumerate(stages):
+        stage.compile({m: lengths.stage_limits(programs[m], pieces[m][s]) for m in MODES})
     train = programs["train"]
     in_spec = train.call_spec.in_spec
     constants = {i: value for i, (_, value, tensor) in enumerate(cutting.user_inputs(train))
@@ -89,6 +90,10 @@ def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[st
                                 if node.meta["val"].dim() > 0
                                 and isinstance(node.meta["val"].shape[0], int)
                                 and node.meta["val"].shape[0] == 1)
+    rows = frozenset(i for i, node in enumerate(tensors)
+                     if node.meta["val"].dim() > 0 and i not in split.broadcast)
+    split.lengths = lengths.Lengths(
+        split, {m: lengths.model_limits(programs[m], rows) for m in MODES})
     return split
 
 

@@ -2,8 +2,9 @@
 
 Non-strict export runs the model's own Python with fake tensors and records the aten ops it
 calls (the training IR: not functionalised, so dropout draws from the global generator and
-BatchNorm updates its running statistics in place, as in eager mode). Dim 0 of every input
-tensor is left symbolic, so one capture serves every micro-batch size.
+BatchNorm updates its running statistics in place, as in eager mode). Every dimension of every
+input tensor is left symbolic where the model allows, so one capture serves every micro-batch
+size and every length.
 """
 
 from __future__ import annotations
@@ -121,20 +122,29 @@ _NONE = object()
 
 def _batch_dims(forward: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
-    """Dim 0 of every tensor symbolic, keyed by the forward's parameter names as export wants
-    (AUTO: export keeps it static only where the model needs it to be, which
-    `_check_batch_dim` then reports)."""
-    # Before torch 2.6 there is no AUTO: one named dimension, shared by every input's dim 0.
-    auto = getattr(torch.export.Dim, "AUTO", None) or torch.export.Dim("batch")
+    """Every dimension of every tensor symbolic, keyed by the forward's parameter names as
+    export wants: AUTO lets export keep a size static, or bound its range, only where the
+    model needs it (`_check_batch_dim` reports a fixed batch; pipeline/splitting/shapes.py
+    the rest, before each batch), so one capture serves every micro-batch size and length."""
+    auto = getattr(torch.export.Dim, "AUTO", None)
 
     def dims(value: Any) -> Any:
-        return pytree.tree_map(lambda v: {0: auto} if isinstance(v, torch.Tensor)
-                               and v.dim() > 0 else None, value)
+        def one(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                return None
+            if auto is None:  # torch 2.5: no AUTO; one named batch dimension, the rest
+                return {0: _BATCH}  # static (another length is captured again: lengths.py)
+            return dict.fromkeys(range(v.dim()), auto)
+        return pytree.tree_map(one, value)
     try:
         bound = inspect.signature(forward).bind(*args, **kwargs)
     except TypeError as exc:
         raise ExportError(f"example_inputs do not fit the forward: {exc}") from None
     return {name: dims(value) for name, value in bound.arguments.items()}
+
+
+# Before torch 2.6: one named dimension, shared by every input's dim 0.
+_BATCH = None if hasattr(torch.export.Dim, "AUTO") else torch.export.Dim("batch")
 
 
 def _check_batch_dim(ep: torch.export.ExportedProgram, args: tuple[Any, ...],

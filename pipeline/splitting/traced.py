@@ -21,18 +21,14 @@ from torch.utils import _pytree as pytree
 from pipeline.errors import PipeConfigError
 from pipeline.splitting.checks import check_input_rows
 from pipeline.splitting.cut import Piece
+from pipeline.splitting.placing import Mirror
 from pipeline.splitting.scalars import Scalars
+from pipeline.splitting.shapes import Limits
 from pipeline.splitting.trace import check_example
 
-__all__ = ["MODES", "Mirror", "SplitModel", "TracedStage", "layer_key", "merge_into",
-           "place_tensors"]
+__all__ = ["MODES", "Mirror", "SplitModel", "TracedStage", "layer_key", "merge_into"]
 
 MODES = ("train", "eval")
-
-
-class Mirror(nn.Module):
-    """Stands for a module of the model whose tensors more than one stage reads: it holds
-    this stage's share of them (the same objects) under the module's attribute names."""
 
 
 class TracedStage(nn.Module):
@@ -48,7 +44,9 @@ class TracedStage(nn.Module):
         self.inputs = {m: tuple(p.inputs) for m, p in pieces.items()}
         self.outputs = {m: tuple(p.outputs) for m, p in pieces.items()}
         self.__dict__["_pieces"] = pieces  # compiled once the tensors are in place
-        self.__dict__["_code"] = {}
+        # One entry per capture (pipeline/splitting/lengths.py): each mode's forward, its
+        # values in and out, and the shapes it takes (None: the first, taking any it runs).
+        self.__dict__["_variants"] = []
         # The model (not a child: its tensors are placed here by name): its training flag is
         # the mode, so model.eval() reaches the stages as it reaches the model's children.
         self.__dict__["_model"] = model
@@ -83,35 +81,67 @@ class TracedStage(nn.Module):
                     f"it (model.to({t.dtype}), then Pipe(model, example_inputs=...)), or "
                     f"convert it back (pipe.to({was}))")
 
-    def compile(self) -> None:
-        """Generate each mode's forward, naming this stage's attributes."""
-        for mode, piece in self.__dict__.pop("_pieces").items():
+    def compile(self, limits: dict[str, Limits] | None = None) -> None:
+        """Generate each mode's forward, naming this stage's attributes (`limits`: the
+        shapes each mode's graph takes)."""
+        self.add_variant(self.__dict__.pop("_pieces"), limits)
+        self.__dict__["_dtypes"] = {name: t.dtype for name, t in
+                                    [*self.named_parameters(), *self.named_buffers()]}
+
+    def add_variant(self, pieces: dict[str, Piece], limits: dict[str, Limits] | None) -> None:
+        """Take the stage graphs of another capture (`limits`: the shapes each mode's takes):
+        a call runs the latest capture whose shapes its values fit."""
+        k = len(self.__dict__["_variants"])
+        tag = f"v{k}_" if k else ""
+        device = next((t.device for t in [*self.parameters(), *self.buffers()]), None)
+        code = {}
+        for mode, piece in pieces.items():
             graph = piece.graph
             for node in graph.nodes:
                 if node.op == "get_attr" and (node.target in piece.submodules
                                               or node.target in piece.constants):
-                    name = f"_{mode}_{str(node.target).lstrip('_')}"  # each mode its own
+                    # each mode and capture its own
+                    name = f"_{mode}_{tag}{str(node.target).lstrip('_')}"
                     if node.target in piece.submodules:
                         self.add_module(name, piece.submodules[node.target])
                     else:
-                        self.register_buffer(name, piece.constants[node.target],
-                                             persistent=False)
+                        constant = piece.constants[node.target]
+                        if k and device is not None:  # the first is moved with the stage
+                            constant = constant.to(device)
+                        self.register_buffer(name, constant, persistent=False)
                     node.target = name
-            self.__dict__["_code"][mode] = _compile(graph)
-        self.__dict__["_dtypes"] = {name: t.dtype for name, t in
-                                    [*self.named_parameters(), *self.named_buffers()]}
+            code[mode] = _compile(graph)
+        io = {m: (tuple(p.inputs), tuple(p.outputs)) for m, p in pieces.items()}
+        self.__dict__["_variants"].append((code, io, limits))
+
+    @property
+    def captures(self) -> int:
+        """How many captures of the model this stage can run (one per shape family)."""
+        return len(self.__dict__["_variants"])
 
     def forward(self, values: Any) -> tuple[Any, ...]:
         values = values if isinstance(values, tuple) else (values,)
         mode = self.mode
-        expected = self.inputs[mode]
+        variants = self.__dict__["_variants"]
+        code, io, _ = variants[0] if len(variants) == 1 else self._variant(values, mode)
+        expected = io[mode][0]
         if len(values) != len(expected):
             raise PipeConfigError(
                 f"stage {self.index} takes {len(expected)} values in {mode} mode "
                 f"({', '.join(expected)}), got {len(values)}: a SplitModel's stages run "
                 f"in the mode it had when it was split, or after .train()/.eval()")
-        result: tuple[Any, ...] = self.__dict__["_code"][mode](self, *values)
+        result: tuple[Any, ...] = code[mode](self, *values)
         return result
+
+    def _variant(self, values: tuple[Any, ...], mode: str) -> Any:
+        """The latest capture whose inputs these values fit (every rank captured alike)."""
+        variants = self.__dict__["_variants"]
+        for variant in reversed(variants):
+            _, io, limits = variant
+            if len(io[mode][0]) == len(values) and (
+                    limits is None or limits[mode].misfit(values) is None):
+                return variant
+        return variants[0]  # which says what it could not take
 
     def extra_repr(self) -> str:
         return (f"index={self.index}, takes={list(self.inputs['train'])}, "
@@ -137,6 +167,8 @@ class SplitModel(nn.Sequential):
         self.input_names: list[str] = []  # of the tensor inputs, in flattening order
         self.broadcast: frozenset[int] = frozenset()  # those captured with one row
         self.whole: tuple[str, ...] = ()  # modules run whole (pipeline/splitting/outline.py)
+        # The captures' limits; more captures for shapes they do not take (lengths.py)
+        self.lengths: Any = None
         # Its state_dict speaks the model's keys: `split.load_state_dict(model.state_dict())`.
         self._register_state_dict_hook(_model_keys)  # type: ignore[no-untyped-call]
         self._register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
@@ -185,10 +217,11 @@ class SplitModel(nn.Sequential):
                 stage.check_dtypes()
         if chunks is not None:
             self.scalars[self.mode].check(chunks, self.out_specs[self.mode])
-        if inputs is None:
-            return None
-        tensors = self.flatten(inputs)
-        check_input_rows(tensors, self.input_names, self.broadcast)
+        tensors = None if inputs is None else self.flatten(inputs)
+        if tensors is not None:
+            check_input_rows(tensors, self.input_names, self.broadcast)
+        if self.lengths is not None:  # every rank, under processes: they capture together
+            self.lengths.admit(tensors)
         return tensors
 
     def unflatten(self, outputs: Any, mode: str | None = None) -> Any:
@@ -267,86 +300,6 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
     if callable(children):
         return list(children())
     return list(spec.children_specs)
-
-
-def place_tensors(model: nn.Module, stages: Sequence[TracedStage],
-                  used: Sequence[set[str]]) -> None:
-    """Give each stage the model's tensors it reads (`used[s]`: names in the model), under
-    those names: a submodule whole where only that stage reads its tensors (and the object is
-    not placed in another stage already), else a Mirror holding the stage's share. Tensors no
-    stage reads go with the first stage, so the stages' keys are all of the model's."""
-    placed: dict[int, int] = {}
-    # A tensor's readers by object: a name no stage reads (BERT's `cls.predictions.bias`,
-    # which is `decoder.bias`) goes with the first stage reading the object under another
-    # name, so no stage holds it only to make a tie of it.
-    tensors = {name: t for name, t in [*model.named_parameters(remove_duplicate=False),
-                                       *model.named_buffers(remove_duplicate=False)]}
-    readers: dict[int, list[int]] = {}
-    for s in range(len(stages)):
-        for name in sorted(used[s]):
-            if name in tensors and s not in readers.setdefault(id(tensors[name]), []):
-                readers[id(tensors[name])].append(s)
-
-    def users(prefix: str) -> list[int]:
-        return [s for s in range(len(stages))
-                if any(a == prefix or a.startswith(prefix + ".") for a in used[s])]
-
-    def home(module: nn.Module) -> int:
-        """The first stage reading any tensor of `module` (under any name), else the first."""
-        found = [r for t in [*module.parameters(), *module.buffers()]
-                 for r in readers.get(id(t), [])]
-        return min(found, default=0)
-
-    def place(prefix: str, module: nn.Module) -> None:
-        who = users(prefix)
-        s = who[0] if who else home(module)
-        if prefix and len(who) <= 1 and placed.get(id(module), s) == s:
-            if not who and not _has_tensors(module):
-                return
-            placed[id(module)] = s
-            _attach(stages[s], prefix, lambda parent, name: parent.add_module(name, module))
-            return
-        for name, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is None:
-                continue
-            key = f"{prefix}.{name}" if prefix else name
-            persistent = name not in module._non_persistent_buffers_set
-            for s in [s for s in range(len(stages)) if key in used[s]] or [
-                    min(readers.get(id(t), [0]))]:
-                _attach(stages[s], key, _setter(t, persistent))
-        for name, child in module._modules.items():
-            if child is not None:
-                place(f"{prefix}.{name}" if prefix else name, child)
-
-    place("", model)
-
-
-def _has_tensors(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _setter(t: torch.Tensor, persistent: bool) -> Callable[[nn.Module, str], None]:
-    def put(parent: nn.Module, name: str) -> None:
-        if isinstance(t, nn.Parameter):
-            parent.register_parameter(name, t)
-        else:
-            parent.register_buffer(name, t, persistent=persistent)
-    return put
-
-
-def _attach(stage: nn.Module, path: str, put: Callable[[nn.Module, str], None]) -> None:
-    """Walk `path` from `stage`, making Mirrors for the modules on the way, and `put` the
-    last part there."""
-    *parents, last = path.split(".")
-    node: nn.Module = stage
-    for part in parents:
-        child = node._modules.get(part)
-        if child is None:
-            child = Mirror()
-            node.add_module(part, child)
-        node = child
-    if last not in node._modules and last not in node._parameters and last not in node._buffers:
-        put(node, last)
 
 
 def layer_key(model: nn.Module, name: str, key: str) -> str:
