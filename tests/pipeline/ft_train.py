@@ -2,6 +2,7 @@
 under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measurement.
 
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
+                                      [--min-step-ms MS]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -11,6 +12,9 @@ optimizer's step, after the quorum agreed to commit), heal (a group restarted af
 previous kill, while it fetches its state from its peer). Kills run in the order given, each
 once per job (OUT/killed_<i> marks it done, with the time and step), and each only after every
 replica took part in a step after the previous kill: one group is lost at a time.
+
+--min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
+leaves the CPUs to the group restarting beside it, on a small test machine.
 
 With --checkpoint-every N the script is the baseline instead: one replica group without
 torchft, saving a sharded checkpoint (pipe.save) every N steps and resuming from the last one
@@ -203,7 +207,7 @@ def _log_start(out: str, replica: int, rank: int, started: float, step: int) -> 
                             "step": step}) + "\n")
 
 
-def train(out: str, steps: int, kills: list[Kill]) -> None:
+def train(out: str, steps: int, kills: list[Kill], min_step_s: float) -> None:
     pipe = Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60)
     rank = int(os.environ["RANK"])
     killer = Killer(out, kills, pipe.replica_id, rank)
@@ -222,6 +226,7 @@ def train(out: str, steps: int, kills: list[Kill]) -> None:
     while pipe.committed_steps < steps or not killer.finished():
         step = pipe.committed_steps
         killer.arm(step)
+        begun = time.monotonic()
         x, y = batch(pipe.replica_id, step)
         loss = pipe.step(x, y, nn.MSELoss())
         killer.fire("step")
@@ -234,6 +239,7 @@ def train(out: str, steps: int, kills: list[Kill]) -> None:
                               "committed": committed, "participants": pipe.num_participants,
                               "members": list(pipe.participants)}) + "\n")
         log.flush()
+        time.sleep(max(0.0, begun + min_step_s - time.monotonic()))
     torch.save({"model": pipe.state_dict(), "optimizer": optimizer.state_dict(),
                 "committed_steps": pipe.committed_steps},
                os.path.join(out, f"final_{pipe.replica_id}_{rank}.pt"))
@@ -282,12 +288,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill", default="")
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--min-step-ms", type=float, default=0.0)
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
-        train(ns.out, ns.steps, kills)
+        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from tests.pipeline import ft_train
 needs_torchft = pytest.mark.skipif(
     __import__("importlib").util.find_spec("torchft") is None, reason="torchft not installed")
 TRAIN = str(Path(__file__).parents[1] / "ft_train.py")
+GIVE_UP = str(Path(__file__).parents[1] / "ft_give_up.py")
 LAUNCH_TIMEOUT = 240  # seconds for a whole launch: a hang fails, never blocks the suite
 
 
@@ -100,7 +101,8 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("ft")
     spec = ",".join(f"{r}:{k}:{2 if not i else 0}:{p}" for i, (r, k, p) in enumerate(KILLS))
-    return out, _launch(out, "4", "--kill", spec)
+    # A survivor training alone sleeps out 20 ms a step: the restarting group gets the CPUs.
+    return out, _launch(out, "4", "--kill", spec, "--min-step-ms", "20")
 
 
 @needs_torchft
@@ -195,14 +197,19 @@ def test_weights_equal_a_reference_from_each_steps_logged_quorum(
 
 @needs_torchft
 @pytest.mark.dist
-@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 def test_more_failures_than_max_restarts(tmp_path: Path) -> None:
-    done = _launch(tmp_path, "1000000", "--kill", "1:0:2:forward", max_restarts=0)
+    """Group 1 loses a rank at every start: after one restart the launcher gives up, names
+    the group and its failures, and stops group 0 with SIGTERM (its ranks saw it), exit 1."""
+    cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
+           "--max-restarts", "1", GIVE_UP, str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          check=False)
     assert done.returncode == 1, done.stderr[-4000:]
-    assert ("replica group 1 failed after 0 restart(s) (--max-restarts 0); failures: "
-            "group 1: rank 0 killed by SIGKILL" in done.stderr), done.stderr[-4000:]
-    assert "The other groups were stopped." in done.stderr
+    assert ("replica group 1 failed after 1 restart(s) (--max-restarts 1); failures: group 1: "
+            "rank 0 killed by SIGKILL, rank 0 killed by SIGKILL. The other groups were "
+            "stopped." in done.stderr), done.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped_0_0", "stopped_0_1"]
 
 
 # -- a heal trusts no code from its peer ------------------------------------------------------

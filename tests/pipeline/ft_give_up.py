@@ -1,0 +1,33 @@
+"""A rank script for the launcher's give-up path (no torch: it starts in a blink).
+
+    python tests/pipeline/ft_give_up.py OUT
+
+Replica group 1's rank 0 SIGKILLs itself at once, at every start; every other rank waits
+(at most a minute) for the launcher's SIGTERM and records that it got it, in
+OUT/stopped_<replica>_<rank>.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+
+def main(out: str) -> None:
+    replica, rank = os.environ["REPLICA_GROUP_ID"], os.environ["RANK"]
+    if (replica, rank) == ("1", "0"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def stopped(signum: int, frame: FrameType | None) -> None:
+        open(os.path.join(out, f"stopped_{replica}_{rank}"), "w").close()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stopped)
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
