@@ -16,7 +16,7 @@ import torch
 from pipeline.launch import spawn
 from pipeline.state import sharded
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
-from tests.pipeline import traced_workers
+from tests.pipeline import lengths_workers, traced_workers
 from tests.pipeline.in_turn import InTurn, in_turn, ranks
 from tests.pipeline.sharded_workers import assert_same, snapshot, unpack
 
@@ -38,6 +38,10 @@ CHANGING_RUNS = [("gpt2", "1f1b", False), ("gpt2", "zb-v", True), ("llama", "zb-
                  ("llama", "1f1b", True)]
 CHANGING_SIZES = [7, 5, 8, 4]
 META_RUNS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
+# Captured at 12 tokens, trained at 16, 7 and 8, run at 20: each model, schedules of each kind.
+LENGTH_RUNS = [("llama", "1f1b"), ("gpt2", "zb-v"), ("bert", "gpipe"), ("llama", "interleaved"),
+               ("gpt2", "zb-h1")]
+LENGTH_DP_RUNS = [("llama", "1f1b"), ("gpt2", "zb-h1")]
 
 # Every scenario but the checkpoint's (a directory per test), on one set of 2 ranks in turn
 # (see tests/pipeline/in_turn.py): each rank imports transformers and torch.export's machinery
@@ -47,6 +51,7 @@ TWO_RANKS = [
       for name, combos in COMBOS.items()],
     ("changing batches", traced_workers.changing_batches, (CHANGING_RUNS, CHANGING_SIZES)),
     ("meta", traced_workers.meta_stage, (META_RUNS,)),
+    ("lengths", lengths_workers.lengths_pp, (LENGTH_RUNS, [16, 7, 8])),
 ]
 
 
@@ -109,6 +114,24 @@ def test_each_rank_materialises_only_its_stage_of_a_meta_model(two_ranks: InTurn
                           tuple(f"{b}." for b in case.blocks[:2]))
         assert not any(n.startswith(later) for n in mine[0]), what
         assert not any(n.startswith(earlier) for n in mine[1]), what
+
+
+@in_turn
+def test_batches_of_any_length_over_processes(two_ranks: InTurn) -> None:
+    """GPT-2, Llama and BERT captured at 12 tokens, trained on 2 processes at 16, 7 and 8
+    (ranks without the first stage pass None: the ranks agree on the shapes first) and run at
+    20: the loss and every gradient equal the unsplit model's, from the one capture."""
+    results = two_ranks("lengths")
+    assert all(r["captures"] == [1] * len(LENGTH_RUNS) for r in results)
+    assert all(r["checked"] > 0 for r in results)
+
+
+@pytest.mark.timeout(DIST_TEST_TIMEOUT)
+def test_each_replica_its_own_length() -> None:
+    """dp x pp = 2 x 2: one replica's batch of 16 tokens, the other's of 7, in one step: the
+    loss and every gradient are the unsplit model's over both batches."""
+    checked = spawn(lengths_workers.lengths_dp, 4, LENGTH_DP_RUNS, timeout=SPAWN_TIMEOUT)
+    assert all(c > 0 for c in checked)
 
 
 @pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
