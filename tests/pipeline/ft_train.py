@@ -200,10 +200,12 @@ def _kill_during_heal(pipe: Pipe, killer: Killer, i: int) -> None:
     transport._load_from_address = classmethod(load)
 
 
-def _log_start(out: str, replica: int, rank: int, started: float, step: int) -> None:
+def _log_start(out: str, replica: int, rank: int, built: float, step: int) -> None:
+    """When the Pipe was built, how long it then took to be ready to train (the first
+    quorum, a heal for a group that starts late or again; or the checkpoint's load), and the
+    step it starts from."""
     with open(os.path.join(out, f"start_{replica}_{rank}.jsonl"), "a") as f:
-        # The first quorum (a heal, for a group that starts late or again) ran in the wrap.
-        f.write(json.dumps({"built": started, "quorum_s": time.time() - started,
+        f.write(json.dumps({"built": built, "resume_s": time.time() - built,
                             "step": step}) + "\n")
 
 
@@ -248,8 +250,8 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float) -> None:
 
 def train_from_checkpoints(out: str, steps: int, kills: list[Kill], every: int) -> None:
     """The baseline: one pipeline, a sharded checkpoint every `every` steps, resumed from."""
-    started = time.time()
     pipe = Pipe(build_model(), balance=[2, 2], chunks=2, timeout=60)
+    started = time.time()
     rank = int(os.environ["RANK"])
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     path = os.path.join(out, "checkpoint")

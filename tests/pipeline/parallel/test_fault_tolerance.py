@@ -68,6 +68,8 @@ def test_names_without_fault_tolerance() -> None:
     with pytest.raises(PipeConfigError, match="fault_tolerance=True"):
         _ = pipe.committed_steps
     with pytest.raises(PipeConfigError, match="fault_tolerance=True"):
+        _ = pipe.participants
+    with pytest.raises(PipeConfigError, match="fault_tolerance=True"):
         pipe.fault_tolerant(torch.optim.SGD(pipe.parameters(), lr=0.1))
 
 
@@ -166,12 +168,19 @@ def test_weights_equal_a_reference_from_each_steps_logged_quorum(
     final = torch.load(out / "final_0_0.pt")
     assert sorted(members) == list(range(final["committed_steps"]))
     assert {len(m) for m in members.values()} == {1, 2}  # steps alone, steps together
+    _assert_equal_to_replay(out, (0, 1), [members[s] for s in range(len(members))])
+
+
+def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
+                            members: list[tuple[int, ...]]) -> None:
+    """Every replica's final weights and AdamW state equal one process's replay of the steps,
+    step s averaging the gradients of the replicas members[s]."""
     model = ft_train.build_model()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=ft_train.LR)
-    for step in range(final["committed_steps"]):
+    for step, present in enumerate(members):
         grads = []
-        for replica in members[step]:
+        for replica in present:
             x, y = ft_train.batch(replica, step)
             for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):  # chunks=2, as trained
                 (nn.functional.mse_loss(model(xc), yc) * (len(xc) / len(x))).backward()
@@ -184,8 +193,9 @@ def test_weights_equal_a_reference_from_each_steps_logged_quorum(
     reference = model.state_dict()
     for rank, names in ((0, ["0.weight", "0.bias", "1.weight", "1.bias"]),
                         (1, ["2.weight", "2.bias", "3.weight", "3.bias"])):
-        for replica in (0, 1):
+        for replica in replicas:
             state = torch.load(out / f"final_{replica}_{rank}.pt")
+            assert state["committed_steps"] == len(members)
             assert sorted(state["model"]) == sorted(names)
             for i, name in enumerate(names):
                 assert torch.equal(state["model"][name], reference[name]), (replica, name)
@@ -193,6 +203,22 @@ def test_weights_equal_a_reference_from_each_steps_logged_quorum(
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     got = state["optimizer"]["state"][i][key]
                     assert torch.equal(got, ref[key]), (replica, name, key)
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_checkpoint_baseline_resumes_from_its_last_save(tmp_path: Path) -> None:
+    """The measurement's baseline (one group, a sharded checkpoint every 5 steps) killed in
+    step 7: the launcher restarts it, it redoes steps 5 and 6 from the checkpoint, and ends
+    where an uninterrupted run ends, bit for bit."""
+    from benchmarks.fault_tolerance import measure_checkpoint
+
+    result = measure_checkpoint(12, 7, 5, keep=tmp_path)
+    assert result["steps_redone"] == 2
+    assert result["kill_to_caught_up_s"] >= result["kill_to_resumed_s"] > result["load_s"] > 0
+    _assert_equal_to_replay(tmp_path, (0,), [(0,)] * 12)
 
 
 @needs_torchft
