@@ -204,6 +204,12 @@ class SplitModel(nn.Sequential):
         return tuple(tensors)
 
     @property
+    def captures(self) -> int:
+        """How many times the model was captured: 1, plus one per family of shapes the
+        first capture did not take (pipeline/splitting/lengths.py)."""
+        return self.lengths.captures if self.lengths is not None else 1
+
+    @property
     def mode(self) -> str:
         """"train" or "eval": what the stages run now (the model's mode)."""
         return self[0].mode if len(self) and isinstance(self[0], TracedStage) else (
