@@ -130,8 +130,10 @@ class FaultTolerance:
         with torch.no_grad():
             self._pipe.load_state_dict(state)
 
-    def wrap(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer`, stepping only when the quorum commits (torchft's OptimizerWrapper)."""
+    def wrap(self, optimizer: torch.optim.Optimizer, scaler: Any = None
+             ) -> torch.optim.Optimizer:
+        """`optimizer`, stepping only when the quorum commits (torchft's OptimizerWrapper);
+        with `scaler`, stepping through it after the average, its state healed too."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PipeConfigError(f"pipe.fault_tolerant(optimizer) takes a torch.optim."
                                   f"Optimizer; got {type(optimizer).__name__}")
@@ -146,12 +148,21 @@ class FaultTolerance:
                 f"pipe.fault_tolerant(optimizer): param group(s) {foreign} hold parameters "
                 f"that are not this rank's (pipe.parameters()); build the optimizer on "
                 f"pipe.parameters()")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise PipeConfigError(f"pipe.fault_tolerant(optimizer, scaler=...) takes a "
+                                  f"torch.amp.GradScaler; got {type(scaler).__name__}")
         self._optimizer = optimizer
         self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
                                             optimizer.state_dict)
+        if scaler is not None and scaler.is_enabled():
+            # Its scale and growth tracker: a healed replica must skip and grow as its peers.
+            self.manager.register_state_dict_fn("scaler", scaler.load_state_dict,
+                                                scaler.state_dict)
+        else:
+            scaler = None
         from pipeline.parallel.ft_optimizer import ReplicaOptimizer
 
-        wrapped = ReplicaOptimizer(self.manager, optimizer, self)
+        wrapped = ReplicaOptimizer(self.manager, optimizer, self, scaler)
         # The first quorum now: a group that starts late or again heals here, so its
         # committed_steps (and the data the loop picks by it) are its peers' from the start.
         self.before_step()
@@ -242,10 +253,13 @@ class FaultTolerantPipe:
                                   f"Pipe was built without it")
         return self._ft
 
-    def fault_tolerant(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def fault_tolerant(self, optimizer: torch.optim.Optimizer, *,
+                       scaler: Any = None) -> torch.optim.Optimizer:
         """`optimizer` (built on pipe.parameters()), applying a step only when torchft's
-        quorum committed it: gradients are first averaged over the replicas present."""
-        return self._require_ft("fault_tolerant(optimizer)").wrap(optimizer)
+        quorum committed it: gradients are first averaged over the replicas present. With a
+        GradScaler (also passed to pipe.step), `optimizer.step()` runs `scaler.step` and
+        `scaler.update` after the average, and a heal carries the scaler's state."""
+        return self._require_ft("fault_tolerant(optimizer)").wrap(optimizer, scaler)
 
     @property
     def committed_steps(self) -> int:

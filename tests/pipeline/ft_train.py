@@ -2,7 +2,7 @@
 under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measurement.
 
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
-                                      [--min-step-ms MS]
+                                      [--scaler] [--min-step-ms MS]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -12,6 +12,10 @@ optimizer's step, after the quorum agreed to commit), heal (a group restarted af
 previous kill, while it fetches its state from its peer). Kills run in the order given, each
 once per job (OUT/killed_<i> marks it done, with the time and step), and each only after every
 replica took part in a step after the previous kill: one group is lost at a time.
+
+--scaler: train through a GradScaler (its scale grows every GROWTH_INTERVAL steps, so a heal
+must carry it), and replica 1's batch of step INF_STEP holds an inf: every replica must skip
+that step alike.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -44,6 +48,8 @@ from pipeline import Pipe
 
 WIDTH = 16
 LR = 0.01
+GROWTH_INTERVAL = 20  # a GradScaler's, with --scaler
+INF_STEP = 1  # replica 1's batch of this step holds an inf, with --scaler
 POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal")
 
 
@@ -209,7 +215,7 @@ def _log_start(out: str, replica: int, rank: int, built: float, step: int) -> No
                             "step": step}) + "\n")
 
 
-def train(out: str, steps: int, kills: list[Kill], min_step_s: float) -> None:
+def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool) -> None:
     pipe = Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60)
     rank = int(os.environ["RANK"])
     killer = Killer(out, kills, pipe.replica_id, rank)
@@ -219,7 +225,10 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float) -> None:
     started = time.time()
     inner = torch.optim.AdamW(pipe.parameters(), lr=LR)
     _install_kills(pipe, inner, killer, rank)
-    optimizer = pipe.fault_tolerant(inner)
+    # fp32 under a GradScaler: scales are powers of two, so the scaled gradients round as
+    # the plain ones do, and a reference without one gives the same bits.
+    scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL) if amp else None
+    optimizer = pipe.fault_tolerant(inner, scaler=scaler)
     _log_start(out, pipe.replica_id, rank, started, pipe.committed_steps)
     log = open(os.path.join(out, f"log_{pipe.replica_id}_{rank}.jsonl"), "a")  # noqa: SIM115
     # Train to `steps`, and on until a step every replica took part in is committed after the
@@ -230,7 +239,9 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float) -> None:
         killer.arm(step)
         begun = time.monotonic()
         x, y = batch(pipe.replica_id, step)
-        loss = pipe.step(x, y, nn.MSELoss())
+        if amp and (pipe.replica_id, step) == (1, INF_STEP):
+            x[0, 0] = float("inf")
+        loss = pipe.step(x, y, nn.MSELoss(), scaler=scaler)
         killer.fire("step")
         optimizer.step()
         optimizer.zero_grad()
@@ -243,7 +254,8 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float) -> None:
         log.flush()
         time.sleep(max(0.0, begun + min_step_s - time.monotonic()))
     torch.save({"model": pipe.state_dict(), "optimizer": optimizer.state_dict(),
-                "committed_steps": pipe.committed_steps},
+                "committed_steps": pipe.committed_steps,
+                "scaler": scaler.state_dict() if scaler is not None else None},
                os.path.join(out, f"final_{pipe.replica_id}_{rank}.pt"))
     pipe.close()
 
@@ -291,12 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill", default="")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--min-step-ms", type=float, default=0.0)
+    parser.add_argument("--scaler", action="store_true")
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
-        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000)
+        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler)
 
 
 if __name__ == "__main__":

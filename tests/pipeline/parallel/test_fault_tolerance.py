@@ -73,6 +73,21 @@ def test_names_without_fault_tolerance() -> None:
         pipe.fault_tolerant(torch.optim.SGD(pipe.parameters(), lr=0.1))
 
 
+def test_scaler_step_on_the_wrapper_says_to_call_optimizer_step() -> None:
+    """With the scaler given to pipe.fault_tolerant, scaler.step(optimizer) would unscale
+    before the cross-replica average and again after it: refused, saying what to call."""
+    pytest.importorskip("torchft")
+    from pipeline.parallel.ft_optimizer import ReplicaOptimizer
+
+    model = nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = ReplicaOptimizer(None, torch.optim.SGD(model.parameters(), lr=0.1), None,
+                                 scaler)  # type: ignore[arg-type]  # never reaches torchft
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    with pytest.raises(PipeConfigError, match=r"call optimizer.step\(\) alone"):
+        scaler.step(optimizer)
+
+
 # -- replicas, killed ranks --------------------------------------------------------------------
 def _launch(out: Path, *args: str, max_restarts: int = 3) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
@@ -104,7 +119,9 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("ft")
     spec = ",".join(f"{r}:{k}:{2 if not i else 0}:{p}" for i, (r, k, p) in enumerate(KILLS))
     # A survivor training alone sleeps out 20 ms a step: the restarting group gets the CPUs.
-    return out, _launch(out, "4", "--kill", spec, "--min-step-ms", "20")
+    # Through a GradScaler: a heal carries its state, and an inf on one replica (replica 1,
+    # step ft_train.INF_STEP) makes every replica skip that step.
+    return out, _launch(out, "4", "--kill", spec, "--min-step-ms", "20", "--scaler")
 
 
 @needs_torchft
@@ -128,6 +145,8 @@ def test_killed_at_every_point_survived_and_healed(
         assert a["model"].keys() == b["model"].keys()
         for name in a["model"]:
             assert torch.equal(a["model"][name], b["model"][name]), (k, name)
+        assert a["scaler"] == b["scaler"]  # the scale grew: a heal carried it
+        assert a["scaler"]["scale"] > 2.0**16 * 0.5
         sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
         assert sa.keys() == sb.keys() and sa
         for i in sa:
@@ -154,9 +173,10 @@ def test_killed_at_every_point_survived_and_healed(
 def test_weights_equal_a_reference_from_each_steps_logged_quorum(
         killed_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     """One process replays the job: at each committed step, the gradient averaged over the
-    replicas its quorum held (as the ranks logged them), then AdamW; the survivors' weights
-    and optimizer state equal it bit for bit (the same micro-batches and sums in the same
-    order: a sum of two is exact either way round, and torchft divides by the count)."""
+    replicas its quorum held (as the ranks logged them), then AdamW; the survivors' weights,
+    optimizer and scaler state equal it bit for bit (the same micro-batches and sums in the
+    same order: a sum of two is exact either way round, torchft divides by the count, and
+    scaling by a power of two rounds as the unscaled values do)."""
     out, done = killed_run
     assert done.returncode == 0, done.stderr[-4000:]
     members: dict[int, tuple[int, ...]] = {}
@@ -168,17 +188,29 @@ def test_weights_equal_a_reference_from_each_steps_logged_quorum(
     final = torch.load(out / "final_0_0.pt")
     assert sorted(members) == list(range(final["committed_steps"]))
     assert {len(m) for m in members.values()} == {1, 2}  # steps alone, steps together
-    _assert_equal_to_replay(out, (0, 1), [members[s] for s in range(len(members))])
+    assert 1 in members[ft_train.INF_STEP]  # the inf was in that step's average
+    _assert_equal_to_replay(out, (0, 1), [members[s] for s in range(len(members))],
+                            skipped={ft_train.INF_STEP})
 
 
 def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
-                            members: list[tuple[int, ...]]) -> None:
+                            members: list[tuple[int, ...]], skipped: set[int] | None = None
+                            ) -> None:
     """Every replica's final weights and AdamW state equal one process's replay of the steps,
-    step s averaging the gradients of the replicas members[s]."""
+    step s averaging the gradients of the replicas members[s]; with `skipped`, a GradScaler's
+    too (it skipped those steps, and its scale followed)."""
     model = ft_train.build_model()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=ft_train.LR)
+    scale, tracker = 2.0**16, 0  # GradScaler's defaults: backoff 0.5, growth 2
     for step, present in enumerate(members):
+        if skipped is not None and step in skipped:
+            scale, tracker = scale * 0.5, 0
+            continue
+        if skipped is not None:
+            tracker += 1
+            if tracker == ft_train.GROWTH_INTERVAL:
+                scale, tracker = scale * 2, 0
         grads = []
         for replica in present:
             x, y = ft_train.batch(replica, step)
@@ -196,6 +228,9 @@ def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
         for replica in replicas:
             state = torch.load(out / f"final_{replica}_{rank}.pt")
             assert state["committed_steps"] == len(members)
+            if skipped is not None:
+                assert (state["scaler"]["scale"], state["scaler"]["_growth_tracker"]) == (
+                    scale, tracker)
             assert sorted(state["model"]) == sorted(names)
             for i, name in enumerate(names):
                 assert torch.equal(state["model"][name], reference[name]), (replica, name)
