@@ -27,6 +27,8 @@ from pipeline.runtime.microbatch import backward_inputs, gather
 from pipeline.runtime.programs import Programs
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import StepSyncs
+from pipeline.runtime.tokens import cuts as token_cuts
+from pipeline.runtime.tokens import padded, restored
 from pipeline.runtime.versions import WeightVersions
 from pipeline.runtime.weighting import LossWeight
 from pipeline.splitting import checks, config, lengths
@@ -69,6 +71,7 @@ class Pipe(FaultTolerantPipe, nn.Module):
         split_points: Sequence[str] | None = None,
         tp_plan: dict[str, Any] | None = None,
         fault_tolerance: bool = False,
+        tokens: bool = False,
     ) -> None:
         super().__init__()
         model, balance, stages = config.split_model(model, example_inputs, split_points,
@@ -130,6 +133,7 @@ class Pipe(FaultTolerantPipe, nn.Module):
         self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
         self._timeline: Timeline | None = None
         self._warned_padding = False  # once per Pipe (see _context)
+        self._tokens = tokens  # token micro-batches (pipeline/runtime/tokens.py)
         self._stats: list[dict[str, int]] = []
         self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
                                   self.group, self.timeout, self.mesh)
@@ -207,7 +211,7 @@ class Pipe(FaultTolerantPipe, nn.Module):
         """Last stage's result to every rank (multi-process); as is in one process."""
         return self._executor.share(values, shape, self._probe.rank_of(len(self.balance) - 1))
 
-    def forward(self, x: Any, *, chunks: int | None = None) -> Any:
+    def forward(self, x: Any, *, chunks: int | None = None, tokens: Any = None) -> Any:
         """Inference: the pipelined forward of `x`, equal to `model(x)` (no autograd graph),
         in `chunks` micro-batches (default the Pipe's; a batch smaller than that needs fewer).
 
@@ -218,7 +222,8 @@ class Pipe(FaultTolerantPipe, nn.Module):
         if self._io is not None:  # None: a rank without the first stage
             x = self._io.prepare(x, chunks)
         self._agreement.check(self, [(x, None)])
-        inputs, _, _ = batches.share(self, x, None, None, chunks)
+        cut = token_cuts(self, [(x, None)], tokens, chunks)[0]
+        inputs, _, _ = batches.share(self, x, None, None, chunks, cut=cut)
         step = StepInputs(inputs, None, None, [1.0] * chunks, [False] * chunks,
                           self._seed(), caller=CallerState.capture(),
                           syncs=StepSyncs(ties=self._tie_link))
@@ -226,12 +231,12 @@ class Pipe(FaultTolerantPipe, nn.Module):
             result = self._run(self.program(chunks, train=False), step)
         if not result.outputs:
             return None  # multi-process: the output lives on the last stage's rank
-        outputs = [result.outputs[m] for m in range(chunks)]  # 0-dim ones combined as loss is
-        return self._io.merge(outputs) if self._io is not None else gather(outputs)
+        outputs = padded(cut, [result.outputs[m] for m in range(chunks)])  # 0-dim: as loss is
+        return restored(cut, self._io.merge(outputs) if self._io is not None else gather(outputs))
 
     def step(self, x: Any, target: Any, loss_fn: LossFn, *,
              loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
-             scaler: Any = None) -> torch.Tensor:
+             scaler: Any = None, tokens: Any = None) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the batch's loss.
 
         Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
@@ -247,7 +252,7 @@ class Pipe(FaultTolerantPipe, nn.Module):
         `scaler.step(optimizer)` and `scaler.update()` follow as in plain training.
         """
         return self._steps([(x, target)], loss_fn, None, loss_reduction, loss_weight,
-                           scaler)[0]
+                           scaler, tokens)[0]
 
     def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
                   optimizer: torch.optim.Optimizer, *, loss_reduction: str | None = None,
@@ -282,7 +287,7 @@ class Pipe(FaultTolerantPipe, nn.Module):
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
                optimizer: torch.optim.Optimizer | None,
                loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
-               scaler: Any = None) -> list[torch.Tensor]:
+               scaler: Any = None, tokens: Any = None) -> list[torch.Tensor]:
         """Check, build the program, run it, return the loss: everything a step does across
         ranks is an action of the program (schedules/program.py)."""
         checks.check_loss_fn(loss_fn)
@@ -298,7 +303,8 @@ class Pipe(FaultTolerantPipe, nn.Module):
             self._replicas.agree(self, len(pairs))
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         program = self.program(self.chunks, batches=len(pairs), scaler=scaler is not None)
-        step = batches.step_inputs(self, program, pairs, loss_fn, how, scaler, self._seed())
+        step = batches.step_inputs(self, program, pairs, loss_fn, how, scaler, self._seed(),
+                                   token_cuts(self, pairs, tokens, self.chunks))
         result = self._run(program, step, optimizer)
         if result.input_grads:
             backward_inputs([x for x, _ in pairs], result.input_grads, self.chunks)

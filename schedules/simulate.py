@@ -11,6 +11,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+from schedules.graph import execute
 from schedules.ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
 from schedules.planned import execute_by_kind
 
@@ -33,6 +34,10 @@ class Costs:
     stage) is the time of the all-reduce of its gradients over dp, which runs beside the
     rank's work from its REDUCE_GRAD; `overflow` is the scaler's agreement. All default to 0,
     so a program costs what its schedule costs until they are measured.
+
+    `microbatch` scales every compute op of micro-batch m by `microbatch[m]` (repeating for
+    later batches): micro-batches of unequal cost, such as token micro-batches trimmed to
+    their own longest row. Empty (the default): every micro-batch costs the same.
     """
 
     forward: float | Sequence[float] = 1.0
@@ -44,8 +49,13 @@ class Costs:
     tie: float | Sequence[float] = 0.0
     reduce_grad: float | Sequence[float] = 0.0
     overflow: float = 0.0
+    microbatch: Sequence[float] = ()
 
     def __post_init__(self) -> None:
+        scales = tuple(float(v) for v in self.microbatch)
+        if any(not v >= 0 for v in scales):
+            raise ValueError(f"Costs.microbatch must be >= 0 per micro-batch (got {scales})")
+        object.__setattr__(self, "microbatch", scales)
         for name in _FIELDS.values():
             value = getattr(self, name)
             values = [value] if isinstance(value, int | float) else list(value)
@@ -57,10 +67,17 @@ class Costs:
     @classmethod
     def parse(cls, text: str) -> Costs:
         """Read `"F=1,B=2,I=1,W=1,U=0,comm=0.1"` (any subset; the rest keep their defaults; the
-        syncs' are `tie`, `REDUCE_GRAD` and `OVERFLOW`)."""
-        kwargs: dict[str, float] = {}
+        syncs' are `tie`, `REDUCE_GRAD` and `OVERFLOW`; `mb=4/2/1` scales micro-batches)."""
+        kwargs: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
+            if sep and name.strip() == "mb":  # per micro-batch scales: mb=4/2/1/1
+                try:
+                    kwargs["microbatch"] = tuple(float(v) for v in value.split("/"))
+                except ValueError:
+                    raise ValueError(f"bad cost {item!r}: mb= takes a scale per micro-batch "
+                                     f"separated by '/', e.g. 'mb=4/2/1/1'") from None
+                continue
             if not sep or name.strip() not in _FIELDS:
                 raise ValueError(f"bad cost {item!r}: expected NAME=VALUE with NAME one of "
                                  f"{', '.join(_FIELDS)}, e.g. 'F=1,B=2,comm=0.1'")
@@ -76,6 +93,13 @@ class Costs:
         if name is None or name == "comm":
             return 0.0
         return self._value(name, stage)
+
+    def of_action(self, action: Action) -> float:
+        """The duration of `action`: its op on its stage, scaled by its micro-batch's cost."""
+        base = self.of(action.op, action.stage)
+        if not self.microbatch or action.op not in COMPUTE_OPS or action.op is Op.U:
+            return base
+        return base * self.microbatch[action.microbatch % len(self.microbatch)]
 
     def edge(self, key: tuple[int, Op, int]) -> float:
         """What a wait on the SEND `key` costs beside `comm`: tied weights' transfer time."""
@@ -261,7 +285,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Raises `ScheduleError` if the schedule deadlocks (call `validate` for the full diagnosis).
     """
     costs = costs or Costs()
-    result = execute_by_kind(schedule, costs.of, costs.comm, edge=costs.edge)
+    result = (execute(schedule, costs.of_action, costs.comm, edge=costs.edge)
+              if costs.microbatch else  # by kind: one duration per (op, stage)
+              execute_by_kind(schedule, costs.of, costs.comm, edge=costs.edge))
     if not isinstance(result, tuple):
         blocked = ", ".join(f"rank {r} at step {i}" for r, (i, _) in sorted(result.blocked.items()))
         raise ScheduleError(f"cannot simulate {schedule.name}: deadlock ({blocked}); "

@@ -178,6 +178,8 @@ def format_costs(costs: Costs, ops: Sequence[str] = ("F", "B", "I", "W", "U")) -
         values = value if isinstance(value, tuple) else (value,)
         if any(values):
             parts.append(f"{name}=" + "/".join(format_number(v) for v in values))
+    if costs.microbatch:  # micro-batches of unequal cost (token micro-batches)
+        parts.append("mb=" + "/".join(format_number(v) for v in costs.microbatch))
     return " ".join(parts)
 
 

@@ -31,7 +31,8 @@ def _limits() -> str:
 
 def check_costs(costs: Costs) -> Costs:
     """Every cost finite (NaN or infinity would make every time NaN)."""
-    for name in ("forward", "backward", "backward_input", "backward_weight", "update", "comm"):
+    for name in ("forward", "backward", "backward_input", "backward_weight", "update", "comm",
+                 "microbatch"):
         value = getattr(costs, name)
         for v in value if isinstance(value, tuple) else (value,):
             if not math.isfinite(v):

@@ -85,7 +85,7 @@ def critical_path(graph: Graph, costs: Costs | None = None) -> tuple[list[Node],
             if best is None or ready > start:
                 start, best = ready, u
         a = actions[v[0]][v[1]]
-        finish[v], via[v] = start + costs.of(a.op, a.stage), best
+        finish[v], via[v] = start + costs.of_action(a), best
         for w in succs[v]:
             indegree[w] -= 1
             if indegree[w] == 0:

@@ -14,6 +14,7 @@ from pipeline.runtime.context import CallerState
 from pipeline.runtime.microbatch import from_tuple, like, scatter
 from pipeline.runtime.stage import LossFn, StepInputs
 from pipeline.runtime.syncs import StepSyncs
+from pipeline.runtime.tokens import Cut
 from pipeline.splitting import checks
 from schedules import Schedule
 
@@ -21,10 +22,11 @@ __all__ = ["one_at_a_time", "share", "step_inputs"]
 
 
 def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
-          how: weighting.Weighting | None = None
+          how: weighting.Weighting | None = None, cut: Cut | None = None
           ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
     """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights
-    (`how` weighs them: see pipeline/runtime/weighting.py)."""
+    (`how` weighs them: see pipeline/runtime/weighting.py); `cut`: token micro-batches
+    (pipeline/runtime/tokens.py), else rows split evenly."""
     checks.check_batch(x, target, chunks)
     last = len(pipe.balance) - 1
     rank = pipe.world[0] if pipe.world else None
@@ -37,7 +39,7 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
                    "counts in its inputs, labels= and all)")
             raise PipeConfigError(f"rank {rank} {why}: pass x (only other ranks may pass "
                                   f"None)")
-        parts_x = scatter(x, chunks)
+        parts_x = scatter(x, chunks) if cut is None else cut.apply(x)
     inputs = parts_x if 0 in pipe.local_stages else [()] * chunks  # the last's are counted
     targets = None
     weights = [1.0 / chunks] * chunks
@@ -47,7 +49,8 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
             raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
                                   f"pass target (only other ranks may pass None)")
         device = pipe.devices[pipe._probe.rank_of(last)]
-        parts = scatter(target, chunks) if target is not None else [(None,)] * chunks
+        parts = ([(None,)] * chunks if target is None else
+                 scatter(target, chunks) if cut is None else cut.apply(target))
         values = [from_tuple(p) for p in parts]  # as loss_fn receives them
         measures = how.measures(values, parts_x if counted else ())
         total, scale = (pipe._replicas.weighting(sum(measures)) if pipe._replicas
@@ -62,15 +65,16 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
 
 
 def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
-                how: weighting.Weighting, scaler: Any, seed: int) -> StepInputs:
-    """What every rank's part of `program` reads: this rank's share of the batches, and
-    what the program's syncs call."""
+                how: weighting.Weighting, scaler: Any, seed: int,
+                cuts: Sequence[Cut | None] = ()) -> StepInputs:
+    """What every rank's part of `program` reads: this rank's share of the batches (cut to
+    their tokens where `cuts` says), and what the program's syncs call."""
     m = pipe.chunks
     inputs: list[tuple[Any, ...]] = []
     targets: list[Any] = []
     weights: list[float] = []
-    for x, target in pairs:
-        i, t, w = share(pipe, x, target, loss_fn, m, how)
+    for b, (x, target) in enumerate(pairs):
+        i, t, w = share(pipe, x, target, loss_fn, m, how, cuts[b] if cuts else None)
         inputs += i
         targets += t or []
         weights += w

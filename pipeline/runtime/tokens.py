@@ -1,0 +1,321 @@
+"""Token micro-batches: rows grouped by balanced tokens, each micro-batch cut to its longest row.
+
+A batch padded to its longest row spends most of its compute on padding when lengths are long
+tailed. With `tokens=True` (or `tokens=lengths`), a step sorts the rows by length, groups them
+into `chunks` micro-batches of balanced cost (rows x the group's longest row: what a micro-batch
+computes once trimmed), and trims every tensor of a micro-batch whose dim 1 is the padded length
+(the ids, the mask, the labels, the target) to its longest row. Rows that attend only to earlier
+or unmasked positions (a causal model, or a mask that zeroes padded keys) give the same values
+at their tokens, so with padding labelled -100 the loss counts the same tokens and the loss and
+every gradient are the unsplit model's on the padded batch (to the rounding of other matmul
+shapes). `pipe(x)` pads each micro-batch's outputs back (zeros where the batch had padding) and
+puts the rows back in the caller's order.
+
+Refused before any work: a model with BatchNorm (rows are not independent: trimming changes its
+statistics), padding that is not trailing, lengths that disagree with the mask, counted labels
+on padding (they would be cut away), and inputs that require grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils import _pytree as pytree
+
+from pipeline.errors import PipeConfigError
+from pipeline.runtime.microbatch import as_tuple, like
+from schedules import Costs, Schedule, simulate
+
+__all__ = ["Cut", "cut_batch", "cuts", "group", "order", "padded", "plan", "restored"]
+
+PADDING = -100  # the label of padding (torch's ignore_index, Hugging Face's)
+MASK_NAME = "attention_mask"  # where a model split from its graph takes its mask
+LABEL_NAMES = ("labels",)  # inputs whose padding must not be counted
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How one batch of `rows` rows padded to `length` runs: the rows of each micro-batch (in
+    run order) and the length each is trimmed to."""
+
+    rows: int
+    length: int
+    groups: tuple[tuple[int, ...], ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def costs(self) -> tuple[float, ...]:
+        """Each micro-batch's tokens computed (rows x trimmed length)."""
+        return tuple(float(len(g) * n) for g, n in zip(self.groups, self.lengths, strict=True))
+
+    def apply(self, value: Any) -> list[tuple[Any, ...]]:
+        """`value` (a tensor or a tuple, as `scatter` takes) as the micro-batches: rows of
+        each group, dim 1 trimmed where it is the padded length."""
+        values = as_tuple(value)
+        parts = []
+        for g, n in zip(self.groups, self.lengths, strict=True):
+            index = torch.tensor(g, dtype=torch.long)
+            parts.append(like(values, (self._part(v, index, n) for v in values)))
+        return parts
+
+    def _part(self, v: Any, index: torch.Tensor, n: int) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return v
+        if v.shape[0] == self.rows:
+            v = v.index_select(0, index.to(v.device))
+        elif v.shape[0] != 1:  # `batch_size` has refused it before
+            return v
+        # A tensor of one row beside the batch (position_ids of shape (1, T)) is trimmed too.
+        return v[:, :n] if v.dim() >= 2 and v.shape[1] == self.length else v
+
+    def pad(self, outputs: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Each micro-batch's outputs padded back to the batch's length in dim 1 (zeros where
+        the batch had padding: the model's values there depend on nothing counted)."""
+        padded = []
+        for out, g, n in zip(outputs, self.groups, self.lengths, strict=True):
+            padded.append(like(out, (
+                _pad_dim1(v, self.length - n) if isinstance(v, torch.Tensor) and v.dim() >= 2
+                and v.shape[0] == len(g) and v.shape[1] == n and n < self.length else v
+                for v in out)))
+        return padded
+
+    def restore(self, value: Any) -> Any:
+        """`value` (the batch's output, rows in run order) with its rows in the caller's order."""
+        inverse = torch.empty(self.rows, dtype=torch.long)
+        inverse[torch.tensor([r for g in self.groups for r in g])] = torch.arange(self.rows)
+
+        def back(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == self.rows:
+                return v.index_select(0, inverse.to(v.device))
+            return v
+        return pytree.tree_map(back, value)
+
+
+def _pad_dim1(v: torch.Tensor, extra: int) -> torch.Tensor:
+    # F.pad counts dims from the last: (0, 0) for each dim after dim 1, then dim 1's.
+    return F.pad(v, (0, 0) * (v.dim() - 2) + (0, extra))
+
+
+def group(lengths: Sequence[int], chunks: int) -> list[list[int]]:
+    """Rows (indices into `lengths`) in `chunks` groups, longest rows first, minimising the
+    largest group's cost (rows x its longest row), then splitting the costliest further.
+
+    Groups contiguous in order of length waste the least padding; a greedy fill under a cap is
+    feasible whenever any contiguous grouping is (filling a group fuller only leaves later,
+    shorter rows), so a binary search on the cap finds the least one exactly.
+    """
+    rows = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    size = [max(lengths[r], 1) for r in rows]  # a row of no tokens still costs a slot
+
+    def fill(cap: int) -> list[list[int]] | None:
+        out: list[list[int]] = []
+        first = 0  # the current group's longest row: its first
+        for i, r in enumerate(rows):
+            if out and (len(out[-1]) + 1) * first <= cap:
+                out[-1].append(r)
+            else:
+                if len(out) == chunks or size[i] > cap:
+                    return None
+                out.append([r])
+                first = size[i]
+        return out
+
+    low, high = size[0] if size else 1, max(1, len(rows) * (size[0] if size else 1))
+    while low < high:
+        mid = (low + high) // 2
+        if fill(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    groups = fill(low) or [[r] for r in rows]
+    while len(groups) < chunks:  # fewer groups fit: split the costliest (never raises the max)
+        k = max((k for k in range(len(groups)) if len(groups[k]) > 1),
+                key=lambda k: len(groups[k]) * max(lengths[r] for r in groups[k]))
+        half = (len(groups[k]) + 1) // 2
+        groups[k:k + 1] = [groups[k][:half], groups[k][half:]]
+    return groups
+
+
+def order(costs: Sequence[float], program: Schedule | None) -> list[int]:
+    """The run order of micro-batches of `costs`: costliest first, cheapest first, or
+    alternating, whichever the simulator times fastest under `program` (costliest first on a
+    tie, or without a program)."""
+    by_cost = sorted(range(len(costs)), key=lambda k: (-costs[k], k))
+    candidates = [by_cost, by_cost[::-1],
+                  [by_cost[i // 2] if i % 2 == 0 else by_cost[-1 - i // 2]
+                   for i in range(len(by_cost))]]
+    if program is None or len(costs) < 2 or program.num_microbatches != len(costs):
+        return by_cost
+    best, best_time = by_cost, float("inf")
+    for candidate in candidates:
+        scale = [costs[k] / max(max(costs), 1e-9) for k in candidate]
+        time = simulate(program, Costs(microbatch=scale)).makespan
+        if time < best_time - 1e-9:
+            best, best_time = candidate, time
+    return best
+
+
+def plan(x: Any, chunks: int, tokens: Any, names: Sequence[str] | None = None,
+         program: Schedule | None = None) -> Cut:
+    """The cut of batch `x` (a flattened tuple; `names` name its entries for a model split from
+    its graph) into `chunks` token micro-batches: from its attention mask, or from `tokens`
+    given as the rows' lengths (checked against the mask where there is one)."""
+    values = as_tuple(x)
+    mask = _find_mask(values, names)
+    given = None if tokens is True else torch.as_tensor(tokens).reshape(-1)
+    if mask is None and given is None:
+        raise PipeConfigError(
+            "tokens=True cuts micro-batches to their tokens from the attention mask, but the "
+            "input has none (a dict input's 'attention_mask', or the second entry of an (ids, "
+            "mask) tuple, of the ids' shape): pass tokens=lengths, one token count per row")
+    if mask is not None:
+        lengths = _trailing(mask)
+        length = int(mask.shape[1])
+    else:
+        assert given is not None
+        first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+        if first is None:
+            raise PipeConfigError("tokens=lengths trims dim 1 of the input, but no input tensor "
+                                  "has a dim 1: token micro-batches need (rows, length) inputs")
+        length, lengths = int(first.shape[1]), given.tolist()
+    if given is not None:
+        _agree(given, lengths, length, mask is not None)
+    groups = group(lengths, chunks)
+    costs = [float(len(g) * max(max(lengths[r] for r in g), 1)) for g in groups]
+    groups = [groups[k] for k in order(costs, program)]
+    # Trim to at least 2 (or the whole length): an exported graph's symbolic sizes start at 2.
+    trims = tuple(min(length, max(2, max(lengths[r] for r in g))) for g in groups)
+    return Cut(len(lengths), length, tuple(tuple(g) for g in groups), trims)
+
+
+def check_model(modules: Sequence[nn.Module]) -> None:
+    """Rows must be independent: BatchNorm's statistics over a trimmed micro-batch differ."""
+    for root in modules:
+        for name, m in root.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                raise PipeConfigError(
+                    f"tokens= trims micro-batches to their longest row, but the model holds "
+                    f"BatchNorm ({name or type(m).__name__}: {type(m).__name__}), whose "
+                    f"statistics mix rows and positions, so trimming would change them: train "
+                    f"it without tokens= (micro-batches cut by rows)")
+
+
+def check_labels(cut: Cut, value: Any, what: str) -> None:
+    """Labels (integer, (rows, length, ...)) count nothing where a row is trimmed: a token
+    counted on padding would be cut away, and the loss would no longer be the batch's."""
+    for v in as_tuple(value):
+        if not (isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == cut.rows
+                and v.shape[1] == cut.length) or v.is_floating_point() or v.dtype == torch.bool:
+            continue
+        for g, n in zip(cut.groups, cut.lengths, strict=True):
+            rest = v[list(g), n:]
+            if bool((rest != PADDING).any()):
+                row = g[int((rest != PADDING).flatten(1).any(1).nonzero()[0])]
+                raise PipeConfigError(
+                    f"tokens= trims padding away, but the {what} counts a token on row {row}'s "
+                    f"padding (a label other than {PADDING} past its {n} tokens): label "
+                    f"padding {PADDING}, so the loss counts only what is kept")
+
+
+def cut_batch(x: Any, target: Any, chunks: int, tokens: Any,
+              names: Sequence[str] | None = None, program: Schedule | None = None) -> Cut:
+    """`plan`, with the labels (a model's `labels` input, and the target) checked."""
+    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in as_tuple(x)):
+        raise PipeConfigError("tokens= trims the inputs, so their gradients could not be "
+                              "handed back row for row: pass inputs that do not require grad, "
+                              "or train without tokens=")
+    cut = plan(x, chunks, tokens, names, program)
+    if names is not None:
+        for name, v in zip(names, as_tuple(x), strict=False):
+            if name in LABEL_NAMES:
+                check_labels(cut, v, f"input {name!r}")
+    if target is not None:
+        check_labels(cut, target, "target")
+    return cut
+
+
+def cuts(pipe: Any, pairs: Sequence[tuple[Any, Any]], tokens: Any, chunks: int
+         ) -> list[Cut | None]:
+    """Each batch's cut on this rank (None: rows split evenly), with `tokens` the step's
+    setting (None: the Pipe's). A rank that needs no input gets None; one holding the last
+    stage needs `x` to cut its target the same way."""
+    tokens = getattr(pipe, "_tokens", None) if tokens is None else tokens
+    if tokens is None or tokens is False:
+        return [None] * len(pairs)
+    check_model([pipe, *([pipe._io] if pipe._io is not None else [])])
+    last = len(pipe.balance) - 1
+    names = list(pipe._io.input_names) if pipe._io is not None else None
+    program = pipe.program(chunks)
+    out: list[Cut | None] = []
+    for x, target in pairs:
+        if x is None:
+            if last in pipe.local_stages and target is not None:
+                raise PipeConfigError(
+                    f"rank {pipe.world[0] if pipe.world else 0} holds the last stage, and "
+                    f"tokens= cuts its target as the input's rows are cut: pass x on this "
+                    f"rank too (only ranks without the first and last stage may pass None)")
+            out.append(None)
+            continue
+        out.append(cut_batch(x, target, chunks, tokens, names, program))
+    return out
+
+
+def padded(cut: Cut | None, outputs: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """`pipe(x)`'s micro-batch outputs, padded back to the batch's length under a cut."""
+    return outputs if cut is None else cut.pad(outputs)
+
+
+def restored(cut: Cut | None, value: Any) -> Any:
+    """`pipe(x)`'s output with its rows in the caller's order under a cut."""
+    return value if cut is None else cut.restore(value)
+
+
+def _find_mask(values: Sequence[Any], names: Sequence[str] | None) -> torch.Tensor | None:
+    if names is not None:
+        found = dict(zip(names, values, strict=False)).get(MASK_NAME)
+        return found if isinstance(found, torch.Tensor) else None
+    if len(values) >= 2 and all(isinstance(v, torch.Tensor) for v in values[:2]):
+        ids, mask = values[0], values[1]
+        assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        if mask.dim() == 2 and mask.shape == ids.shape[:2]:
+            return mask  # an (ids, mask) tuple
+    return None
+
+
+def _trailing(mask: torch.Tensor) -> list[int]:
+    """Each row's tokens, from a mask of trailing padding (ones, then zeros); refused else."""
+    m = mask.detach().cpu()
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise PipeConfigError(f"tokens= reads row lengths from the attention mask, which must "
+                              f"hold 0 and 1 (got values {sorted(set(m.flatten().tolist()))[:5]})"
+                              f": pass a 0/1 mask, or tokens=lengths")
+    m = m.to(torch.int64)
+    rising = (m[:, 1:] > m[:, :-1]).nonzero()
+    if len(rising):
+        row, col = int(rising[0, 0]), int(rising[0, 1])
+        raise PipeConfigError(
+            f"tokens= trims each micro-batch at its rows' trailing padding, but row {row}'s "
+            f"attention mask is 0 at position {col} and 1 at {col + 1} (left padding, or a "
+            f"hole): pad on the right (a tokenizer's padding_side='right'), or train without "
+            f"tokens=")
+    return [int(n) for n in m.sum(1).tolist()]
+
+
+def _agree(given: torch.Tensor, lengths: list[int], length: int, from_mask: bool) -> None:
+    if given.numel() != len(lengths):
+        raise PipeConfigError(f"tokens=lengths needs one length per row: got {given.numel()} "
+                              f"for {len(lengths)} rows")
+    for row, (a, b) in enumerate(zip(given.tolist(), lengths, strict=True)):
+        if from_mask and int(a) != b:
+            raise PipeConfigError(
+                f"tokens=lengths disagrees with the attention mask on row {row}: length {a}, "
+                f"but the mask counts {b} tokens; pass the mask's lengths (mask.sum(1)) or "
+                f"tokens=True to read them from it")
+        if not 0 <= int(a) <= length:
+            raise PipeConfigError(f"tokens=lengths gives row {row} length {a}, outside the "
+                                  f"batch's padded length 0..{length}")
