@@ -16,7 +16,7 @@ import torch
 from pipeline.launch import spawn
 from pipeline.state import sharded
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
-from tests.pipeline import lengths_workers, traced_workers
+from tests.pipeline import lengths_workers, tokens_workers, traced_workers
 from tests.pipeline.in_turn import InTurn, in_turn, ranks
 from tests.pipeline.sharded_workers import assert_same, snapshot, unpack
 
@@ -52,6 +52,7 @@ TWO_RANKS = [
     ("changing batches", traced_workers.changing_batches, (CHANGING_RUNS, CHANGING_SIZES)),
     ("meta", traced_workers.meta_stage, (META_RUNS,)),
     ("lengths", lengths_workers.lengths_pp, (LENGTH_RUNS, [16, 7, 8])),
+    ("token micro-batches", tokens_workers.tokens_pp, (["1f1b", "zb-h1"],)),
 ]
 
 
@@ -158,3 +159,12 @@ def test_checkpoint_loads_into_another_split_and_the_plain_model(tmp_path: Path)
     sharded.load(plain, tmp_path, optimizer)
     assert_same(snapshot(plain, optimizer), saved, "plain model")
     assert plain.lm_head.weight is plain.transformer.wte.weight  # still tied
+
+
+@in_turn
+def test_token_micro_batches_over_two_processes(two_ranks: InTurn) -> None:
+    """An (ids, mask) nn.Sequential under 1F1B and ZB-H1, and a Llama's own out.loss, cut to
+    their tokens over 2 ranks: exact against the unsplit model on the padded batch."""
+    results = two_ranks("token micro-batches")
+    assert all(r["checked"] > 0 for r in results), results
+    assert results[0]["loss"] == results[1]["loss"]  # every rank returns the loss

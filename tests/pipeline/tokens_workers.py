@@ -1,0 +1,140 @@
+"""Token micro-batches' models and batches, and the function tests/pipeline/test_traced_dist.py
+runs on 2 spawned gloo ranks (importable by child processes)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline import Pipe
+
+__all__ = ["HF_TOL", "VOCAB", "assert_same", "llama", "masked_lm", "padded_batch", "token_loss",
+           "tokens_pp"]
+
+VOCAB = 13
+# float64: trimmed micro-batches multiply matrices of other shapes than the padded batch's, so
+# sums run in another order; in float64 that rounding is ~1e-16 relative, far below 1e-10.
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+# Hugging Face computes its loss in float32 even for a float64 model (it upcasts the logits),
+# so the loss, and the gradient it sends back into the float64 logits, carry float32 rounding:
+# relative ~1e-7 of each term, on gradients of order 1e-2 (absolute ~1e-9).
+HF_TOL = {"rtol": 1e-5, "atol": 1e-8}
+
+
+class Embed(nn.Module):
+    """(ids, mask) -> (hidden, mask)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = x
+        return self.embed(ids), mask
+
+
+class Attend(nn.Module):
+    """Attention over the unmasked keys (bidirectional), with a residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = x
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(mask[:, None, :] == 0, torch.finfo(scores.dtype).min)
+        return h + self.out(scores.softmax(-1) @ v), mask
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, VOCAB)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.proj(torch.tanh(x[0]))
+
+
+def masked_lm(width: int = 8, blocks: int = 3, seed: int = 0) -> nn.Sequential:
+    """An nn.Sequential taking (ids, mask), in float64."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Embed(width), *[Attend(width) for _ in range(blocks)],
+                         Head(width)).double()
+
+
+def padded_batch(lengths: list[int], length: int | None = None, seed: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, a trailing-padding mask and labels (-100 on padding) for rows of `lengths`."""
+    g = torch.Generator().manual_seed(seed)
+    length = length or max(lengths)
+    mask = (torch.arange(length)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, VOCAB, (len(lengths), length), generator=g) * mask
+    labels = torch.randint(0, VOCAB, ids.shape, generator=g).masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def llama(seed: int = 0) -> nn.Module:
+    """A small Hugging Face Llama in float64 (converted before it is split)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).double()
+
+
+def assert_same(model: nn.Module, reference: nn.Module, loss: torch.Tensor,
+                expected: torch.Tensor, what: str, tol: dict[str, float] | None = None) -> int:
+    """The loss and every gradient held here equal the reference's; returns how many."""
+    tol = tol or TOL
+    torch.testing.assert_close(loss, expected.detach(), **tol, msg=lambda m: f"{what}: {m}")
+    want = dict(reference.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, want[name].grad, **tol,
+                                       msg=lambda m, n=name: f"{what}, {n}: {m}")
+            checked += 1
+    return checked
+
+
+def tokens_pp(rank: int, schedules: list[str]) -> dict[str, Any]:
+    """2 pipeline ranks, token micro-batches: an (ids, mask) nn.Sequential and a Llama split
+    from its graph (its own out.loss), against the unsplit model on the padded batch; every
+    rank passes the batch (the last cuts its target as the first cuts the input)."""
+    checked = 0
+    lengths = [11, 2, 5, 9, 3, 7, 1, 4]
+    for schedule in schedules:
+        model = masked_lm()
+        reference = copy.deepcopy(model)
+        pipe = Pipe(model, balance=[3, 2], chunks=4, schedule=schedule, tokens=True)
+        ids, mask, labels = padded_batch(lengths, 12)
+        loss = pipe.step((ids, mask), labels, token_loss,
+                         loss_weight=lambda t: (t != -100).sum())
+        expected = token_loss(reference((ids, mask)), labels)
+        expected.backward()
+        checked += assert_same(model, reference, loss, expected, f"sequential/{schedule}")
+        pipe.close()
+    model, reference = llama(), llama()
+    ids, mask, labels = padded_batch(lengths, 12)
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
+    pipe = Pipe(model, example_inputs=inputs, split_points=["model.layers.2"], chunks=4,
+                schedule=schedules[0], tokens=True)
+    loss = pipe.step(inputs, None, lambda out, y: out.loss)
+    expected = reference(**inputs).loss
+    expected.backward()
+    checked += assert_same(model, reference, loss, expected, "llama", HF_TOL)
+    pipe.close()
+    return {"checked": checked, "loss": float(loss)}
