@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import data_parallel
+from benchmarks import data_parallel, lengths
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.gate import StartGate
@@ -40,10 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Measure ours against torch.distributed.pipelining, the plain model and "
                     "the hardware bound, side by side, and check the simulator.")
-    p.add_argument("--suite", choices=[*sorted(SUITES), "dp"], default="quick",
+    p.add_argument("--suite", choices=[*sorted(SUITES), "dp", "lengths"], default="quick",
                    help="quick: a tiny model for CI (about a minute); full: the README's "
                         "numbers; dp: pipeline x data parallelism on 4 processes (2x2, 1x4 "
-                        "and DDP 4x1)")
+                        "and DDP 4x1); lengths: counted tokens/s on speeches of natural "
+                        "length, padded to the corpus, to the batch, or cut to their tokens")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="directory for results.jsonl, report.md, timelines/ and plots/")
     p.add_argument("--models", help="comma-separated: mlp, transformer, unbalanced, tiny")
@@ -179,6 +180,22 @@ def run_data_parallel(suite: data_parallel.DpSuite, out: Path, *, command: str) 
     return 0
 
 
+def run_lengths(args: argparse.Namespace, command: str) -> int:
+    """The lengths suite (benchmarks/lengths.py): one table, in report.md and results.json."""
+    suite = lengths.LengthsSuite(**{k: v for k, v in (("warmup", args.warmup),
+                                                      ("repeats", args.repeats))
+                                    if v is not None})
+    result = lengths.run_suite(suite)
+    env = environment("cpu")
+    table = lengths.render(result, command, f"{env.get('cpu', 'cpu')}, torch "
+                                            f"{torch.__version__}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "report.md", table + "\n")
+    write_atomic(args.out / "results.json", json.dumps({**result, "environment": env}) + "\n")
+    print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verbose:  # the library logs but configures nothing; the command line may
@@ -190,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(args)
         device = _device(args.device)
+        if args.suite == "lengths":
+            return run_lengths(args, command)
         if args.suite == "dp":
             dp_suite = _dp_suite(args, device)
         else:
