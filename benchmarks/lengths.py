@@ -118,7 +118,8 @@ def _batch(rows: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tens
     for r, row in enumerate(rows):
         ids[r, :len(row)] = torch.tensor(row)
         mask[r, :len(row)] = 1
-    labels = torch.roll(ids, -1, dims=1).masked_fill(torch.roll(mask, -1, dims=1) == 0, -100)
+    labels = torch.full_like(ids, -100)  # the next byte, where there is one
+    labels[:, :-1] = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     return ids, mask, labels
 
 
