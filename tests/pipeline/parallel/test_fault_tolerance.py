@@ -179,18 +179,35 @@ def test_weights_equal_a_reference_from_each_steps_logged_quorum(
     scaling by a power of two rounds as the unscaled values do)."""
     out, done = killed_run
     assert done.returncode == 0, done.stderr[-4000:]
+    members = _logged_members(out)
+    assert {len(m) for m in members} == {1, 2}  # steps alone, steps together
+    assert 1 in members[ft_train.INF_STEP]  # the inf was in that step's average
+    _assert_equal_to_replay(out, (0, 1), members, skipped={ft_train.INF_STEP})
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_replicas_without_a_scaler_equal_the_replay(tmp_path: Path) -> None:
+    """The plain loop (no GradScaler, no kill): both replicas end equal to the replay."""
+    done = _launch(tmp_path, "4")
+    assert done.returncode == 0, done.stderr[-4000:]
+    _assert_equal_to_replay(tmp_path, (0, 1), _logged_members(tmp_path))
+
+
+def _logged_members(out: Path) -> list[tuple[int, ...]]:
+    """The replicas each committed step averaged over, as every rank logged them (they
+    agree), in step order."""
     members: dict[int, tuple[int, ...]] = {}
     for path in out.glob("log_*.jsonl"):
         for e in map(json.loads, path.open()):
-            if e["committed"]:  # every rank of every replica logged the same quorum
+            if e["committed"]:
                 assert members.setdefault(e["step"], tuple(e["members"])) == tuple(
                     e["members"]), (path.name, e)
     final = torch.load(out / "final_0_0.pt")
     assert sorted(members) == list(range(final["committed_steps"]))
-    assert {len(m) for m in members.values()} == {1, 2}  # steps alone, steps together
-    assert 1 in members[ft_train.INF_STEP]  # the inf was in that step's average
-    _assert_equal_to_replay(out, (0, 1), [members[s] for s in range(len(members))],
-                            skipped={ft_train.INF_STEP})
+    return [members[s] for s in range(len(members))]
 
 
 def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
