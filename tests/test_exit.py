@@ -182,10 +182,16 @@ QUIET = textwrap.dedent("""
         raise ValueError("boom")
     if how == "exit":
         sys.exit(3)
+    if how == "quit":
+        exit(4)  # site's builtin, which raises SystemExit itself
+    if how == "record":  # an entry point raising SystemExit itself, as python -m pytest does
+        quiet_exit.record(5)
+        raise SystemExit(5)
 """)
 
 
-@pytest.mark.parametrize(("how", "code"), [("return", 0), ("exit", 3), ("raise", 1)])
+@pytest.mark.parametrize(("how", "code"), [("return", 0), ("exit", 3), ("raise", 1),
+                                           ("quit", 4), ("record", 5)])
 def test_a_quiet_exit_keeps_the_exit_code_and_the_other_exit_handlers(
         tmp_path: Path, how: str, code: int) -> None:
     script = tmp_path / "quiet.py"
@@ -196,3 +202,27 @@ def test_a_quiet_exit_keeps_the_exit_code_and_the_other_exit_handlers(
     assert done.returncode == code, done.stderr
     assert done.stdout.split() == ["armed", "earlier", "handler", "ran"], done.stdout
     assert ("ValueError: boom" in done.stderr) == (how == "raise"), done.stderr
+
+
+_FAILING_AFTER_ARMING = """
+from pipeline.comm import quiet_exit
+
+
+def test_breaks_a_group_then_fails() -> None:
+    quiet_exit.arm()  # as a test that broke a process group in the pytest process does
+    assert False
+"""
+
+
+def test_a_failing_test_run_exits_non_zero_after_a_quiet_exit_was_armed(tmp_path: Path) -> None:
+    # The suite's own exit status: pytest ends by raising SystemExit itself, which no hook of
+    # the quiet exit can read, so every run that armed it exited 0, failures or not.
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(_FAILING_AFTER_ARMING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "tests.conftest", "--rootdir", str(tmp_path), str(probe)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert "1 failed" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr

@@ -7,11 +7,17 @@ process has already reported its `PipelineError`; what is left to tear down is a
 cannot be used again. So once a transport records a failure (`arm()`), the exit runs the other
 exit handlers, flushes, and ends the process with the code it would have had, skipping the
 library teardown that could abort it. `PIPELINE_QUIET_EXIT=0` turns this off.
+
+The exit code is what `sys.exit(code)`, `exit(code)` or `quit(code)` asked for, 1 after an
+uncaught exception, else 0. A `SystemExit` raised directly (`raise SystemExit(main())`, as
+`python -m pytest` ends) reaches no hook that could read its code: such an entry point calls
+`record(code)` first, or the process ends with 0.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import logging
 import os
@@ -19,7 +25,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
-__all__ = ["ENV", "arm"]
+__all__ = ["ENV", "arm", "record"]
 
 ENV = "PIPELINE_QUIET_EXIT"
 _state: dict[str, Any] = {"armed": False, "code": 0}
@@ -43,7 +49,25 @@ def arm() -> None:
 
     sys.excepthook = uncaught
     sys.exit = recorded_exit
+    for name in ("exit", "quit"):  # site's Quitter objects raise SystemExit themselves
+        quitter = getattr(builtins, name, None)
+        if quitter is not None:
+            setattr(builtins, name, _recording(quitter))
     atexit.register(_exit)
+
+
+def record(code: Any) -> None:
+    """The code a quiet exit ends with, for an entry point that ends by raising `SystemExit`
+    itself (`sys.exit`, `exit` and uncaught exceptions are recorded already)."""
+    _state["code"] = _exit_code(code)
+
+
+def _recording(quitter: Any) -> Any:
+    def recorded(code: Any = None) -> Any:
+        record(code)
+        return quitter(code)
+
+    return recorded
 
 
 def _exit_code(code: Any) -> int:
