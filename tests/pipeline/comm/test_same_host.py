@@ -244,14 +244,15 @@ _IMPOSTOR = """
 import socket, sys
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("\\0" + sys.argv[1])
-sock.sendall(bytes.fromhex(sys.argv[2]))
 print("connected", flush=True)
 sock.settimeout(120)  # a hang guard: the listener closes a connection it refuses
 try:
+    # The listener may close it before these bytes go (another uid's: at once).
+    sock.sendall(bytes.fromhex(sys.argv[2]))
     while sock.recv(4096):
         pass
     print("closed", flush=True)
-except ConnectionResetError:
+except (BrokenPipeError, ConnectionResetError):
     print("closed", flush=True)
 except TimeoutError:
     print("still open", flush=True)
