@@ -12,24 +12,12 @@ from torch import nn
 from pipeline import Pipe
 from tests.models_lengths import batch, length_case
 from tests.models_traced import token_count, token_loss
+from tests.pipeline.reference import grads_equal
 
 __all__ = ["lengths_dp", "lengths_pp"]
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (tests/models_traced.py)
 
-
-def _check(model: nn.Module, reference: nn.Module, loss: torch.Tensor,
-           expected: torch.Tensor, what: str) -> int:
-    """The loss, and this rank's gradients, equal the unsplit model's: the gradients checked."""
-    torch.testing.assert_close(loss, expected.detach(), **TOL, msg=lambda m: f"{what}: {m}")
-    want = dict(reference.named_parameters())
-    checked = 0
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, want[name].grad, **TOL,
-                                       msg=lambda m, n=name: f"{what}, {n}: {m}")
-            checked += 1
-    return checked
 
 
 def lengths_pp(rank: int, runs: list[tuple[str, str]], lengths: list[int]) -> dict[str, Any]:
@@ -52,7 +40,8 @@ def lengths_pp(rank: int, runs: list[tuple[str, str]], lengths: list[int]) -> di
                              loss_weight=token_count)
             expected = token_loss(reference(**inputs), labels)
             expected.backward()
-            checked += _check(model, reference, loss, expected, f"{name}/{schedule}/{length}")
+            checked += grads_equal(model, reference, loss, expected,
+                                   f"{name}/{schedule}/{length}", TOL)
         inputs, _ = batch(name, 20, rows=6, seed=9)
         model.eval()
         reference.eval()
@@ -90,6 +79,6 @@ def lengths_dp(rank: int, runs: list[tuple[str, str]]) -> int:
             reduction="sum") for x, y in shards) / total
         assert isinstance(expected, torch.Tensor)
         expected.backward()
-        checked += _check(model, reference, loss, expected, f"dp/{name}/{schedule}")
+        checked += grads_equal(model, reference, loss, expected, f"dp/{name}/{schedule}", TOL)
         pipe.close()
     return checked

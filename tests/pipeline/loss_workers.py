@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from pipeline import Pipe
 from tests.models import ClassesFirst, FlattenTokens, lm_loss, tiny_lm
+from tests.pipeline.reference import grads_equal
 
 __all__ = ["flattened_head", "model_loss_dp", "model_loss_pp", "padded_labels_dp",
            "padded_labels_pp"]
@@ -150,20 +151,6 @@ def _traced(name: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]]
     return model, copy.deepcopy(model), {**case.inputs, "labels": case.labels}, case.blocks
 
 
-def _compare_model(model: nn.Module, reference: nn.Module, loss: torch.Tensor,
-                   expected: torch.Tensor, what: str) -> int:
-    """This rank's parameters (those with a gradient) against the unsplit model's; returns
-    how many it checked."""
-    torch.testing.assert_close(loss, expected.detach(), **TOL, msg=lambda m: f"{what}: {m}")
-    ref = dict(reference.named_parameters())
-    checked = 0
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, ref[name].grad, **TOL,
-                                       msg=lambda m, n=name: f"{what}: {n}: {m}")
-            checked += 1
-    return checked
-
 
 def model_loss_pp(rank: int, runs: list[tuple[str, str]]) -> int:
     """Two pipeline ranks, `labels=` in the inputs and the model's own `out.loss`, no
@@ -179,7 +166,7 @@ def model_loss_pp(rank: int, runs: list[tuple[str, str]]) -> int:
         loss = pipe.step(inputs, inputs["labels"] if last else None, _model_loss)
         expected = reference(**inputs).loss
         expected.backward()
-        checked += _compare_model(model, reference, loss, expected, f"{name}/{schedule}")
+        checked += grads_equal(model, reference, loss, expected, f"{name}/{schedule}", TOL)
         pipe.close()
     return checked
 
@@ -201,6 +188,6 @@ def model_loss_dp(rank: int, runs: list[tuple[str, str]]) -> int:
         loss = pipe.step(shard, None, _model_loss)
         expected = reference(**inputs).loss
         expected.backward()
-        checked += _compare_model(model, reference, loss, expected, f"dp/{name}/{schedule}")
+        checked += grads_equal(model, reference, loss, expected, f"dp/{name}/{schedule}", TOL)
         pipe.close()
     return checked

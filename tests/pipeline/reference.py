@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeline.runtime.recompute import stage_seed
 
-__all__ = ["build", "seeded_microbatch_step"]
+__all__ = ["build", "grads_equal", "seeded_microbatch_step"]
 
 
 def build(spec: dict[str, Any], *, dtype: torch.dtype = torch.float32
@@ -61,3 +61,18 @@ def seeded_microbatch_step(model: nn.Sequential, balance: Sequence[int], x: torc
         loss.backward()
         total = total + loss.detach()
     return total
+
+
+def grads_equal(model: nn.Module, reference: nn.Module, loss: torch.Tensor,
+                expected: torch.Tensor, what: str, tol: dict[str, float]) -> int:
+    """Assert the loss, and every gradient this rank holds, equal the reference model's (by
+    parameter name, within `tol`); returns how many gradients it checked."""
+    torch.testing.assert_close(loss, expected.detach(), **tol, msg=lambda m: f"{what}: {m}")
+    want = dict(reference.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, want[name].grad, **tol,
+                                       msg=lambda m, n=name: f"{what}, {n}: {m}")
+            checked += 1
+    return checked

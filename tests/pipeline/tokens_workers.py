@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline import Pipe
+from tests.pipeline.reference import grads_equal
 
 __all__ = ["HF_TOL", "VOCAB", "assert_same", "llama", "masked_lm", "padded_batch", "token_loss",
            "tokens_pp"]
@@ -98,16 +99,7 @@ def llama(seed: int = 0) -> nn.Module:
 def assert_same(model: nn.Module, reference: nn.Module, loss: torch.Tensor,
                 expected: torch.Tensor, what: str, tol: dict[str, float] | None = None) -> int:
     """The loss and every gradient held here equal the reference's; returns how many."""
-    tol = tol or TOL
-    torch.testing.assert_close(loss, expected.detach(), **tol, msg=lambda m: f"{what}: {m}")
-    want = dict(reference.named_parameters())
-    checked = 0
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, want[name].grad, **tol,
-                                       msg=lambda m, n=name: f"{what}, {n}: {m}")
-            checked += 1
-    return checked
+    return grads_equal(model, reference, loss, expected, what, tol or TOL)
 
 
 def tokens_pp(rank: int, schedules: list[str]) -> dict[str, Any]:
