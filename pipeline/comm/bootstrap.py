@@ -16,8 +16,8 @@ from torch import nn
 
 from pipeline.errors import PipeConfigError
 
-__all__ = ["INIT_TIMEOUT_ENV", "PARAM_INITS", "ParamInit", "from_first_rank", "materialize",
-           "rank_devices", "world"]
+__all__ = ["INIT_TIMEOUT_ENV", "PARAM_INITS", "ParamInit", "from_first_rank", "indexed",
+           "materialize", "rank_devices", "world"]
 
 # Here, not in pipeline.launch (which sets it): importing `pipeline` must not import the
 # launcher, or `python -m pipeline.launch` finds it already imported and runpy warns.
@@ -53,13 +53,31 @@ def rank_devices(devices: Sequence[str | torch.device] | None, num_ranks: int,
     """One device per rank; only this rank's entry is used. Default: this process's GPU
     (`cuda:LOCAL_RANK`) under NCCL, the CPU under gloo."""
     if devices is not None:
-        return [torch.device(d) for d in devices]
+        # Only this rank's entry is used, and only it must name a GPU of this host.
+        return [indexed(torch.device(d)) if r == rank else torch.device(d)
+                for r, d in enumerate(devices)]
     if dist.get_backend() == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         mine = torch.device("cuda", local)
     else:
         mine = torch.device("cpu")
     return [mine if r == rank else torch.device("cpu") for r in range(num_ranks)]
+
+
+def indexed(device: torch.device, count: int | None = None,
+            current: int | None = None) -> torch.device:
+    """`device` with its index: plain "cuda" is the current GPU, as torch places tensors there
+    (a rank's thread binds to one GPU by index). A GPU index past the visible ones is refused
+    here, before any thread starts. `count`/`current` default to torch's, for tests."""
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if count is None else count
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if current is None else current)
+    if device.index >= count:
+        raise PipeConfigError(f"device {device} was asked for but {count} GPU(s) are visible; "
+                              f"use 'cuda:0' ... 'cuda:{max(0, count - 1)}'")
+    return device
 
 
 ParamInit = Callable[[nn.Module], None]

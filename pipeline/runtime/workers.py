@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import queue
 import threading
 import time
@@ -16,12 +17,18 @@ __all__ = ["RankWorkers"]
 _Job = tuple[Callable[[], None], threading.Event] | None
 # Every open set of workers, so interpreter exit can stop and join them (see `_close_all`).
 _OPEN: weakref.WeakSet[RankWorkers] = weakref.WeakSet()
+_log = logging.getLogger(__name__)
 _JOIN_SECONDS = 10.0  # a rank busy longer than this at exit is left to the interpreter
 
 
 def _serve(jobs: queue.SimpleQueue[_Job], device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # once: every kernel this thread launches goes there
+        try:
+            torch.cuda.set_device(device)  # once: every kernel this thread launches goes there
+        except (RuntimeError, ValueError) as exc:
+            # Never die here: the caller would wait for this rank's jobs forever. Its tensors
+            # are placed on `device` explicitly, so its kernels still run there.
+            _log.warning("rank thread for %s could not bind to it: %s", device, exc)
     while True:
         job = jobs.get()
         if job is None:

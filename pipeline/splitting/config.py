@@ -109,7 +109,7 @@ def _resolve_devices(devices: Sequence[str | torch.device] | None,
         if d.type == "cuda" and not torch.cuda.is_available():
             raise PipeConfigError(f"device {d} was asked for but CUDA is not available; "
                                   f"use devices=['cpu', ...]")
-    return resolved
+    return [bootstrap.indexed(d) for d in resolved]
 
 
 def _stages_per_rank(schedule: str | Schedule, stages: int | None,

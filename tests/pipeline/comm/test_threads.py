@@ -62,3 +62,36 @@ def test_abort_wakes_a_waiting_rank_with_the_failed_rank() -> None:
     box.begin(schedules.get_schedule("gpipe", 2, 1))
     box.send(("F", 1, 0), (torch.ones(1),), 1)
     assert torch.equal(box.wait(("F", 1, 0), 0, CPU)[0], torch.ones(1))
+
+
+def test_a_plain_cuda_device_gets_the_current_gpus_index_and_a_missing_gpu_is_refused() -> None:
+    """A rank's thread binds to its GPU by index (torch.cuda.set_device refuses plain "cuda"),
+    so "cuda" means the current GPU, as torch places tensors; an index past the visible GPUs
+    is a PipeConfigError before any thread starts (it used to kill the rank's thread)."""
+    from pipeline.comm.bootstrap import indexed
+    from pipeline.errors import PipeConfigError
+
+    assert indexed(torch.device("cuda"), count=2, current=1) == torch.device("cuda", 1)
+    assert indexed(torch.device("cuda", 1), count=2) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu"), count=0) == torch.device("cpu")
+    with pytest.raises(PipeConfigError, match=r"cuda:2 was asked for but 2 GPU\(s\)"):
+        indexed(torch.device("cuda", 2), count=2)
+
+
+def test_a_rank_thread_that_cannot_bind_its_gpu_still_runs_its_jobs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's thread that failed to bind its GPU used to die before its first job, and the
+    caller waited for that job forever: it must run its jobs (their tensors name the device)."""
+    from pipeline.runtime.workers import RankWorkers
+
+    def refuse(device: object) -> None:
+        raise ValueError("no such GPU")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    workers = RankWorkers([torch.device("cuda", 0)])
+    ran: list[int] = []
+    try:
+        assert workers.run([lambda: ran.append(1)], failed=lambda: False, grace=1.0) == []
+    finally:
+        workers.close()
+    assert ran == [1]
