@@ -1,45 +1,41 @@
-"""Pipe: wrap an nn.Sequential, split it into stages over devices, train it under any schedule."""
+"""Pipe: wrap a model (an nn.Sequential, or one split from its graph) and train it over devices."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipeline import assembly
 from pipeline.comm import bootstrap
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel import agreement, tensor_parallel, ties
+from pipeline.parallel import tensor_parallel
 from pipeline.parallel.clipping import clip_grad_norm
-from pipeline.parallel.data_parallel import Replicas
 from pipeline.parallel.fault_tolerance import FaultTolerance, FaultTolerantPipe
 from pipeline.parallel.scaling import agree_on_overflow
 from pipeline.runtime import batches, weighting
 from pipeline.runtime.batches import one_at_a_time
-from pipeline.runtime.batchnorm import DeferredBatchNorm, check_mode
 from pipeline.runtime.context import CallerState
-from pipeline.runtime.executor import Executor
 from pipeline.runtime.microbatch import backward_inputs, gather
-from pipeline.runtime.programs import Programs
 from pipeline.runtime.stage import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.tokens import cuts as token_cuts
 from pipeline.runtime.tokens import padded, restored
-from pipeline.runtime.versions import WeightVersions
 from pipeline.runtime.weighting import LossWeight
-from pipeline.splitting import checks, config, lengths
-from pipeline.splitting.traced import SplitModel, merge_into
-from pipeline.state import model_state
+from pipeline.splitting import checks, config
+from pipeline.splitting.traced import SplitModel
+from pipeline.state.pipe_state import PipeState
 from schedules import Schedule, Timeline
 
 __all__ = ["Pipe", "PipeConfigError", "PipelineError"]
 
-class Pipe(FaultTolerantPipe, nn.Module):
-    """Pipeline-parallel wrapper of an `nn.Sequential`.
+
+class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
+    """Pipeline-parallel wrapper of an `nn.Sequential` or a model split from its graph.
 
     The model's own layers (and Parameter objects) are registered under their original names,
     so `model.parameters()`, `pipe.parameters()` and `state_dict()` keys are interchangeable.
@@ -79,82 +75,18 @@ class Pipe(FaultTolerantPipe, nn.Module):
                                                     group, mesh, tp_plan)
         self.timeout = config.check_arguments(model, chunks, checkpoint, param_init, timeout,
                                               devices)
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.track_memory = track_memory
-        self._schedule_arg = schedule
-        layout = config.resolve(model, balance, stages, devices, schedule, sample, group, mesh)
-        self.balance, self.num_ranks = layout.balance, layout.num_ranks
-        self.devices, self.world, self.group = layout.devices, layout.world, layout.group
-        self.mesh = layout.mesh
-        config.check_sharding(data_parallel, layout, schedule)
-        config.check_split(model, deferred_batch_norm)
-        self._tp_plan = tensor_parallel.check_plan(tp_plan, self.mesh)
-        bounds, layers = layout.bounds, list(model)
-        self.partitions = [nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)]
-        self._ties = ties.find_ties(model, self.balance)
-        if self._ties and data_parallel == "fsdp":
-            raise PipeConfigError("data_parallel='fsdp' does not shard weights tied across "
-                                  "stages: use data_parallel='replicate' for this model")
-        config.check_tensor_parallel(self._tp_plan, model, self._ties)
-        self._programs = Programs(schedule, self.balance, self.num_ranks,
-                                  [(t.stage, [c.stage for c in t.copies]) for t in self._ties],
-                                  dp=False, processes=bool(self.world))
-        # The placement comes from the schedule.
-        self._probe = (self._programs.schedule(1, 1) if not isinstance(schedule, Schedule)
-                       else schedule)
-        self.local_stages = (self._probe.stages_of(self.world[0]) if self.world
-                             else tuple(range(len(self.balance))))
-        ties.untie(self._ties, self.local_stages)
-        copies = frozenset((id(m), a) for t in self._ties for c in t.copies
-                           if c.param is not None for m, a in c.places)
-        # Register the (local) layers under their original names: same Parameters, same keys.
-        names = list(model._modules)  # named_children() would skip a layer used twice
-        # A model split from its graph: its inputs flattened, its outputs rebuilt (not a child).
-        self.__dict__["_io"] = model if isinstance(model, SplitModel) else None
-        for s in self.local_stages:
-            device = self.devices[self._probe.rank_of(s)]
-            for i in range(bounds[s], bounds[s + 1]):
-                layer = bootstrap.materialize(layers[i], device,  # split: the model's keys
-                                              name=names[i] if self._io is None else "",
-                                              param_init=param_init, exempt=copies)
-                if self._io is not None:  # the model's tree, by the model's keys
-                    merge_into(self, layer)
-                else:
-                    self.add_module(names[i], layer)
-        if self._tp_plan is not None and self.mesh is not None:  # before anything holds params
-            tensor_parallel.shard_stages(
-                self, self._tp_plan, self.mesh, model,
-                [self.partitions[s] for s in self.local_stages], balance=self.balance,
-                schedule=self._probe.name, chunks=chunks, checkpoint=checkpoint,
-                data_parallel=data_parallel)
-        self.__dict__["_full_model"] = model  # structure only (may live on "meta")
-        self._agreement = agreement.Agreement()  # ranks compare configurations (processes)
-        self._versions = WeightVersions({s: self.partitions[s] for s in self.local_stages})
+        self.chunks, self.checkpoint, self.track_memory = chunks, checkpoint, track_memory
+        self._schedule_arg, self._tokens = schedule, tokens  # tokens: see runtime/tokens.py
         self._timeline: Timeline | None = None
-        self._warned_padding = False  # once per Pipe (see _context)
-        self._tokens = tokens  # token micro-batches (pipeline/runtime/tokens.py)
         self._stats: list[dict[str, int]] = []
-        self._executor = Executor(list(self.partitions), self.devices, self._probe, self.world,
-                                  self.group, self.timeout, self.mesh)
-        lengths.connect(self._io, self._executor.transport)  # ranks agree on each batch's shapes
-        self._replicas = (Replicas(self.mesh, {s: self.partitions[s] for s in self.local_stages},
-                                   self.devices[self.world[0]], self.timeout, data_parallel,
-                                   broadcast_buffers=broadcast_buffers)
-                          if self.mesh is not None and self.mesh.dp_size > 1 and self.world
-                          else None)
-        self._programs.dp = self._replicas is not None  # dp's syncs join the programs
-        over_dp = self._replicas is not None and deferred_batch_norm == "global"
-        self._batch_norm = (DeferredBatchNorm(
-            [self.partitions[s] for s in self.local_stages], chunks,
-            reduce=self._replicas.all_reduce if over_dp and self._replicas else None)
-            if check_mode(deferred_batch_norm) else None)
-        self._tie_link = ties.link(self._ties, dict(super().named_parameters(
-                                       remove_duplicate=False)))
-        ties.register_hooks(self._tie_link)
-        self._register_state_dict_hook(model_state.tied_keys)  # type: ignore[no-untyped-call]
-        # Replica groups under torchft (docs/fault-tolerance.md): the step protocol lives there.
-        self._ft = FaultTolerance(self, self.timeout) if fault_tolerance else None
+        self._warned_padding = False  # once per Pipe (see _context)
+        assembly.lay_out(self, model, balance, stages, devices, schedule, sample, group, mesh,
+                         data_parallel, deferred_batch_norm, tp_plan)
+        assembly.place_layers(self, model, param_init, chunks, checkpoint, data_parallel)
+        assembly.start_runtime(self, chunks, data_parallel, broadcast_buffers,
+                               deferred_batch_norm)
+        assembly.link_ties(self)
+        self._ft = FaultTolerance(self, self.timeout) if fault_tolerance else None  # torchft
 
     # -- configuration --------------------------------------------------------------------------
     def program(self, chunks: int | None = None, *, batches: int = 1, scaler: bool = False,
@@ -359,20 +291,6 @@ class Pipe(FaultTolerantPipe, nn.Module):
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
 
-    def save(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Save a sharded checkpoint (torch.distributed.checkpoint): every rank writes its own
-        layers and optimizer state; `load` reads it under any balance, rank count or device.
-        `path` holds the old checkpoint or the new one, complete, whenever a rank dies."""
-        from pipeline.state import sharded  # torch.distributed.checkpoint is slow to import
-
-        sharded.save(self, path, optimizer)
-
-    def load(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Load what `save` wrote (from any balance, rank count, or a plain model)."""
-        from pipeline.state import sharded
-
-        sharded.load(self, path, optimizer)
-
     def close(self) -> None:
         """Stop the rank worker threads (also done when the Pipe is garbage-collected or the
         interpreter exits), and take deferred BatchNorm's hooks off the model's layers. A
@@ -420,33 +338,6 @@ class Pipe(FaultTolerantPipe, nn.Module):
         over dp ran (`allreduce_s`), seconds the step waited for them after its last action
         (`exposed_s`), and the share of the first the pipeline hid (`hidden_share`)."""
         return dict(self._replicas.sync.stats) if self._replicas is not None else {}
-
-    def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The whole model's state_dict, with the model's keys, for a single-device model.
-
-        In one process this is `state_dict()`. Multi-process, every rank must call it; rank
-        `dst` gets the full dictionary (on CPU) and the others None (on a mesh: rank `dst` of
-        the pipeline of dp rank 0).
-        """
-        return model_state.full_state_dict(self, dst)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load with the model's keys. Multi-process, pass the full model's state_dict: each
-        rank takes its own layers' entries (strictness applies to those)."""
-        mine = model_state.loadable(self, state_dict, strict, list(
-            super().named_parameters(remove_duplicate=False)))
-        return super().load_state_dict(mine, strict=strict, assign=assign)
-
-    def training_state(self) -> dict[str, Any]:
-        """Everything this rank needs to resume training bit-identically, beside the optimizer's
-        own `state_dict()`: the parameters and buffers (the model's keys), PipeDream-2BW's
-        previous weights, and the random state the next step's seed is drawn from (torch's
-        global generators). Multi-process, each rank saves and loads its own."""
-        return model_state.training_state(self)
-
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        """Restore what `training_state()` saved (then load the optimizer's state yourself)."""
-        model_state.load_training_state(self, state)
 
     def extra_repr(self) -> str:
         return (f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
