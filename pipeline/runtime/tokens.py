@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
 from pipeline.runtime.microbatch import as_tuple, like
-from schedules import Costs, Schedule, simulate
+from pipeline.runtime.token_costs import TokenCosts
+from schedules import Costs, Op, Schedule, simulate
 
 __all__ = ["Cut", "cut_batch", "cuts", "group", "order", "padded", "plan", "restored"]
 
@@ -161,7 +162,7 @@ def order(costs: Sequence[float], program: Schedule | None) -> list[int]:
 
 
 def plan(x: Any, chunks: int, tokens: Any, names: Sequence[str] | None = None,
-         program: Schedule | None = None) -> Cut:
+         program: Schedule | None = None, measured: TokenCosts | None = None) -> Cut:
     """The cut of batch `x` (a flattened tuple; `names` name its entries for a model split from
     its graph) into `chunks` token micro-batches: from its attention mask, or from `tokens`
     given as the rows' lengths (checked against the mask where there is one)."""
@@ -186,7 +187,10 @@ def plan(x: Any, chunks: int, tokens: Any, names: Sequence[str] | None = None,
     if given is not None:
         _agree(given, lengths, length, mask is not None)
     groups = group(lengths, chunks)
-    costs = [float(len(g) * max(max(lengths[r] for r in g), 1)) for g in groups]
+    shapes = [(len(g), max(lengths[r] for r in g)) for g in groups]
+    train = program is None or any(a.op in (Op.B, Op.I, Op.W) for a in program.actions[0])
+    costs = ((measured.predict(shapes, train) if measured is not None else None)
+             or [float(rows * max(n, 1)) for rows, n in shapes])  # before any measurement
     groups = [groups[k] for k in order(costs, program)]
     # Trim to at least 2 (or the whole length): an exported graph's symbolic sizes start at 2.
     trims = tuple(min(length, max(2, max(lengths[r] for r in g))) for g in groups)
@@ -223,13 +227,14 @@ def check_labels(cut: Cut, value: Any, what: str) -> None:
 
 
 def cut_batch(x: Any, target: Any, chunks: int, tokens: Any,
-              names: Sequence[str] | None = None, program: Schedule | None = None) -> Cut:
+              names: Sequence[str] | None = None, program: Schedule | None = None,
+              measured: TokenCosts | None = None) -> Cut:
     """`plan`, with the labels (a model's `labels` input, and the target) checked."""
     if any(isinstance(v, torch.Tensor) and v.requires_grad for v in as_tuple(x)):
         raise PipeConfigError("tokens= trims the inputs, so their gradients could not be "
                               "handed back row for row: pass inputs that do not require grad, "
                               "or train without tokens=")
-    cut = plan(x, chunks, tokens, names, program)
+    cut = plan(x, chunks, tokens, names, program, measured)
     if names is not None:
         for name, v in zip(names, as_tuple(x), strict=False):
             if name in LABEL_NAMES:
@@ -245,6 +250,7 @@ def cuts(pipe: Any, pairs: Sequence[tuple[Any, Any]], tokens: Any, chunks: int
     setting (None: the Pipe's). A rank that needs no input gets None; one holding the last
     stage needs `x` to cut its target the same way."""
     tokens = getattr(pipe, "_tokens", None) if tokens is None else tokens
+    measured = _measure(pipe)
     if tokens is None or tokens is False:
         return [None] * len(pairs)
     check_model([pipe, *([pipe._io] if pipe._io is not None else [])])
@@ -261,8 +267,29 @@ def cuts(pipe: Any, pairs: Sequence[tuple[Any, Any]], tokens: Any, chunks: int
                     f"rank too (only ranks without the first and last stage may pass None)")
             out.append(None)
             continue
-        out.append(cut_batch(x, target, chunks, tokens, names, program))
+        # Over processes the ranks add their fits only when the Pipe cuts every step (built
+        # with tokens=): else each rank's own fit could order the micro-batches its own way.
+        out.append(cut_batch(x, target, chunks, tokens, names, program,
+                             measured if not pipe.world or pipe._tokens else None))
+    pipe.__dict__["_token_step"] = (pipe._timeline, [
+        (len(g), n) for c in out if c is not None for g, n in zip(c.groups, c.lengths,
+                                                                   strict=True)], chunks)
     return out
+
+
+def _measure(pipe: Any) -> TokenCosts:
+    """The Pipe's fitted micro-batch costs, the last token step's measurement added (its
+    timeline is the Pipe's last unless that step failed). Over processes the ranks add their
+    fits when the Pipe was built with `tokens=` (then every rank calls this at every step)."""
+    measured: TokenCosts = pipe.__dict__.setdefault("_token_costs", TokenCosts())
+    last = pipe.__dict__.pop("_token_step", None)
+    if last is not None:
+        before, shapes, chunks = last
+        if pipe._timeline is not None and pipe._timeline is not before and shapes:
+            measured.record(pipe._timeline, shapes, chunks)
+        if pipe.world and getattr(pipe, "_tokens", None):
+            measured.agree(pipe._executor.exchange)
+    return measured
 
 
 def padded(cut: Cut | None, outputs: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
