@@ -187,14 +187,14 @@ def plan(x: Any, chunks: int, tokens: Any, names: Sequence[str] | None = None,
     if given is not None:
         _agree(given, lengths, length, mask is not None)
     groups = group(lengths, chunks)
-    shapes = [(len(g), max(lengths[r] for r in g)) for g in groups]
+    # Trim to at least 2 (or the whole length): an exported graph's symbolic sizes start at 2.
+    shapes = [(len(g), min(length, max(2, max(lengths[r] for r in g)))) for g in groups]
     train = program is None or any(a.op in (Op.B, Op.I, Op.W) for a in program.actions[0])
     costs = ((measured.predict(shapes, train) if measured is not None else None)
              or [float(rows * max(n, 1)) for rows, n in shapes])  # before any measurement
-    groups = [groups[k] for k in order(costs, program)]
-    # Trim to at least 2 (or the whole length): an exported graph's symbolic sizes start at 2.
-    trims = tuple(min(length, max(2, max(lengths[r] for r in g))) for g in groups)
-    return Cut(len(lengths), length, tuple(tuple(g) for g in groups), trims)
+    ordered = order(costs, program)
+    return Cut(len(lengths), length, tuple(tuple(groups[k]) for k in ordered),
+               tuple(shapes[k][1] for k in ordered))
 
 
 def check_model(modules: Sequence[nn.Module]) -> None:
