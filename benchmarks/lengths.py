@@ -3,8 +3,10 @@
 The shipped play cut at each speech (bytes as tokens, at most `max_length`), a small
 Llama-style model (RMSNorm, rotary causal attention, SwiGLU) over 2 processes under 1F1B, each
 batch trained as (a) padded to the corpus's longest speech (what fixed-shape engines need),
-(b) padded to its own longest, (c) cut into token micro-batches (`tokens=True`). The three take
-turns batch by batch on the same processes, so the machine's noise falls on each alike.
+(b) padded to its own longest, (c) cut into token micro-batches (`tokens=True`), and by
+torch.distributed.pipelining's Schedule1F1B on the same split and the batches of (a) (its
+`PipelineStage` fixes its shapes at its first step, so it has no (b)). The four take turns
+batch by batch on the same processes, so the machine's noise falls on each alike.
 """
 
 from __future__ import annotations
@@ -16,18 +18,21 @@ from importlib import resources
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from benchmarks.lengths_torch import check, step, torch_peer
 from pipeline import Pipe
 from pipeline.launch import spawn
 from pipeline.runtime.tokens import plan
 
-__all__ = ["MODES", "LengthsSuite", "model", "render", "run_rank", "run_suite", "speeches"]
+__all__ = ["MODES", "PEER", "LengthsSuite", "model", "render", "run_rank", "run_suite", "speeches"]
 
 MODES = {"corpus": "(a) padded to the corpus's longest",
          "batch": "(b) padded to the batch's longest",
          "tokens": "(c) token micro-batches"}
+PEER = {"torch": "torch.distributed.pipelining, padded as (a)"}
 _NUM_PROCESSES = 2
 
 
@@ -138,19 +143,34 @@ def run_rank(rank: int, suite: LengthsSuite) -> dict[str, Any]:
                for b in range(suite.batches)]
     net = model(suite)
     half = suite.layers // 2 + 1
-    pipe = Pipe(net, balance=[half, suite.layers + 2 - half], chunks=suite.chunks,
-                schedule="1f1b", checkpoint="never")
-    seconds = dict.fromkeys(MODES, 0.0)
-    counted = dict.fromkeys(MODES, 0)
-    padded = dict.fromkeys(MODES, 0)
+    balance = [half, suite.layers + 2 - half]
+    pipe = Pipe(net, balance=balance, chunks=suite.chunks, schedule="1f1b", checkpoint="never")
+    # Torch's stages talk over a group of their own: neither pipeline can take the other's
+    # messages.
+    peer, peer_loss = torch_peer(net, balance, rank=rank, chunks=suite.chunks,
+                                 group=dist.new_group(list(range(_NUM_PROCESSES))))
+
+    def ours(x: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor,
+             tokens: bool = False) -> torch.Tensor:
+        return pipe.step(x, labels, _loss, loss_weight=lambda t: (t != -100).sum(),
+                         tokens=tokens)
+
+    ids, mask, labels = _batch(batches[0], longest)  # the same work: one batch of (a) each
+    checked = check(pipe, peer, peer_loss, net, (ids, mask), labels, ours)
+    seconds = dict.fromkeys([*MODES, *PEER], 0.0)
+    counted = dict.fromkeys([*MODES, *PEER], 0)
+    padded = dict.fromkeys([*MODES, *PEER], 0)
     for round_ in range(suite.warmup + suite.repeats):
         for rows in batches:
-            for mode in MODES:  # in turn, batch by batch
-                length = longest if mode == "corpus" else max(len(r) for r in rows)
+            for mode in [*MODES, *PEER]:  # in turn, batch by batch
+                length = max(len(r) for r in rows) if mode in ("batch", "tokens") else longest
                 ids, mask, labels = _batch(rows, length)
+                peer_loss.total = int((labels != -100).sum())  # torch's loss weighs by it
                 start = time.perf_counter()
-                pipe.step((ids, mask), labels, _loss, loss_weight=lambda t: (t != -100).sum(),
-                          tokens=mode == "tokens")
+                if mode in PEER:
+                    step(peer, (ids, mask), labels)
+                else:
+                    ours((ids, mask), labels, mode == "tokens")
                 elapsed = time.perf_counter() - start
                 net.zero_grad(set_to_none=True)
                 if round_ >= suite.warmup:
@@ -159,14 +179,24 @@ def run_rank(rank: int, suite: LengthsSuite) -> dict[str, Any]:
                     padded[mode] += (int(sum(plan((ids, mask), suite.chunks, True).costs))
                                      if mode == "tokens" else ids.numel())
     pipe.close()
-    return {"seconds": seconds, "counted": counted, "padded": padded, "longest": longest}
+    return {"seconds": seconds, "counted": counted, "padded": padded, "longest": longest,
+            "torch_check": checked}
 
 
 def run_suite(suite: LengthsSuite) -> dict[str, Any]:
-    """The suite on 2 spawned gloo processes; rank 0's figures with the suite's settings."""
+    """The suite on 2 spawned gloo processes; rank 0's figures with the suite's settings, the
+    ratios to torch's peer, and the one-batch check that torch's work is ours (both losses,
+    from the last stage's rank; the largest gradient difference over the ranks)."""
     results = spawn(run_rank, _NUM_PROCESSES, suite, timeout=3600.0)
     out = results[0]
-    out["tokens_per_s"] = {m: out["counted"][m] / out["seconds"][m] for m in MODES}
+    out["tokens_per_s"] = {m: out["counted"][m] / out["seconds"][m] for m in out["seconds"]}
+    rate = out["tokens_per_s"]
+    out["vs_torch"] = {m: rate[m] / rate["torch"] for m in MODES}
+    checks = [r["torch_check"] for r in results]
+    last = checks[-1]
+    out["torch_check"] = {"ours_loss": last["ours_loss"], "torch_loss": last["torch_loss"],
+                          "max_grad_diff": max(c["max_grad_diff"] for c in checks),
+                          "compared": sum(c["compared"] for c in checks)}
     out["suite"] = asdict(suite)
     return dict(out)
 
@@ -174,8 +204,9 @@ def run_suite(suite: LengthsSuite) -> dict[str, Any]:
 def render(result: dict[str, Any], command: str, machine: str) -> str:
     """The markdown table of `result`, with the command and the machine."""
     rate = result["tokens_per_s"]
+    rows = {**MODES, **{k: v for k, v in PEER.items() if k in rate}}
     lines = ["| mode | counted tokens/s | padding computed | vs (a) |", "|---|---|---|---|"]
-    for mode, label in MODES.items():
+    for mode, label in rows.items():
         waste = 1 - result["counted"][mode] / result["padded"][mode]
         speed = rate[mode] / rate["corpus"]
         lines.append(f"| {label} | {rate[mode]:,.0f} | {waste:.0%} | {speed:.2f}x |")
@@ -183,6 +214,14 @@ def render(result: dict[str, Any], command: str, machine: str) -> str:
     lines += ["", f"(c) vs (b): {rate['tokens'] / rate['batch']:.2f}x. Longest speech "
               f"{result['longest']} bytes; {s['batches']} batches of {s['rows']} rows, "
               f"{s['chunks']} micro-batches, 1F1B on 2 processes; width {s['width']}, "
-              f"{s['layers']} blocks; {s['repeats']} timed rounds after {s['warmup']}.",
-              "", f"Command: `{command}`. Machine: {machine}."]
+              f"{s['layers']} blocks; {s['repeats']} timed rounds after {s['warmup']}."]
+    if "torch" in rate:
+        c = result["torch_check"]
+        lines += ["", f"(c) vs torch: {rate['tokens'] / rate['torch']:.2f}x; (a) vs torch: "
+                  f"{rate['corpus'] / rate['torch']:.2f}x. Torch's peer: Schedule1F1B over "
+                  f"`PipelineStage`s holding the same layers, on the batches of (a); one batch "
+                  f"through both: loss {c['ours_loss']:.6f} (ours), {c['torch_loss']:.6f} "
+                  f"(torch), gradients within {c['max_grad_diff']:.1e}. No torch (b): a "
+                  f"`PipelineStage` fixes its shapes at its first step."]
+    lines += ["", f"Command: `{command}`. Machine: {machine}."]
     return "\n".join(lines)

@@ -60,12 +60,15 @@ class TorchPipeline:
 
     The stages wrap the model's own layers (no copy): every variant of a measurement computes
     with the same parameters, so the comparison is not skewed by where the weights sit.
+    `stage_module` wraps each stage's layers for torch (default: the nn.Sequential itself),
+    e.g. to take a tuple output as the next stage's positional inputs.
     """
 
     def __init__(self, model: nn.Sequential, balance: Sequence[int], *, schedule: str,
                  rank: int, num_ranks: int, num_microbatches: int,
                  loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device,
-                 group: Any = None) -> None:
+                 group: Any = None,
+                 stage_module: Callable[[nn.Sequential], nn.Module] = lambda s: s) -> None:
         from torch.distributed import pipelining
         from torch.distributed.pipelining import PipelineStage
 
@@ -77,8 +80,8 @@ class TorchPipeline:
         edges = bounds(balance)
         num_stages = len(balance)
         self.stages = [
-            PipelineStage(nn.Sequential(*layers[edges[s]:edges[s + 1]]), s, num_stages,
-                          device, group=group)
+            PipelineStage(stage_module(nn.Sequential(*layers[edges[s]:edges[s + 1]])), s,
+                          num_stages, device, group=group)
             for s in peer_stages(self.name, rank, num_ranks, num_stages)
         ]
         self.first = any(stage.stage_index == 0 for stage in self.stages)
