@@ -10,8 +10,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from pipeline.errors import PipeConfigError
+from pipeline.parallel.tensor_parallel import local_tensor
 
 __all__ = ["LIGHTHOUSE_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
            "FaultTolerantPipe", "check_installed"]
@@ -92,11 +94,16 @@ class FaultTolerance:
                 "Pipe(fault_tolerance=True) needs one process per rank (a replica group is a "
                 "multi-process pipeline); got a single-process Pipe: start the script with "
                 "`python -m pipeline.launch --replicas R --nproc N script.py`")
-        if pipe.mesh is not None or pipe.group is not None:
+        if pipe.mesh is not None and pipe.mesh.dp_size > 1:
             raise PipeConfigError(
-                "Pipe(fault_tolerance=True) replicates the whole pipeline across replica "
-                f"groups and does not combine with group= or mesh= yet (got group={pipe.group!r}"
-                f", mesh={pipe.mesh!r}): drop them; replicas take the place of dp")
+                f"Pipe(fault_tolerance=True) replicates the whole pipeline across replica "
+                f"groups, which take the place of dp: build the mesh of one replica group "
+                f"with dimensions ('pp', 'tp') or ('pp',) (got dp size {pipe.mesh.dp_size})")
+        if pipe.mesh is None and pipe.group is not None:
+            raise PipeConfigError(
+                f"Pipe(fault_tolerance=True) runs the replica group's whole world as one "
+                f"pipeline (pp, or pp x tp with mesh=); group= is not taken (got "
+                f"{pipe.group!r}): drop it, or pass mesh= with dimensions ('pp', 'tp')")
         if pipe.multi_batch:
             raise PipeConfigError(
                 f"Pipe(fault_tolerance=True) commits once per batch, but schedule "
@@ -105,7 +112,10 @@ class FaultTolerance:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        rank, world_size = pipe.world
+        # Rank r of every replica group holds the same stage and tp shard (every group lays
+        # its world out alike), so the Manager's group of rank r joins exactly the peers whose
+        # gradients and state are r's.
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         wait = timedelta(seconds=timeout)
         self._pipe = pipe
         self._optimizer: torch.optim.Optimizer | None = None
@@ -123,12 +133,42 @@ class FaultTolerance:
         self.manager.register_state_dict_fn("pipe", self._load_model, self._model_state)
 
     # -- what heals a rank: its stage's weights and its optimizer's state ----------------------
+    # Under tp each rank sends and loads its own shards as plain tensors (what a heal carries
+    # is plain data, read with weights_only=True); the peer's rank r holds the same shards.
     def _model_state(self) -> dict[str, Any]:
-        return {k: v.detach() for k, v in self._pipe.state_dict().items()}
+        return {k: local_tensor(v).detach() for k, v in self._pipe.state_dict().items()}
 
     def _load_model(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            self._pipe.load_state_dict(state)
+            if self._pipe.mesh is None:
+                self._pipe.load_state_dict(state)
+                return
+            mine = self._pipe.state_dict()
+            if sorted(mine) != sorted(state):
+                raise PipeConfigError(f"the healing peer's state has other keys than this "
+                                      f"rank's: {sorted(set(mine) ^ set(state))[:5]}")
+            for k, v in mine.items():
+                local_tensor(v).copy_(state[k])
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        assert self._optimizer is not None
+        return dict(tree_map_only(torch.Tensor, local_tensor, self._optimizer.state_dict()))
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """The peer's optimizer state, its tensors the shards of this rank's parameters:
+        a value shaped as its parameter's shard becomes a DTensor laid out as the parameter."""
+        assert self._optimizer is not None
+        params = [p for g in self._optimizer.param_groups for p in g["params"]]
+        for index, values in state.get("state", {}).items():
+            p = params[int(index)]
+            if p is not local_tensor(p):  # a DTensor parameter
+                from torch.distributed.tensor import DTensor
+
+                for key, v in list(values.items()):
+                    if isinstance(v, torch.Tensor) and v.shape == local_tensor(p).shape:
+                        values[key] = DTensor.from_local(v, p.device_mesh, p.placements,
+                                                         run_check=False)
+        self._optimizer.load_state_dict(state)
 
     def wrap(self, optimizer: torch.optim.Optimizer, scaler: Any = None
              ) -> torch.optim.Optimizer:
@@ -152,8 +192,8 @@ class FaultTolerance:
             raise PipeConfigError(f"pipe.fault_tolerant(optimizer, scaler=...) takes a "
                                   f"torch.amp.GradScaler; got {type(scaler).__name__}")
         self._optimizer = optimizer
-        self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
-                                            optimizer.state_dict)
+        self.manager.register_state_dict_fn("optimizer", self._load_optimizer,
+                                            self._optimizer_state)
         if scaler is not None and scaler.is_enabled():
             # Its scale and growth tracker: a healed replica must skip and grow as its peers.
             self.manager.register_state_dict_fn("scaler", scaler.load_state_dict,
@@ -187,7 +227,9 @@ class FaultTolerance:
         if not self._quorum_started:
             raise PipeConfigError("optimizer.step() before any pipe.step(...) in this step: "
                                   "run pipe.step first, then optimizer.step()")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # Under tp, this rank's shards: the peers of rank r hold the same ones.
+        grads = [local_tensor(p.grad) if p.grad is not None
+                 else torch.zeros_like(local_tensor(p)) for p in params]
         # This replica's one-hot rides in the same buffer: averaged, its nonzero entries are
         # exactly the replicas whose gradients the average holds (a replica torchft does not
         # count as participating sends zeros, its one-hot too).
@@ -202,8 +244,8 @@ class FaultTolerance:
             for p, g in zip(params, grads, strict=True):
                 n = g.numel()
                 if p.grad is None:  # unused here, used elsewhere: the average still applies
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                    p.grad = torch.zeros_like(p)
+                local_tensor(p.grad).copy_(flat[offset:offset + n].view_as(g))
                 offset += n
         if self.manager.errored() is not None:  # the buffer may be torn: not committed
             self.participants = ()

@@ -2,7 +2,7 @@
 under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measurement.
 
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
-                                      [--scaler] [--min-step-ms MS]
+                                      [--scaler] [--tp] [--min-step-ms MS]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -16,6 +16,9 @@ replica took part in a step after the previous kill: one group is lost at a time
 --scaler: train through a GradScaler (its scale grows every GROWTH_INTERVAL steps, so a heal
 must carry it), and replica 1's batch of step INF_STEP holds an inf: every replica must skip
 that step alike.
+
+--tp: each replica group is one stage over two tensor-parallel ranks (tests/models_tp.py's MLP
+and plan), the final state saved whole.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -43,8 +46,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from pipeline import Pipe
+from tests import models_tp
 
 WIDTH = 16
 LR = 0.01
@@ -163,7 +168,7 @@ def _install_kills(pipe: Pipe, inner: torch.optim.Optimizer, killer: Killer,
                    rank: int) -> None:
     """Hooks that SIGKILL this rank at the armed point (the test reaches into the Manager:
     a kill must land inside torchft's own calls)."""
-    layer = next(iter(pipe.partitions[rank]))
+    layer = next(iter(pipe.partitions[pipe.local_stages[0]]))
 
     def forward_hook(module: nn.Module, args: object, output: torch.Tensor) -> None:
         killer.fire("forward")
@@ -215,8 +220,33 @@ def _log_start(out: str, replica: int, rank: int, built: float, step: int) -> No
                             "step": step}) + "\n")
 
 
-def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool) -> None:
-    pipe = Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60)
+def tp_batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """With --tp: the tensor-parallel MLP's data of one replica's share of one step."""
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _tp_pipe() -> Pipe:
+    """With --tp: each replica group is one stage over 2 tp ranks (column then row)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+    return Pipe(models_tp.mlp(), balance=[6], chunks=2, mesh=mesh, tp_plan=models_tp.mlp_plan(),
+                fault_tolerance=True, timeout=60)
+
+
+def _full(state: Any) -> Any:
+    """Every DTensor whole (each tp rank calls this on the same structure, in one order)."""
+    from torch.distributed.tensor import DTensor
+
+    return tree_map_only(DTensor, DTensor.full_tensor, state)
+
+
+def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
+          tp: bool = False) -> None:
+    pipe = (_tp_pipe() if tp else
+            Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
     rank = int(os.environ["RANK"])
     killer = Killer(out, kills, pipe.replica_id, rank)
     heal = killer.heal_armed()
@@ -238,7 +268,7 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool)
         step = pipe.committed_steps
         killer.arm(step)
         begun = time.monotonic()
-        x, y = batch(pipe.replica_id, step)
+        x, y = (tp_batch if tp else batch)(pipe.replica_id, step)
         if amp and (pipe.replica_id, step) == (1, INF_STEP):
             x[0, 0] = float("inf")
         loss = pipe.step(x, y, nn.MSELoss(), scaler=scaler)
@@ -253,7 +283,8 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool)
                               "members": list(pipe.participants)}) + "\n")
         log.flush()
         time.sleep(max(0.0, begun + min_step_s - time.monotonic()))
-    torch.save({"model": pipe.state_dict(), "optimizer": optimizer.state_dict(),
+    torch.save({"model": _full(pipe.state_dict()) if tp else pipe.state_dict(),
+                "optimizer": _full(optimizer.state_dict()) if tp else optimizer.state_dict(),
                 "committed_steps": pipe.committed_steps,
                 "scaler": scaler.state_dict() if scaler is not None else None},
                os.path.join(out, f"final_{pipe.replica_id}_{rank}.pt"))
@@ -304,12 +335,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--min-step-ms", type=float, default=0.0)
     parser.add_argument("--scaler", action="store_true")
+    parser.add_argument("--tp", action="store_true")
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
-        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler)
+        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.tp)
 
 
 if __name__ == "__main__":

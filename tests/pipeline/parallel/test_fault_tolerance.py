@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from torch import nn
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import main as launch_main
 from pipeline.parallel import fault_tolerance
+from tests import models_tp
 from tests.pipeline import ft_train
 
 needs_torchft = pytest.mark.skipif(
@@ -36,6 +39,21 @@ def test_without_environment_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(PipeConfigError, match=r"TORCHFT_LIGHTHOUSE.*not set.*--replicas"):
         Pipe(_model(), balance=[1, 1], fault_tolerance=True)
+
+
+@needs_torchft
+@pytest.mark.parametrize(("mesh", "group", "match"), [
+    (SimpleNamespace(dp_size=2), None, r"replica groups.*take the place of dp.*dp size 2"),
+    (None, "a subgroup", r"group= is not taken.*mesh= with dimensions \('pp', 'tp'\)")])
+def test_replicas_of_dp_or_a_subgroup_are_refused(monkeypatch: pytest.MonkeyPatch, mesh: Any,
+                                                  group: Any, match: str) -> None:
+    """A replica group is the whole world of its processes, as pp or pp x tp."""
+    monkeypatch.setenv(fault_tolerance.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
+    monkeypatch.setenv(fault_tolerance.REPLICA_ID_ENV, "0")
+    monkeypatch.setenv(fault_tolerance.NUM_REPLICAS_ENV, "2")
+    pipe = SimpleNamespace(world=(0, 2), mesh=mesh, group=group, multi_batch=False)
+    with pytest.raises(PipeConfigError, match=match):
+        fault_tolerance.FaultTolerance(pipe, timeout=5.0)
 
 
 @needs_torchft
@@ -92,8 +110,10 @@ def test_scaler_step_on_the_wrapper_says_to_call_optimizer_step() -> None:
 def _launch(out: Path, *args: str, max_restarts: int = 3) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
            "--max-restarts", str(max_restarts), TRAIN, str(out), *args]
+    # The repository on the path: the script (run as a file) imports the tests' models.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-                          check=False)
+                          check=False, env=env)
 
 
 def _log(out: Path, replica: int, rank: int) -> list[dict[str, Any]]:
@@ -255,6 +275,48 @@ def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     got = state["optimizer"]["state"][i][key]
                     assert torch.equal(got, ref[key]), (replica, name, key)
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_tensor_parallel_replica_groups_survive_a_lost_rank_and_heal(tmp_path: Path) -> None:
+    """Each replica group one stage over 2 tp ranks: a tp rank of replica 1 killed inside
+    the cross-replica average; its group restarts and heals its shards (weights and AdamW
+    state) from the same tp rank of replica 0. Both replicas end bit-identical, equal to a
+    replay of the logged quorums on the unsplit model (fp32: tp's row-parallel layers sum
+    partial products in another order, hence rtol 1e-5 and not bits)."""
+    done = _launch(tmp_path, "4", "--tp", "--kill", "1:1:1:allreduce", "--min-step-ms", "20")
+    assert done.returncode == 0, done.stderr[-4000:]
+    members = _logged_members(tmp_path)
+    assert {len(m) for m in members} == {1, 2}  # a step alone, then together again
+    model = models_tp.mlp()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=ft_train.LR)
+    for step, present in enumerate(members):
+        grads = []
+        for replica in present:
+            x, y = ft_train.tp_batch(replica, step)
+            for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):  # chunks=2, as trained
+                (nn.functional.mse_loss(model(xc), yc) * (len(xc) / len(x))).backward()
+            grads.append([p.grad for p in params])
+            optimizer.zero_grad()
+        for p, *g in zip(params, *grads, strict=True):
+            p.grad = sum(g[1:], g[0]) / len(g)
+        optimizer.step()
+        optimizer.zero_grad()
+    finals = {(r, k): torch.load(tmp_path / f"final_{r}_{k}.pt") for r in (0, 1) for k in (0, 1)}
+    for rank in (0, 1):
+        a, b = finals[(0, rank)], finals[(1, rank)]
+        assert a["committed_steps"] == b["committed_steps"] == len(members)
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), (rank, name)
+        for i, state in a["optimizer"]["state"].items():
+            for key, v in state.items():
+                assert torch.equal(v, b["optimizer"]["state"][i][key]), (rank, i, key)
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(finals[(0, 0)]["model"][name], want, rtol=1e-5, atol=1e-6)
 
 
 @needs_torchft
