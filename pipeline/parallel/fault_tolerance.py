@@ -94,16 +94,11 @@ class FaultTolerance:
                 "Pipe(fault_tolerance=True) needs one process per rank (a replica group is a "
                 "multi-process pipeline); got a single-process Pipe: start the script with "
                 "`python -m pipeline.launch --replicas R --nproc N script.py`")
-        if pipe.mesh is not None and pipe.mesh.dp_size > 1:
-            raise PipeConfigError(
-                f"Pipe(fault_tolerance=True) replicates the whole pipeline across replica "
-                f"groups, which take the place of dp: build the mesh of one replica group "
-                f"with dimensions ('pp', 'tp') or ('pp',) (got dp size {pipe.mesh.dp_size})")
         if pipe.mesh is None and pipe.group is not None:
             raise PipeConfigError(
                 f"Pipe(fault_tolerance=True) runs the replica group's whole world as one "
-                f"pipeline (pp, or pp x tp with mesh=); group= is not taken (got "
-                f"{pipe.group!r}): drop it, or pass mesh= with dimensions ('pp', 'tp')")
+                f"pipeline (or dp x pp x tp with mesh=); group= is not taken (got "
+                f"{pipe.group!r}): drop it, or pass mesh= with dimensions of ('dp', 'pp', 'tp')")
         if pipe.multi_batch:
             raise PipeConfigError(
                 f"Pipe(fault_tolerance=True) commits once per batch, but schedule "

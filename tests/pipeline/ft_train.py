@@ -2,7 +2,7 @@
 under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measurement.
 
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
-                                      [--scaler] [--tp] [--min-step-ms MS]
+                                      [--scaler] [--layout L] [--min-step-ms MS]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -17,8 +17,9 @@ replica took part in a step after the previous kill: one group is lost at a time
 must carry it), and replica 1's batch of step INF_STEP holds an inf: every replica must skip
 that step alike.
 
---tp: each replica group is one stage over two tensor-parallel ranks (tests/models_tp.py's MLP
-and plan), the final state saved whole.
+--layout tp|replicate|fsdp: each replica group is one stage of tests/models_tp.py's MLP over
+two ranks of the group: tensor-parallel (its plan), or data-parallel (replicated, or sharded by
+FSDP2); the final state saved whole.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -226,13 +227,18 @@ def tp_batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
 
 
-def _tp_pipe() -> Pipe:
-    """With --tp: each replica group is one stage over 2 tp ranks (column then row)."""
+def _mesh_pipe(layout: str) -> Pipe:
+    """--layout tp: each replica group is one stage over 2 tp ranks (column then row);
+    replicate or fsdp: one stage on 2 dp ranks of the group, each taking half the rows."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.distributed.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
-    return Pipe(models_tp.mlp(), balance=[6], chunks=2, mesh=mesh, tp_plan=models_tp.mlp_plan(),
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+        return Pipe(models_tp.mlp(), balance=[6], chunks=2, mesh=mesh,
+                    tp_plan=models_tp.mlp_plan(), fault_tolerance=True, timeout=60)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+    return Pipe(models_tp.mlp(), balance=[6], chunks=2, mesh=mesh, data_parallel=layout,
                 fault_tolerance=True, timeout=60)
 
 
@@ -244,9 +250,10 @@ def _full(state: Any) -> Any:
 
 
 def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
-          tp: bool = False) -> None:
-    pipe = (_tp_pipe() if tp else
+          layout: str = "") -> None:
+    pipe = (_mesh_pipe(layout) if layout else
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
+    tp = bool(layout)  # the tests' tp MLP and its data
     rank = int(os.environ["RANK"])
     killer = Killer(out, kills, pipe.replica_id, rank)
     heal = killer.heal_armed()
@@ -269,6 +276,9 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
         killer.arm(step)
         begun = time.monotonic()
         x, y = (tp_batch if tp else batch)(pipe.replica_id, step)
+        if pipe.mesh is not None and pipe.mesh.dp_size > 1:  # this dp rank's rows
+            x, y = x.chunk(pipe.mesh.dp_size)[pipe.mesh.dp_rank], y.chunk(
+                pipe.mesh.dp_size)[pipe.mesh.dp_rank]
         if amp and (pipe.replica_id, step) == (1, INF_STEP):
             x[0, 0] = float("inf")
         loss = pipe.step(x, y, nn.MSELoss(), scaler=scaler)
@@ -335,13 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--min-step-ms", type=float, default=0.0)
     parser.add_argument("--scaler", action="store_true")
-    parser.add_argument("--tp", action="store_true")
+    parser.add_argument("--layout", choices=("tp", "replicate", "fsdp"), default="")
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
-        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.tp)
+        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout)
 
 
 if __name__ == "__main__":

@@ -43,11 +43,10 @@ def test_without_environment_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -
 
 @needs_torchft
 @pytest.mark.parametrize(("mesh", "group", "match"), [
-    (SimpleNamespace(dp_size=2), None, r"replica groups.*take the place of dp.*dp size 2"),
-    (None, "a subgroup", r"group= is not taken.*mesh= with dimensions \('pp', 'tp'\)")])
-def test_replicas_of_dp_or_a_subgroup_are_refused(monkeypatch: pytest.MonkeyPatch, mesh: Any,
-                                                  group: Any, match: str) -> None:
-    """A replica group is the whole world of its processes, as pp or pp x tp."""
+    (None, "a subgroup", r"group= is not taken.*mesh= with dimensions of \('dp', 'pp', 'tp'\)")])
+def test_replicas_of_a_subgroup_are_refused(monkeypatch: pytest.MonkeyPatch, mesh: Any,
+                                            group: Any, match: str) -> None:
+    """A replica group is the whole world of its processes, as a pipeline or a mesh."""
     monkeypatch.setenv(fault_tolerance.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
     monkeypatch.setenv(fault_tolerance.REPLICA_ID_ENV, "0")
     monkeypatch.setenv(fault_tolerance.NUM_REPLICAS_ENV, "2")
@@ -281,13 +280,16 @@ def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
-def test_tensor_parallel_replica_groups_survive_a_lost_rank_and_heal(tmp_path: Path) -> None:
-    """Each replica group one stage over 2 tp ranks: a tp rank of replica 1 killed inside
-    the cross-replica average; its group restarts and heals its shards (weights and AdamW
-    state) from the same tp rank of replica 0. Both replicas end bit-identical, equal to a
-    replay of the logged quorums on the unsplit model (fp32: tp's row-parallel layers sum
-    partial products in another order, hence rtol 1e-5 and not bits)."""
-    done = _launch(tmp_path, "4", "--tp", "--kill", "1:1:1:allreduce", "--min-step-ms", "20")
+@pytest.mark.parametrize("layout", ["tp", "fsdp"])
+def test_replica_groups_of_tp_or_fsdp_survive_a_lost_rank_and_heal(tmp_path: Path,
+                                                                     layout: str) -> None:
+    """Each replica group one stage over 2 ranks, tp or FSDP2 dp: rank 1 of replica 1 killed
+    inside the cross-replica average; its group restarts and heals its shards (weights and
+    AdamW state) from rank 1 of replica 0. Both replicas end bit-identical, equal to a replay
+    of the logged quorums on the unsplit model (fp32: tp's row-parallel layers, or dp's
+    halves, sum in another order, hence rtol 1e-5 and not bits)."""
+    done = _launch(tmp_path, "4", "--layout", layout, "--kill", "1:1:1:allreduce",
+                   "--min-step-ms", "20")
     assert done.returncode == 0, done.stderr[-4000:]
     members = _logged_members(tmp_path)
     assert {len(m) for m in members} == {1, 2}  # a step alone, then together again
