@@ -4,9 +4,12 @@ model captured again for shapes none of them takes, or the batch refused with th
 Export keeps most sizes symbolic (pipeline/splitting/shapes.py), so a Hugging Face model's one
 capture takes every length. A model whose code fixes a size, or branches on one, is captured
 again at the new shapes (once per shape family: the capture's graphs take every shape their
-limits allow), and its stages then run whichever capture their values fit. Under several
-processes every rank captures alike: the ranks exchange the batch's shapes first (a rank may
-pass None for inputs it does not need), and all refuse, or all capture, together.
+limits allow), and its stages then run whichever capture their values fit. A dtype changed
+after the split (`pipe.to(torch.bfloat16)`) is a new signature too: the model is captured again
+in it (pipeline/splitting/dtypes.py), once per dtype, and the stages run only the captures made
+in the dtypes they hold. Under several processes every rank captures alike: the ranks exchange
+the batch's shapes (a rank may pass None for inputs it does not need) and their stages' dtypes
+first, and all refuse, or all capture, together.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
 from pipeline.splitting import cut as cutting
-from pipeline.splitting import trace
+from pipeline.splitting import dtypes, trace
 from pipeline.splitting.outline import outline
 from pipeline.splitting.scalars import plan
 from pipeline.splitting.shapes import Limits, Misfit
@@ -48,51 +51,68 @@ def stage_limits(ep: torch.export.ExportedProgram, piece: cutting.Piece) -> Limi
 
 
 Exchange = Callable[[str], list[str]]
+Reason = Misfit | dtypes.DtypeChange  # why a capture is made
 
 
 class Lengths:
-    """A split model's captures (their limits, per mode) and the shape signatures already
-    seen to fit one; `captures` counts them (1: the first capture took every batch)."""
+    """A split model's captures (their limits, per mode, and the dtypes each was made in) and
+    the batch signatures already seen to fit one; `captures` counts them (1: the first capture
+    took every batch)."""
 
     def __init__(self, split: Any, limits: dict[str, Limits]) -> None:
         self._split = split
         self._limits = [limits]
-        self._fits: dict[str, int] = {}  # shape signature -> the capture it fits
+        self._base = dtypes.dtypes_of(split)  # the first capture's, by the model's names
+        self._dtypes: list[dtypes.Changes] = [{}]  # per capture: its changes from the base
+        self._fits: dict[str, int] = {}  # shapes and dtypes -> the capture they fit
         self.exchange: Exchange | None = None  # several processes: every rank's payload
 
     @property
     def captures(self) -> int:
-        """How many times the model was captured (once, plus once per new shape family)."""
+        """How many times the model was captured (once, plus once per new shape family or
+        dtype)."""
         return len(self._limits)
 
     def admit(self, tensors: Sequence[Any] | None) -> None:
         """Before any work: `tensors` (the model's tensor inputs; None on a rank without the
-        first stage) fit a capture, or one is made for them, or a PipeConfigError says why
-        not (the input, the dimension, the size, what the model takes, what to do)."""
+        first stage) fit a capture made in the model's dtypes now, or one is made for them,
+        or a PipeConfigError says why not (the input, the dimension, the size, what the model
+        takes, what to do; or the dtype)."""
         shapes: Any = None if tensors is None else [
             [list(t.shape), str(t.dtype).removeprefix("torch.")]
             if isinstance(t, torch.Tensor) else None for t in tensors]
-        key = json.dumps(shapes)
+        changed = dtypes.changes(self._split, self._base)
         if self.exchange is not None:
-            key = self._agreed(key)
-            shapes = json.loads(key)
+            shapes, changed = self._agreed(shapes, changed)
+        self._use(changed)
+        key = json.dumps([shapes, sorted(changed.items())])
         if shapes is None or key in self._fits:
             return
         stand_ins = [None if s is None else _stand_in(s[0], s[1]) for s in shapes]
-        misfits = [self._misfit(k, stand_ins) for k in range(len(self._limits))]
-        fitting = [k for k, m in enumerate(misfits) if m is None]
+        mine = [k for k, d in enumerate(self._dtypes) if d == changed]
+        misfits = {k: self._misfit(k, stand_ins) for k in mine or [0]}
+        fitting = [k for k, m in misfits.items() if m is None and k in mine]
         if fitting:
             self._fits[key] = fitting[-1]
             return
-        first = misfits[0]
-        assert first is not None
-        if first.table:
+        first = misfits[min(misfits)]
+        if first is not None and first.table:
             raise _refusal(first, "no capture can lift that: the model reads a learned "
                                   "position table there")
-        if first.shared:
+        if first is not None and first.shared:
             raise _refusal(first, "the graph computes with both")
-        self._capture(stand_ins, first)
+        reason = first if mine else dtypes.DtypeChange.of(changed, self._base)
+        assert reason is not None
+        self._capture(stand_ins, reason, changed)
         self._fits[key] = len(self._limits) - 1
+        self._use(changed)
+
+    def _use(self, changed: dtypes.Changes) -> None:
+        """The stages run only the captures made in the model's dtypes now."""
+        usable = frozenset(k for k, d in enumerate(self._dtypes) if d == changed)
+        for stage in self._split:
+            if hasattr(stage, "use"):
+                stage.use(usable)
 
     def _misfit(self, k: int, tensors: Sequence[Any]) -> Misfit | None:
         for mode in MODES:
@@ -101,24 +121,27 @@ class Lengths:
                 return found
         return None
 
-    def _agreed(self, mine: str) -> str:
-        """The batch's shapes as the ranks holding it give them, on every rank."""
+    def _agreed(self, shapes: Any, changed: dtypes.Changes) -> tuple[Any, dtypes.Changes]:
+        """The batch's shapes as the ranks holding it give them, and the dtypes every rank's
+        stages hold (each converted its own), on every rank."""
         assert self.exchange is not None
-        given = {text for text in self.exchange(mine) if text != "null"}
-        if len(given) > 1:
+        given = [json.loads(text) for text in self.exchange(json.dumps([shapes, changed]))]
+        texts = {json.dumps(s) for s, _ in given if s is not None}
+        if len(texts) > 1:
             raise PipeConfigError(
-                f"ranks passed inputs of different shapes ({'; '.join(sorted(given))}): "
+                f"ranks passed inputs of different shapes ({'; '.join(sorted(texts))}): "
                 f"every rank passing the inputs must pass the same batch")
-        return given.pop() if given else "null"
+        return (json.loads(texts.pop()) if texts else None), dtypes.merged([c for _, c in given])
 
-    def _capture(self, tensors: list[Any], misfit: Misfit) -> None:
-        """Capture the model again at these shapes and give every stage its graphs."""
+    def _capture(self, tensors: list[Any], reason: Reason, changed: dtypes.Changes) -> None:
+        """Capture the model again at these shapes, in the dtypes `changed` gives, and give
+        every stage its graphs."""
         split = self._split
         stages = list(split)
         model = stages[0].__dict__["_model"]
         held = [*model.parameters(), *model.buffers()] if model is not None else []
         if model is None or any(t.is_meta for t in held) or len({t.device for t in held}) > 1:
-            raise _refusal(misfit, "capturing it again needs the whole model on one device "
+            raise _refusal(reason, "capturing it again needs the whole model on one device "
                                    "in this process, and it is not")
         leaves, it = [], iter(tensors)
         for i in range(split.in_spec.num_leaves):
@@ -128,33 +151,45 @@ class Lengths:
         args, kwargs = pytree.tree_map(
             lambda t: t.contiguous().to(device) if isinstance(t, torch.Tensor) else t,
             (tuple(args), dict(kwargs)))
-        try:
-            programs = {mode: trace.export(model, args, kwargs, train=mode == "train",
-                                           preserve=split.whole) for mode in MODES}
-        except trace.ExportError as exc:
-            said = str(exc).split(". Pipe splits a model")[0]  # not the advice on rewriting
-            raise _refusal(misfit, f"captured again at these shapes, the model fails ({said})"
-                           ) from None
-        for ep in programs.values():
-            outline(ep, model, split.whole)
-        rows = self._limits[0]["train"].rows
-        limits = {mode: model_limits(ep, rows) for mode, ep in programs.items()}
-        for ep in programs.values():  # the weights of 0-dim outputs, as the first capture
-            plan(ep.graph, [node for node, _, tensor in cutting.user_inputs(ep)
-                            if tensor and node.meta["val"].dim() > 0])
-        pieces = {m: cutting.cut(ep, model, split.split_points) for m, ep in programs.items()}
+        with dtypes.holding(model, stages, changed):
+            programs = self._export(model, args, kwargs, reason)
+            rows = self._limits[0]["train"].rows
+            limits = {mode: model_limits(ep, rows) for mode, ep in programs.items()}
+            for ep in programs.values():  # the weights of 0-dim outputs, as the first capture
+                plan(ep.graph, [node for node, _, tensor in cutting.user_inputs(ep)
+                                if tensor and node.meta["val"].dim() > 0])
+            pieces = {m: cutting.cut(ep, model, split.split_points)
+                      for m, ep in programs.items()}
         for s, stage in enumerate(stages):
             have = {n for n, _ in [*stage.named_parameters(), *stage.named_buffers()]}
             missing = [n for m in MODES for n in pieces[m][s].tensors if n not in have]
             if missing:
-                raise _refusal(misfit, f"captured again, stage {s} would read {missing[:3]}, "
+                raise _refusal(reason, f"captured again, stage {s} would read {missing[:3]}, "
                                        f"which it does not hold")
         for s, stage in enumerate(stages):
             stage.add_variant({m: pieces[m][s] for m in MODES},
                               {m: stage_limits(programs[m], pieces[m][s]) for m in MODES})
         self._limits.append(limits)
-        _log.info("captured %s again for %s (%d captures)", type(model).__name__, misfit,
+        self._dtypes.append(dict(changed))
+        _log.info("captured %s again for %s (%d captures)", type(model).__name__, reason,
                   self.captures)
+
+    def _export(self, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                reason: Reason) -> dict[str, torch.export.ExportedProgram]:
+        """Both modes' graphs of the model, outlined as the first capture's."""
+        split = self._split
+        try:
+            programs = {mode: trace.export(model, args, kwargs, train=mode == "train",
+                                           preserve=split.whole) for mode in MODES}
+        except trace.ExportError as exc:
+            said = str(exc).split(". Pipe splits a model")[0]  # not the advice on rewriting
+            how = ("at these shapes" if isinstance(reason, Misfit) else
+                   f"in {', '.join(reason.dtypes)}")
+            raise _refusal(reason, f"captured again {how}, the model fails ({said})"
+                           ) from None
+        for ep in programs.values():
+            outline(ep, model, split.whole)
+        return programs
 
 
 def _stand_in(shape: list[int], dtype: str) -> torch.Tensor:
@@ -187,9 +222,12 @@ def connect(split: Any, transport: Any) -> None:
     split.lengths.exchange = exchange
 
 
-def _refusal(misfit: Misfit, why: str) -> PipeConfigError:
-    fix = ("pass batches the model takes there (truncate longer sequences, or pad shorter "
-           "ones to a size it takes)")
-    if misfit.shared:
+def _refusal(reason: Reason, why: str) -> PipeConfigError:
+    if isinstance(reason, dtypes.DtypeChange):
+        fix = reason.fix
+    elif reason.shared:
         fix = "pass inputs whose sizes agree, as the model needs"
-    return PipeConfigError(f"{misfit}, and {why}: {fix}. Nothing was computed")
+    else:
+        fix = ("pass batches the model takes there (truncate longer sequences, or pad "
+               "shorter ones to a size it takes)")
+    return PipeConfigError(f"{reason}, and {why}: {fix}. Nothing was computed")

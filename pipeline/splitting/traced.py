@@ -50,7 +50,9 @@ class TracedStage(nn.Module):
         # The model (not a child: its tensors are placed here by name): its training flag is
         # the mode, so model.eval() reaches the stages as it reaches the model's children.
         self.__dict__["_model"] = model
-        self.__dict__["_dtypes"] = {}
+        # The captures made in the model's dtypes now (lengths.py sets it before each batch;
+        # None: every capture).
+        self.__dict__["_usable"] = None
 
     @property
     def mode(self) -> str:
@@ -67,26 +69,29 @@ class TracedStage(nn.Module):
             model.train(mode)
         return self
 
-    def check_dtypes(self) -> None:
-        """Refuse tensors whose dtype changed since the graph was captured: the graph
-        baked in the casts of the dtype it saw (Llama's RMSNorm casts back to float32), so it
-        would fail or compute in another precision than the model."""
-        for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            was = self.__dict__["_dtypes"].get(name)
-            if was is not None and t.dtype != was:
-                raise PipeConfigError(
-                    f"{name} is {t.dtype}, but the model was split from a graph captured "
-                    f"with it in {was}: the graph bakes in that dtype's casts, so it would "
-                    f"not compute what the model does. Convert the model before splitting "
-                    f"it (model.to({t.dtype}), then Pipe(model, example_inputs=...)), or "
-                    f"convert it back (pipe.to({was}))")
-
     def compile(self, limits: dict[str, Limits] | None = None) -> None:
         """Generate each mode's forward, naming this stage's attributes (`limits`: the
         shapes each mode's graph takes)."""
         self.add_variant(self.__dict__.pop("_pieces"), limits)
-        self.__dict__["_dtypes"] = {name: t.dtype for name, t in
-                                    [*self.named_parameters(), *self.named_buffers()]}
+
+    def use(self, captures: frozenset[int] | None) -> None:
+        """Run only these captures (those made in the model's dtypes now; None: any)."""
+        self.__dict__["_usable"] = captures
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> TracedStage:
+        """As `nn.Module._apply`, but a capture's own constants keep the dtype their graph
+        was captured with (`pipe.to(torch.bfloat16)` and back would round them): they move
+        device only. The model's tensors convert as the model's."""
+        kept = {name: t for name, t in self._buffers.items()
+                if _internal(name) and t is not None and t.is_floating_point()}
+        for name in kept:
+            self._buffers[name] = None
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        finally:
+            for name, t in kept.items():
+                self._buffers[name] = t.to(fn(t).device)
+        return self
 
     def add_variant(self, pieces: dict[str, Piece], limits: dict[str, Limits] | None) -> None:
         """Take the stage graphs of another capture (`limits`: the shapes each mode's takes):
@@ -136,12 +141,14 @@ class TracedStage(nn.Module):
     def _variant(self, values: tuple[Any, ...], mode: str) -> Any:
         """The latest capture whose inputs these values fit (every rank captured alike)."""
         variants = self.__dict__["_variants"]
-        for variant in reversed(variants):
-            _, io, limits = variant
+        usable = self.__dict__["_usable"]
+        usable = range(len(variants)) if usable is None else sorted(usable)
+        for k in reversed(usable):
+            _, io, limits = variants[k]
             if len(io[mode][0]) == len(values) and (
                     limits is None or limits[mode].misfit(values) is None):
-                return variant
-        return variants[0]  # which says what it could not take
+                return variants[k]
+        return variants[min(usable, default=0)]  # which says what it could not take
 
     def extra_repr(self) -> str:
         return (f"index={self.index}, takes={list(self.inputs['train'])}, "
@@ -218,9 +225,6 @@ class SplitModel(nn.Sequential):
     def prepare(self, inputs: Any, chunks: int | None = None) -> tuple[Any, ...] | None:
         """Before any work: the checks a step or `pipe(x)` (with `chunks` micro-batches)
         needs, and `inputs` flattened (None, a rank without the first stage, stays None)."""
-        for stage in self:
-            if isinstance(stage, TracedStage):
-                stage.check_dtypes()
         if chunks is not None:
             self.scalars[self.mode].check(chunks, self.out_specs[self.mode])
         tensors = None if inputs is None else self.flatten(inputs)
