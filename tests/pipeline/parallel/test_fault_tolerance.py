@@ -229,6 +229,23 @@ def _logged_members(out: Path) -> list[tuple[int, ...]]:
     return [members[s] for s in range(len(members))]
 
 
+def _replay_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One committed step replayed: each present replica's gradient (its batch in 2
+    micro-batches, as trained), their average, then the optimizer."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = []
+    for x, y in batches:
+        for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
+            (nn.functional.mse_loss(model(xc), yc) * (len(xc) / len(x))).backward()
+        grads.append([p.grad for p in params])
+        optimizer.zero_grad()
+    for p, *g in zip(params, *grads, strict=True):
+        p.grad = sum(g[1:], g[0]) / len(g)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
                             members: list[tuple[int, ...]], skipped: set[int] | None = None
                             ) -> None:
@@ -247,17 +264,7 @@ def _assert_equal_to_replay(out: Path, replicas: tuple[int, ...],
             tracker += 1
             if tracker == ft_train.GROWTH_INTERVAL:
                 scale, tracker = scale * 2, 0
-        grads = []
-        for replica in present:
-            x, y = ft_train.batch(replica, step)
-            for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):  # chunks=2, as trained
-                (nn.functional.mse_loss(model(xc), yc) * (len(xc) / len(x))).backward()
-            grads.append([p.grad for p in params])
-            optimizer.zero_grad()
-        for p, *g in zip(params, *grads, strict=True):
-            p.grad = sum(g[1:], g[0]) / len(g)
-        optimizer.step()
-        optimizer.zero_grad()
+        _replay_step(model, optimizer, [ft_train.batch(r, step) for r in present])
     reference = model.state_dict()
     for rank, names in ((0, ["0.weight", "0.bias", "1.weight", "1.bias"]),
                         (1, ["2.weight", "2.bias", "3.weight", "3.bias"])):
@@ -297,17 +304,7 @@ def test_replica_groups_of_tp_or_fsdp_survive_a_lost_rank_and_heal(tmp_path: Pat
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=ft_train.LR)
     for step, present in enumerate(members):
-        grads = []
-        for replica in present:
-            x, y = ft_train.tp_batch(replica, step)
-            for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):  # chunks=2, as trained
-                (nn.functional.mse_loss(model(xc), yc) * (len(xc) / len(x))).backward()
-            grads.append([p.grad for p in params])
-            optimizer.zero_grad()
-        for p, *g in zip(params, *grads, strict=True):
-            p.grad = sum(g[1:], g[0]) / len(g)
-        optimizer.step()
-        optimizer.zero_grad()
+        _replay_step(model, optimizer, [ft_train.tp_batch(r, step) for r in present])
     finals = {(r, k): torch.load(tmp_path / f"final_{r}_{k}.pt") for r in (0, 1) for k in (0, 1)}
     for rank in (0, 1):
         a, b = finals[(0, rank)], finals[(1, rank)]
