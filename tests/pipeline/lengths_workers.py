@@ -14,7 +14,7 @@ from tests.models_lengths import batch, length_case
 from tests.models_traced import token_count, token_loss
 from tests.pipeline.reference import grads_equal
 
-__all__ = ["lengths_dp", "lengths_pp"]
+__all__ = ["dtypes_pp", "lengths_dp", "lengths_pp"]
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (tests/models_traced.py)
 
@@ -82,3 +82,31 @@ def lengths_dp(rank: int, runs: list[tuple[str, str]]) -> int:
         checked += grads_equal(model, reference, loss, expected, f"dp/{name}/{schedule}", TOL)
         pipe.close()
     return checked
+
+
+def dtypes_pp(rank: int, schedule: str) -> dict[str, Any]:
+    """Llama captured in float32, then `pipe.to(torch.float64)` on each rank (which converts
+    only its own stage): two steps, the first rank passing the inputs, the last the labels;
+    the loss and every gradient equal the unsplit model's in float64 (rounding of another
+    summation order only, ~1e-16: rtol 1e-12). Returns the gradients checked and the
+    captures after each step (every rank captured again once, together)."""
+    case = length_case("llama")
+    model, reference = case.model(), case.model().double()
+    pipe = Pipe(model, example_inputs=case.inputs, chunks=4, schedule=schedule,
+                split_points=[case.blocks[2]])
+    first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+    pipe.to(torch.float64)
+    checked, captures = 0, []
+    for seed, length in enumerate([12, 7]):
+        inputs, labels = batch("llama", length, seed=seed + 1)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        loss = pipe.step(inputs if first else None, labels if last else None, token_loss,
+                         loss_weight=token_count)
+        expected = token_loss(reference(**inputs), labels)
+        expected.backward()
+        checked += grads_equal(model, reference, loss, expected, f"float64/{length}",
+                               {"rtol": 1e-12, "atol": 1e-14})
+        captures.append(pipe._io.captures)
+    pipe.close()
+    return {"checked": checked, "captures": captures}

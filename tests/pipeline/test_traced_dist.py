@@ -16,6 +16,7 @@ import torch
 from pipeline.launch import spawn
 from pipeline.state import sharded
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.models_lengths import length_case
 from tests.pipeline import lengths_workers, tokens_workers, traced_workers
 from tests.pipeline.in_turn import InTurn, in_turn, ranks
 from tests.pipeline.sharded_workers import assert_same, snapshot, unpack
@@ -53,6 +54,7 @@ TWO_RANKS = [
     ("meta", traced_workers.meta_stage, (META_RUNS,)),
     ("lengths", lengths_workers.lengths_pp, (LENGTH_RUNS, [16, 7, 8])),
     ("token micro-batches", tokens_workers.tokens_pp, (["1f1b", "zb-h1"],)),
+    ("dtype", lengths_workers.dtypes_pp, ("zb-h1",)),
 ]
 
 
@@ -125,6 +127,18 @@ def test_batches_of_any_length_over_processes(two_ranks: InTurn) -> None:
     results = two_ranks("lengths")
     assert all(r["captures"] == [1] * len(LENGTH_RUNS) for r in results)
     assert all(r["checked"] > 0 for r in results)
+
+
+@in_turn
+def test_a_dtype_changed_after_the_split_over_processes(two_ranks: InTurn) -> None:
+    """Llama captured in float32, `pipe.to(torch.float64)` on both ranks (each converts only
+    its own stage; the rank without the first stage passes None): both ranks capture again
+    once, together, at the first step, and two steps (12 and 7 tokens) equal the unsplit
+    model in float64, every gradient checked on one rank or the other."""
+    results = two_ranks("dtype")
+    assert all(r["captures"] == [2, 2] for r in results), results
+    params = len(list(length_case("llama").model().parameters()))
+    assert sum(r["checked"] for r in results) == 2 * params
 
 
 @pytest.mark.timeout(DIST_TEST_TIMEOUT)
