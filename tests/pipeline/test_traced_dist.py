@@ -1,7 +1,7 @@
-"""Models split from their exported graphs over 2 gloo processes, against the unsplit model:
-GPT-2 (its head tied to the embedding across the two ranks), Llama (grouped-query
-attention, rotary positions, an attention mask crossing the cut), BERT (its decoder tied) and
-a U-Net (BatchNorm, skip connections over the cut). Each rank checks its own
+"""Models split from their exported graphs over 2 gloo processes (and dp x pp = 2 x 2 on 4),
+against the unsplit model: GPT-2 (its head tied to the embedding across the two ranks), Llama
+(grouped-query attention, rotary positions, an attention mask crossing the cut), BERT (its
+decoder tied) and a U-Net (BatchNorm, skip connections over the cut). Each rank checks its own
 parameters against the unsplit model it builds itself; the tests check that the ranks
 together covered the whole model."""
 
@@ -43,6 +43,7 @@ META_RUNS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
 LENGTH_RUNS = [("llama", "1f1b"), ("gpt2", "zb-v"), ("bert", "gpipe"), ("llama", "interleaved"),
                ("gpt2", "zb-h1")]
 LENGTH_DP_RUNS = [("llama", "1f1b"), ("gpt2", "zb-h1")]
+TOKEN_DP_SCHEDULES = ["1f1b", "zb-h1"]
 
 # Every scenario but the checkpoint's (a directory per test), on one set of 2 ranks in turn
 # (see tests/pipeline/in_turn.py): each rank imports transformers and torch.export's machinery
@@ -59,6 +60,14 @@ TWO_RANKS = [
 
 
 two_ranks = ranks("two_ranks", 2, TWO_RANKS)
+
+# The dp x pp = 2 x 2 scenarios, on one set of 4 ranks in turn.
+FOUR_RANKS = [
+    ("lengths dp", lengths_workers.lengths_dp, (LENGTH_DP_RUNS,)),
+    ("token micro-batches dp", tokens_workers.tokens_dp, (TOKEN_DP_SCHEDULES,)),
+]
+
+four_ranks = ranks("four_ranks", 4, FOUR_RANKS)
 
 
 @in_turn
@@ -141,11 +150,11 @@ def test_a_dtype_changed_after_the_split_over_processes(two_ranks: InTurn) -> No
     assert sum(r["checked"] for r in results) == 2 * params
 
 
-@pytest.mark.timeout(DIST_TEST_TIMEOUT)
-def test_each_replica_its_own_length() -> None:
+@in_turn
+def test_each_replica_its_own_length(four_ranks: InTurn) -> None:
     """dp x pp = 2 x 2: one replica's batch of 16 tokens, the other's of 7, in one step: the
     loss and every gradient are the unsplit model's over both batches."""
-    checked = spawn(lengths_workers.lengths_dp, 4, LENGTH_DP_RUNS, timeout=SPAWN_TIMEOUT)
+    checked = four_ranks("lengths dp")
     assert all(c > 0 for c in checked)
 
 
@@ -182,3 +191,20 @@ def test_token_micro_batches_over_two_processes(two_ranks: InTurn) -> None:
     results = two_ranks("token micro-batches")
     assert all(r["checked"] > 0 for r in results), results
     assert results[0]["loss"] == results[1]["loss"]  # every rank returns the loss
+
+
+@in_turn
+def test_token_micro_batches_under_dp_x_pp(four_ranks: InTurn) -> None:
+    """dp x pp = 2 x 2, `tokens=True`: one replica's 8 rows padded to 12, the other's 6 rows
+    padded to 9, each cut to its tokens: an (ids, mask) nn.Sequential under 1F1B and ZB-H1
+    (float64) and a Llama's own out.loss equal the unsplit model on both batches as one padded
+    batch, loss and every gradient (checked on the ranks); the two pipeline ranks of a replica
+    checked every parameter between them, and every rank returns the same loss."""
+    results = four_ranks("token micro-batches dp")
+    sequential = len(list(tokens_workers.masked_lm().parameters()))
+    llama = len(list(tokens_workers.llama().parameters()))
+    for replica in (0, 1):  # ranks 2r and 2r + 1: replica r's two stages
+        pair = results[2 * replica:2 * replica + 2]
+        assert all(r["checked"] > 0 for r in pair), results
+        assert sum(r["checked"] for r in pair) == len(TOKEN_DP_SCHEDULES) * sequential + llama
+    assert all(r["losses"] == results[0]["losses"] for r in results)

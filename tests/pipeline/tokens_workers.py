@@ -1,5 +1,6 @@
-"""Token micro-batches' models and batches, and the function tests/pipeline/test_traced_dist.py
-runs on 2 spawned gloo ranks (importable by child processes)."""
+"""Token micro-batches' models and batches, and the functions tests/pipeline/test_traced_dist.py
+runs on spawned gloo ranks: 2 pipeline ranks, and dp x pp = 2 x 2 (importable by child
+processes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pipeline import Pipe
 from tests.pipeline.reference import grads_equal
 
 __all__ = ["HF_TOL", "VOCAB", "assert_same", "llama", "masked_lm", "padded_batch", "token_loss",
-           "tokens_pp"]
+           "tokens_dp", "tokens_pp"]
 
 VOCAB = 13
 # float64: trimmed micro-batches multiply matrices of other shapes than the padded batch's, so
@@ -130,3 +131,61 @@ def tokens_pp(rank: int, schedules: list[str]) -> dict[str, Any]:
     checked += assert_same(model, reference, loss, expected, "llama", HF_TOL)
     pipe.close()
     return {"checked": checked, "loss": float(loss)}
+
+
+def _whole(shards: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The replicas' batches as one: rows concatenated, each padded (zeros; labels -100) to
+    the longest padded length."""
+    length = max(s[0].shape[1] for s in shards)
+    parts = []
+    for k in range(len(shards[0])):
+        fill = -100 if k == 2 else 0
+        parts.append(torch.cat([F.pad(s[k], (0, length - s[k].shape[1]), value=fill)
+                                for s in shards]))
+    return tuple(parts)
+
+
+# Each replica its own batch: other rows, other lengths, padded to another length.
+DP_LENGTHS = [([11, 2, 5, 9, 3, 7, 1, 4], 12), ([6, 3, 8, 2, 5, 1], 9)]
+
+
+def tokens_dp(rank: int, schedules: list[str]) -> dict[str, Any]:
+    """dp x pp = 2 x 2, token micro-batches: replica 0 trains on 8 rows padded to 12, replica
+    1 on 6 rows padded to 9, in one step; the loss and every gradient (averaged over the
+    replicas by dp's rule: each replica's token-mean weighted by its share of the global
+    tokens) equal the unsplit model's on the whole padded batch (both batches' rows, padded to
+    12). An (ids, mask) nn.Sequential under each schedule, and a Llama split from its graph
+    with its own out.loss (which weights itself by the tokens it counts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    shards = [padded_batch(lengths, length, seed=1 + r)
+              for r, (lengths, length) in enumerate(DP_LENGTHS)]
+    ids, mask, labels = shards[replica]
+    whole = _whole(shards)
+    checked, losses = 0, []
+    for schedule in schedules:
+        model = masked_lm()
+        reference = copy.deepcopy(model)
+        pipe = Pipe(model, balance=[3, 2], chunks=4, schedule=schedule, tokens=True,
+                    mesh=mesh)
+        loss = pipe.step((ids, mask), labels, token_loss,
+                         loss_weight=lambda t: (t != -100).sum())
+        expected = token_loss(reference(whole[:2]), whole[2])
+        expected.backward()
+        checked += assert_same(model, reference, loss, expected, f"dp/sequential/{schedule}")
+        losses.append(float(loss))
+        pipe.close()
+    model, reference = llama(), llama()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
+    pipe = Pipe(model, example_inputs=inputs, split_points=["model.layers.2"], chunks=4,
+                schedule=schedules[0], tokens=True, mesh=mesh)
+    loss = pipe.step(inputs, None, lambda out, y: out.loss)  # every rank holds first or last
+    expected = reference(input_ids=whole[0], attention_mask=whole[1], labels=whole[2],
+                         use_cache=False).loss
+    expected.backward()
+    checked += assert_same(model, reference, loss, expected, "dp/llama", HF_TOL)
+    losses.append(float(loss))
+    pipe.close()
+    return {"checked": checked, "losses": losses}
