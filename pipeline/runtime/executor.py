@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,10 @@ class Executor:
         self.runtimes = [StageRuntime(r, {s: partitions[s] for s in placement.stages_of(r)},
                                       devices[r], placement.num_stages, placement.rank_of,
                                       self.transport) for r in ranks]
+        # The last step's phases around its actions, (start, end) in `time.perf_counter()`:
+        # "begin" (posting receives), "finish" (its sends completed), "share" (the loss to
+        # every rank); for its anatomy (benchmarks/anatomy.py).
+        self.phases: dict[str, tuple[float, float]] = {}
         self.workers: RankWorkers | None = None
         if world is None and len(ranks) > 1:
             self.workers = RankWorkers(devices)
@@ -80,10 +85,12 @@ class Executor:
         self.transport.check_usable()  # after a failure, messages of it may be in flight
         if schedule.placement != self._placement:
             raise AssertionError("the executor runs lowered schedules of its own placement")
+        self.phases = {}
         if self.world is not None:
             self._run_rank(schedule, step, result)
         else:
-            self.transport.begin(schedule)
+            with self._phase("begin"):
+                self.transport.begin(schedule)
             self._run_threads(schedule, step, result)
         timeline = Timeline(
             schedule.num_ranks, tuple(e for rt in self.runtimes for e in rt.events), "s",
@@ -114,9 +121,16 @@ class Executor:
             return values
         assert isinstance(self.transport, ProcessTransport)
         try:
-            return collectives.share(self.transport, values, src, self.world[1], shape)
+            with self._phase("share"):
+                return collectives.share(self.transport, values, src, self.world[1], shape)
         except (PipelineAborted, PeerFailure) as exc:
             raise PipelineError(str(exc)) from None
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.phases[name] = (start, time.perf_counter())
 
     def _who(self, rank: int) -> str:
         """A rank and its device, with its place in the mesh under data parallelism."""
@@ -201,9 +215,11 @@ class Executor:
         assert self.world is not None
         rank, rt, transport = self.world[0], self.runtimes[0], self.transport
         try:
-            transport.begin(schedule)  # posts receives: a peer that died already fails here
+            with self._phase("begin"):  # posts receives: a peer that died already fails here
+                transport.begin(schedule)
             rt.run(schedule.actions[rank], step, result)
-            transport.finish()
+            with self._phase("finish"):
+                transport.finish()
         except PipelineAborted as exc:  # another rank failed and said so
             _log.info("rank %d: step aborted: %s", rank, exc)
             raise PipelineError(str(exc)) from None

@@ -95,6 +95,13 @@ class StageRuntime:
         self.rng = RngReplay(device)
         self.buffers = BufferGuard()
         self.events: list[Event] = []
+        # The rest of a step's time, for its anatomy (benchmarks/anatomy.py), in seconds from
+        # the step's t0 as `events`: each wait for a peer's message, each SEND/RECV action,
+        # and the run's first and last instants. A clock read and an append per message.
+        self.waits: list[tuple[Message, float, float]] = []
+        self.comm: list[Event] = []
+        self.span = (0.0, 0.0)
+        self._t0 = 0.0
         self.peak_stashed = 0
         self.released_bytes = 0
         self.stashed_bytes = 0
@@ -124,7 +131,7 @@ class StageRuntime:
     # -- driving ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         """Execute this rank's lowered actions for one step."""
-        self.events = []
+        self.events, self.waits, self.comm = [], [], []
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
         self.released_bytes = self.activation_bytes = self.peak_activation_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox, self._rows):
@@ -134,7 +141,9 @@ class StageRuntime:
             self._run(actions, step, result)
 
     def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
-        events, t0, clock = self.events, step.t0, time.perf_counter
+        events, comm, t0, clock = self.events, self.comm, step.t0, time.perf_counter
+        self._t0 = t0
+        first = clock()
         for action in actions:
             self.current = action
             self._ready = clock()
@@ -143,6 +152,9 @@ class StageRuntime:
                 # Compute (and sync) time only: waiting for a peer's data is idle time (a
                 # bubble), so the clock starts when the handler has its inputs (see _take).
                 events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+            else:
+                comm.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+        self.span = (first - t0, clock() - t0)
         self.current = None
         if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
             raise AssertionError(f"rank {self.rank}: left {sorted(self._stash)} stashed and "
@@ -166,9 +178,13 @@ class StageRuntime:
         msg = message(action)
         self.transport.post(msg, self.rank_of(source_stage(msg)))
 
-    def mark_ready(self, when: float) -> None:
-        """The current action has its inputs from now on (`time.perf_counter()`)."""
-        self._ready = when
+    def wait_for(self, msg: Message, src: int) -> tuple[Any, ...]:
+        """`msg` from rank `src`, waited for; the current action has its inputs from then on."""
+        waited = time.perf_counter()
+        values = self.transport.wait(msg, src, self.device)
+        self._ready = time.perf_counter()
+        self.waits.append((msg, waited - self._t0, self._ready - self._t0))
+        return values
 
     def _take(self, msg: Message, src_stage: int) -> tuple[Any, ...]:
         """The data `msg` carries: from this rank's own stage, or waited for from a peer."""
@@ -177,8 +193,7 @@ class StageRuntime:
             values = self._local.pop(msg)
             return move(values, self.device, grad_flags=[
                 isinstance(v, torch.Tensor) and v.requires_grad for v in values])
-        values = self.transport.wait(msg, src, self.device)
-        self._ready = time.perf_counter()
+        values = self.wait_for(msg, src)
         if msg[0] == "F":
             self._rows[msg[2]] = values[-1].shape[0]
             values = like(values, values[:-1])

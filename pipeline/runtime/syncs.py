@@ -9,7 +9,6 @@ overtake or be overtaken by them; a link between stages of one rank moves nothin
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,9 +80,7 @@ def handlers(rt: StageRuntime) -> dict[Op, Handler]:
         src = rt.rank_of(peer)
         if src == rt.rank:
             return None
-        values = rt.transport.wait((kind, stage, peer), src, rt.device)
-        rt.mark_ready(time.perf_counter())
-        return values
+        return rt.wait_for((kind, stage, peer), src)
 
     def tie_set(action: Action, step: StepInputs, result: StepResult) -> None:
         copy, owner = action.stage, action.microbatch
