@@ -24,6 +24,7 @@ from viz.limits import (
     check_schedule,
     check_timeline,
 )
+from viz.measured import over_predicted
 from viz.render_dot import MAX_NODES, dot_to_image, render_dot
 from viz.render_png import render_png
 from viz.render_svg import render_svg
@@ -94,6 +95,7 @@ examples:
   pipeviz 2bw -p 4 -m 4 --batches 3
   pipeviz schedule.csv
   pipeviz timeline.json -o run.svg
+  pipeviz timeline.json --predicted -o run.svg              (measured over predicted)
   pipeviz 1f1b -p 4 -m 8 --format chrome -o trace.json      (open in ui.perfetto.dev)
   pipeviz 1f1b -p 2 -m 3 --format dot -o graph.svg          (dependency graph, critical path)
   pipeviz compare gpipe 1f1b interleaved zb-h1 -p 4 -m 8 --format svg -o compare.svg
@@ -117,6 +119,11 @@ exit status: 0 drawn; 1 the schedule is invalid (drawn, failing step marked); 2 
                              "F=1,B=2,I=1,W=1,U=0,comm=0)")
     parser.add_argument("--lower", action="store_true",
                         help="insert the SEND/RECV actions before drawing")
+    parser.add_argument("--predicted", action="store_true",
+                        help="a measured timeline: draw it above the simulator's prediction of "
+                             "the same step (its schedule from the timeline, each op's median "
+                             "duration per stage and the median message delay as costs); "
+                             "with --format json, write the prediction")
     parser.add_argument("--syncs", type=_syncs, default=None, metavar="SYNCS",
                         help="draw the step's program with these syncs placed, e.g. "
                              "'ties=0:3 dp scaler' (tied weights of stage 0 copied on stage 3, "
@@ -172,6 +179,8 @@ def _main(args: argparse.Namespace) -> int:
         if comparing and getattr(args, attr) is not None and attr not in used:
             # Comparing, an option no compared schedule takes is a mistake, not a default.
             raise _UsageError(f"{flag} applies to none of {', '.join(sources)}")
+    if args.predicted:
+        return _predicted(loaded, sources, args, fmt, comparing)
     costs = args.costs or Costs()
     if fmt == "dot":
         return _dot(loaded[0], args, costs)
@@ -184,15 +193,8 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. per-stage costs that do not match the stages
         raise _UsageError(str(exc)) from None
     layouts = target.layouts if isinstance(target, Comparison) else (target,)
-    if fmt == "text":
-        _write(args, render_text(target, width=_width(args), color=_color(args)))
-    elif fmt == "svg":
-        _write(args, render_svg(target))
-    elif fmt == "png":
-        try:
-            _write(args, render_png(target))
-        except RuntimeError as exc:  # no Pillow
-            raise _UsageError(str(exc)) from None
+    if fmt in ("text", "svg", "png"):
+        _draw(args, fmt, target)
     else:
         assert isinstance(target, Layout) and target.timeline is not None
         timeline = target.timeline
@@ -211,6 +213,39 @@ def _main(args: argparse.Namespace) -> int:
         assert lay.failure is not None
         _say_invalid(lay.title, lay.failure.message)
     return 1 if failed else 0
+
+
+def _draw(args: argparse.Namespace, fmt: str, target: Layout | Comparison) -> None:
+    if fmt == "text":
+        _write(args, render_text(target, width=_width(args), color=_color(args)))
+    elif fmt == "svg":
+        _write(args, render_svg(target))
+    else:
+        try:
+            _write(args, render_png(target))
+        except RuntimeError as exc:  # no Pillow
+            raise _UsageError(str(exc)) from None
+
+
+def _predicted(loaded: Sequence[Schedule | Timeline], sources: Sequence[str],
+               args: argparse.Namespace, fmt: str, comparing: bool) -> int:
+    """`--predicted`: the measured timeline above its prediction (or the prediction as JSON)."""
+    measured = loaded[0]
+    if comparing or not isinstance(measured, Timeline) or measured.unit != "s":
+        raise _UsageError(f"--predicted takes one measured timeline (a .json a run wrote), not "
+                          f"{' '.join(sources)}")
+    if fmt not in ("text", "svg", "png", "json"):
+        raise _UsageError(f"--predicted draws text, svg or png (or writes json), not {fmt}")
+    try:
+        target = over_predicted(measured)
+    except (ScheduleError, ValueError) as exc:
+        raise _UsageError(f"{sources[0]}: cannot predict it: {exc}") from None
+    guess = target.layouts[1].timeline
+    if fmt == "json" and guess is not None:
+        _write(args, guess.to_json() + "\n")
+    else:
+        _draw(args, fmt, target)
+    return 0
 
 
 def _say_invalid(name: str, message: str) -> None:
