@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.stats import comm_latency, idle_not_waiting
+from pipeline.planner.intervals import interval, quantile
 from schedules import Timeline
 
 __all__ = ["Anatomy", "Standing", "anatomy", "bootstrap", "decompose", "error_summary",
@@ -49,23 +50,6 @@ def standing(times: Times, eligible: Sequence[bool], target: int,
     if not any(eligible):
         raise ValueError("no configuration is eligible: nothing to rank against")
     return _standing(_medians(times, rounds), eligible, target)
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The `q`-quantile of `values` (linear between order statistics)."""
-    data = sorted(values)
-    if not data:
-        raise ValueError("a quantile of no values")
-    pos = q * (len(data) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
-    """The central percentile interval holding `level` of `values`."""
-    tail = (1 - level) / 2
-    return quantile(values, tail), quantile(values, 1 - tail)
 
 
 def bootstrap(times: Times, eligible: Sequence[bool], targets: Sequence[int], *,

@@ -17,6 +17,7 @@ from pipeline.planner.result import Plan, PlanError, format_table, no_fit
 from pipeline.planner.search import search
 from pipeline.planner.space import CHECKPOINTS, Space
 from pipeline.planner.tensor import TensorSharding, mesh_shapes, sharding_of
+from pipeline.planner.trials import check_trials, run_trials
 from pipeline.splitting.traced import SplitModel
 
 __all__ = ["Plan", "PlanError", "format_bytes", "format_table", "plan", "plan_profile"]
@@ -171,7 +172,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
          contention: float | None = None, tp_plan: Mapping[str, Any] | None = None,
          tp_sizes: Sequence[int] | None = None, ranks_per_host: int | None = None,
          host_link: Link | None = None,
-         microbatch_rows: Sequence[int] | None = None) -> Plan:
+         microbatch_rows: Sequence[int] | None = None, trials: int | None = 0,
+         trial_rounds: int = 5, trial_steps: int = 2, trial_warmup: int = 1) -> Plan:
     """Choose how to pipeline `model` over `ranks` ranks within `memory_per_rank` bytes each.
 
     `sample` and `target` are one (global) batch, `loss_fn` the loss. A `SplitModel` (see
@@ -189,6 +191,12 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     measuring the transport (`measure_link`) and, when the ranks are CPUs, how much ranks
     computing at once slow each other (`measure_contention`); pass `profile`, `link` or
     `contention` to reuse measurements.
+    With `trials=k` (default 0: by prediction alone) the k best predicted candidates that fit
+    run where the plan is for (threads here; with processes, `plan` is called on every rank of
+    the launched group), on copies of the model and this batch: `trial_warmup` untimed and
+    `trial_steps` timed steps a turn, every candidate a turn in each of `trial_rounds` rounds
+    (shuffled orders); the plan is the measured fastest (`measured_step_time`, `trials`); see
+    `pipeline.planner.trials`. The model's weights and gradients are left as they were.
     Raises `PlanError` (a `ValueError`) naming the smallest budget that would fit when no
     candidate fits.
     """
@@ -197,6 +205,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                               f"{type(model).__name__})")
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise PipeConfigError(f"ranks must be an int >= 1 (got {ranks!r})")
+    k, rounds, steps, warmup = check_trials(trials, trial_rounds, trial_steps, trial_warmup)
+    given = (sample, target, loss_fn)  # a trial's Pipe takes the batch as the model does
     if isinstance(model, SplitModel):  # pieces of a model split at its blocks
         sample, loss_fn = model.flatten(sample), model.with_outputs(loss_fn, "train")
     if transport not in TRANSPORTS:
@@ -210,6 +220,10 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     if devices is not None and transport == "threads" and len(devices) != ranks:
         raise PipeConfigError(f"give one device per rank: {ranks} ranks, {len(devices)} "
                               f"devices {list(devices)}")
+    if k:
+        from pipeline.planner.trial_runs import check_launch
+
+        check_launch(transport, ranks)  # before anything is measured
     sharding = sharding_of(model, tp_plan) if tp_plan is not None else None
     per_host = ranks if ranks_per_host is None else _whole("ranks_per_host", ranks_per_host)
     tps = _tensor_sizes(tp_sizes, ranks, per_host, sharding)
@@ -231,13 +245,17 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
         on_cpu = devices is None or all(str(d).startswith("cpu") for d in devices)
         contention = (measure_contention(model, sample, ranks=ranks)
                       if on_cpu and ranks > 1 and sample is not None else 1.0)
-    return plan_profile(profile, ranks=ranks, memory_per_rank=memory_per_rank, link=link,
-                        schedules=schedules, optimizer=optimizer, chunks=chunks,
-                        microbatch_rows=microbatch_rows, checkpoints=checkpoints,
-                        data_parallel=dps, max_stages_per_rank=max_stages_per_rank,
-                        contention=contention, sharding=sharding, tp_sizes=tps,
-                        ranks_per_host=ranks_per_host, host_link=host_link, tp_plan=tp_plan,
-                        devices=devices, transport=transport)
+    p = plan_profile(profile, ranks=ranks, memory_per_rank=memory_per_rank, link=link,
+                     schedules=schedules, optimizer=optimizer, chunks=chunks,
+                     microbatch_rows=microbatch_rows, checkpoints=checkpoints,
+                     data_parallel=dps, max_stages_per_rank=max_stages_per_rank,
+                     contention=contention, sharding=sharding, tp_sizes=tps,
+                     ranks_per_host=ranks_per_host, host_link=host_link, tp_plan=tp_plan,
+                     devices=devices, transport=transport)
+    if k == 0:
+        return p
+    return run_trials(p, model, *given, k=k, rounds=rounds, steps=steps, warmup=warmup,
+                      transport=transport)
 
 
 def _batch_rows(sample: Any) -> int:

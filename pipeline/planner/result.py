@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import ModelProfile
@@ -15,6 +15,9 @@ from pipeline.planner.search import predict
 from pipeline.planner.space import Candidate
 from pipeline.planner.tensor import TensorSharding
 from schedules import Timeline
+
+if TYPE_CHECKING:
+    from pipeline.planner.trials import Trials
 
 __all__ = ["Plan", "PlanError", "format_table", "no_fit"]
 
@@ -37,7 +40,9 @@ class Plan:
     configuration considered, the chosen one first. `Pipe(model, **plan.pipe_kwargs())`
     builds it. `tp` > 1: each stage is split over `tp` ranks of one host by `tp_plan`
     (`sharding`: what the planner took it to split; `host_link`: its collectives' link;
-    `ranks_per_host`: ranks to a host)."""
+    `ranks_per_host`: ranks to a host). Planned with `trials=k`: `measured_step_time` and
+    `measured_interval` (its 95% bootstrap interval over rounds) are the chosen one's measured
+    step, `trials` every trial's measurements, `calibration` measured / predicted."""
 
     balance: tuple[int, ...]
     schedule: str
@@ -63,6 +68,25 @@ class Plan:
     sharding: TensorSharding | None = None
     host_link: Link | None = None
     ranks_per_host: int | None = None
+    measured_step_time: float | None = None
+    measured_interval: tuple[float, float] | None = None
+    trials: Trials | None = None
+
+    @property
+    def calibration(self) -> float | None:
+        """The median over the trials of measured / predicted step (None without trials)."""
+        return None if self.trials is None else self.trials.calibration
+
+    def calibrated_profile(self) -> ModelProfile:
+        """The profile with every layer's seconds scaled by `calibration`, for the next
+        `plan(..., profile=p.calibrated_profile(), link=p.link)`: predictions then match the
+        trials' measured steps on average, the error put on compute (links stay as measured)."""
+        from pipeline.planner.trials import scaled_profile
+
+        if self.calibration is None:
+            raise PipeConfigError("calibrated_profile needs measurements: plan with trials=k "
+                                  "(k >= 1) to run the best predicted candidates first")
+        return scaled_profile(self.profile, self.calibration)
 
     @property
     def chosen(self) -> Candidate:
@@ -172,24 +196,37 @@ class Plan:
             lines.append(f"tensor parallelism within hosts of {self.ranks_per_host} ranks; its "
                          f"all-reduces: 2(tp-1) x ({lat * 1e6:.1f} us + bytes/tp x "
                          f"{per * 1e9:.3f} ns/byte)")
+        if self.trials is not None and self.measured_step_time is not None:
+            lo, hi = self.measured_interval or (math.nan, math.nan)
+            t = self.trials
+            lines.insert(2, f"measured step {self.measured_step_time * 1e3:.2f} ms (95% "
+                         f"interval {lo * 1e3:.2f} - {hi * 1e3:.2f} ms), the fastest of "
+                         f"{len(t.trials)} trials over {len(t.orders)} rounds "
+                         f"({t.seconds:.1f} s of trials); measured / predicted "
+                         f"{t.calibration:.2f}")
         return "\n".join(lines)
 
 
 def format_table(candidates: Sequence[Candidate], limit: int | None = 20) -> str:
     """Candidates as aligned text: schedule, dp x pp x tp, chunks, checkpoint, balance,
     predicted step and largest rank's peak, verdict and why."""
-    head = ("schedule", "dp x pp x tp", "chunks", "rows", "checkpoint", "step ms", "peak",
-            "status", "balance / why")
+    # A measured column only when trials ran, so a plain plan's table reads as it always has.
+    measured = any(c.measured_step_time is not None for c in candidates)
+    head: tuple[str, ...] = ("schedule", "dp x pp x tp", "chunks", "rows", "checkpoint",
+                             "step ms", *(("measured ms",) if measured else ()), "peak",
+                             "status", "balance / why")
     rows = [head]
     shown = list(candidates if limit is None else candidates[:limit])
     for c in shown:
         why = f"{list(c.balance)}" if c.balance and c.fits else ""
         if c.reason:
             why = f"{why} {c.reason}".strip()
+        got = (f"{c.measured_step_time * 1e3:.2f}",) if c.measured_step_time is not None \
+            else ("-",)
         rows.append((c.label, f"{c.dp} x {c.pp} x {c.tp}", str(c.chunks), str(c.rows),
                      c.checkpoint, f"{c.step_time * 1e3:.2f}" if c.step_time is not None
-                     else "-", format_bytes(max(c.peak_bytes)) if c.peak_bytes else "-",
-                     c.status, why))
+                     else "-", *(got if measured else ()),
+                     format_bytes(max(c.peak_bytes)) if c.peak_bytes else "-", c.status, why))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths, strict=True)) + "  "
              + r[-1] for r in rows]

@@ -65,7 +65,8 @@ class Configuration:
 class Candidate(Configuration):
     """One configuration and what the search found. `status`: "chosen", "fits" (simulated),
     "pruned" (its lower bound is no faster than the chosen step), "over budget", "impossible".
-    Times are seconds per step, bytes are per pipeline rank."""
+    Times are seconds per step, bytes are per pipeline rank. A candidate run by `plan(...,
+    trials=k)` carries its measured median step and that median's 95% interval."""
 
     status: str
     reason: str
@@ -75,6 +76,8 @@ class Candidate(Configuration):
     peak_bytes: tuple[float, ...] | None = None
     activation_bytes: tuple[float, ...] | None = None
     allreduce_time: float = 0.0
+    measured_step_time: float | None = None
+    measured_interval: tuple[float, float] | None = None
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -28,3 +28,21 @@ def step_planned(rank: int, dp: int, pp: int, kwargs: dict[str, Any]) -> float:
         expected = loss(spec.build()(x), y)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (rank, got, expected)
     return float(got)
+
+
+def plan_with_trials(rank: int) -> tuple[Any, ...]:
+    """Every rank plans the tiny model with trials over gloo, profiling it itself; what each
+    chose and measured."""
+    from pipeline import plan
+    from pipeline.planner import Link
+
+    spec = get_model("tiny")
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    p = plan(model, x, y, loss, ranks=2, memory_per_rank=None, transport="gloo",
+             link=Link("gloo", 1e-4, 1e-9), contention=1.0, chunks=[1, 2], repeats=1,
+             schedules=["gpipe", "1f1b"], checkpoints=["never"], trials=3, trial_rounds=2,
+             trial_steps=1, trial_warmup=0)
+    assert p.trials is not None and p.measured_step_time is not None
+    return (p.schedule, p.chunks, p.dp, p.pp, p.balance, p.measured_step_time,
+            [t.times for t in p.trials.trials],
+            sorted({(t.candidate.dp, t.candidate.pp) for t in p.trials.trials}))

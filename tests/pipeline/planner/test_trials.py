@@ -1,0 +1,144 @@
+"""plan(..., trials=k): the best predicted candidates measured in interleaved rounds, the
+measured fastest chosen, the caller's model untouched."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline.pipe
+from benchmarks.models import get_model
+from pipeline import Plan, plan
+from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.planner import Link, ModelProfile, profile_model
+
+_SLEEP = 0.03  # seconds added to each step of the slowed candidate: far above the tiny step
+
+
+@functools.cache
+def _profile() -> ModelProfile:
+    spec = get_model("tiny")
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    return profile_model(model, x, y, loss, rows=[8], repeats=1)
+
+
+def _plan(model: nn.Sequential | None = None, **kw: Any) -> Plan:
+    spec = get_model("tiny")
+    (x, y), loss = spec.batch(), spec.loss()
+    return plan(spec.build() if model is None else model, x, y, loss, ranks=2,
+                memory_per_rank=None, profile=_profile(), link=Link("threads", 2e-5, 0.0),
+                contention=1.0, chunks=[2], checkpoints=["never"],
+                schedules=["gpipe", "1f1b", "zb-h1"], **kw)
+
+
+class _Logged(pipeline.pipe.Pipe):
+    """A Pipe that logs each one built (one per turn) and sleeps in each step of `slow`."""
+
+    log: ClassVar[list[str]] = []
+    slow: ClassVar[str] = ""
+
+    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.log.append(kwargs["schedule"])
+        self._slowed = kwargs["schedule"] == self.slow
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._slowed:
+            time.sleep(_SLEEP)
+        return super().step(*args, **kwargs)
+
+
+def test_a_slow_candidate_is_not_chosen_though_predicted_fastest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    predicted = _plan()
+    monkeypatch.setattr(_Logged, "log", [])
+    monkeypatch.setattr(_Logged, "slow", predicted.schedule)
+    monkeypatch.setattr(pipeline.pipe, "Pipe", _Logged)
+    p = _plan(trials=3, trial_rounds=3, trial_steps=1, trial_warmup=1)
+    assert p.trials is not None
+    trials = p.trials.trials
+    # The predicted fastest is the first trial, the trials in predicted order.
+    assert trials[0].candidate.schedule == predicted.schedule
+    assert [t.predicted for t in trials] == sorted(t.predicted for t in trials)
+    assert p.schedule != predicted.schedule and p.chosen.schedule == p.schedule
+    assert trials[0].median >= _SLEEP > p.measured_step_time  # type: ignore[operator]
+    assert p.measured_step_time == min(t.median for t in trials)
+    assert p.chosen.measured_step_time == p.measured_step_time and p.chosen.status == "chosen"
+    lo, hi = p.measured_interval  # type: ignore[misc]
+    assert lo <= p.measured_step_time <= hi
+    # Every candidate took one turn in each round, in that round's recorded order.
+    orders = p.trials.orders
+    assert len(orders) == 3 and all(sorted(o) == [0, 1, 2] for o in orders)
+    assert _Logged.log == [trials[i].candidate.schedule for o in orders for i in o]
+    assert all(len(t.times) == 3 and all(len(r) == 1 for r in t.times) for t in trials)
+    assert [c.status for c in p.candidates].count("chosen") == 1
+    assert "measured step" in p.summary() and "measured ms" in p.table()
+    assert p.schedule in p.trials.table()
+
+
+def test_the_models_weights_gradients_and_random_state_are_untouched() -> None:
+    spec = get_model("tiny")
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    loss(model(x), y).backward()  # the caller's gradients, which planning must leave alone
+    before = {n: (q, q.detach().clone(), q.grad, q.grad.clone())
+              for n, q in model.named_parameters() if q.grad is not None}
+    rng = torch.get_rng_state()
+    p = _plan(model, trials=2, trial_rounds=2, trial_steps=1, trial_warmup=0)
+    assert p.trials is not None and len(p.trials.trials) == 2
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = dict(model.named_parameters())
+    assert before and set(after) >= set(before)
+    for n, (q, value, grad, grad_value) in before.items():
+        assert after[n] is q and torch.equal(q, value)
+        assert q.grad is grad and torch.equal(q.grad, grad_value)
+
+
+def test_calibration_is_the_median_ratio_and_scales_the_profile() -> None:
+    p = _plan(trials=2, trial_rounds=2, trial_steps=1, trial_warmup=0)
+    assert p.trials is not None and p.calibration is not None
+    ratios = [t.median / t.candidate.step_time for t in p.trials.trials]  # type: ignore[operator]
+    assert p.calibration == pytest.approx(statistics.median(ratios))
+    scaled = p.calibrated_profile()
+    assert scaled.at(8).forward == pytest.approx([v * p.calibration
+                                                  for v in p.profile.at(8).forward])
+    assert scaled.at(8).saved_bytes == p.profile.at(8).saved_bytes
+    with pytest.raises(PipeConfigError, match="trials=k"):
+        _plan().calibrated_profile()
+
+
+@pytest.mark.parametrize(("kw", "error", "says"), [
+    ({"trials": -1}, PipeConfigError, r"trials must be an int >= 0.*got -1\).*trials=3"),
+    ({"trials": 1.5}, PipeTypeError, r"trials must be an int >= 0.*got 1\.5, a float"),
+    ({"trials": True}, PipeTypeError, r"trials must be an int >= 0.*got True, a bool"),
+    ({"trials": 2, "trial_rounds": 1}, PipeConfigError, r"trial_rounds must be an int >= 2"),
+    ({"trials": 2, "trial_steps": 0}, PipeConfigError, r"trial_steps must be an int >= 1"),
+])
+def test_bad_trial_settings_say_the_rule(kw: dict[str, Any], error: type[Exception],
+                                         says: str) -> None:
+    with pytest.raises(error, match=says):
+        _plan(**kw)
+
+
+def test_trials_over_processes_need_the_launched_ranks() -> None:
+    spec = get_model("tiny")
+    (x, y), loss = spec.batch(), spec.loss()
+    with pytest.raises(PipeConfigError, match=r"every rank of a process group of ranks=2.*"
+                                              r"no process group"):
+        plan(spec.build(), x, y, loss, ranks=2, memory_per_rank=None, transport="gloo",
+             trials=2)
+
+
+@pytest.mark.dist
+def test_trials_over_gloo_run_on_every_rank_and_agree() -> None:
+    from pipeline.launch import spawn
+    from tests.pipeline.planner import plan_workers
+
+    got = spawn(plan_workers.plan_with_trials, 2, timeout=120)
+    assert got[0] == got[1]  # the same choice and the same (slowest rank's) step times
+    assert got[0][-1] == [(1, 2), (2, 1)]  # a pipeline and two replicas (on a mesh) ran
