@@ -30,7 +30,8 @@ from pipeline.parallel.fault_tolerance import (
     check_installed,
 )
 
-__all__ = ["HEARTBEAT_TIMEOUT_MS", "RUST_LOG_DEFAULT", "ReplicaGroup", "run_replicas"]
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RUST_LOG_DEFAULT", "ReplicaGroup",
+           "run_replicas"]
 
 _log = logging.getLogger("pipeline.launch")
 
@@ -38,6 +39,12 @@ _log = logging.getLogger("pipeline.launch")
 # quorum without it: the bound on a survivor's wait after a SIGKILL (torchft's default, 5 s,
 # would take the whole budget the docs promise).
 HEARTBEAT_TIMEOUT_MS = 1000
+# How long a quorum waits for a replica that is alive (heartbeating) but has not asked to join
+# yet: one still in its step, or starting. Short, two replicas each alone in a quorum at the
+# same step would both commit it and from then on train apart (torchft 0.2's lighthouse has no
+# majority rule); so a live replica is waited for as long as a step may take, and a dead one
+# is dropped by its heartbeats.
+JOIN_TIMEOUT_MS = 60_000
 
 # torchft's Rust side (lighthouse, managers) logs through RUST_LOG, at INFO by default: a few
 # lines per rank per step, thousands a run. Warnings and errors only, unless the user set it.
@@ -149,6 +156,7 @@ def _lighthouse(rust_log: str) -> Any:
         # one. Its address() names the host, which may resolve to another interface: callers
         # use the port alone.
         return LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
+                                join_timeout_ms=JOIN_TIMEOUT_MS,
                                 heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
     finally:
         if before is None:
