@@ -50,7 +50,6 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipeline import Pipe
-from tests import models_tp
 
 WIDTH = 16
 LR = 0.01
@@ -231,6 +230,8 @@ def _mesh_pipe(layout: str) -> Pipe:
     """--layout tp: each replica group is one stage over 2 tp ranks (column then row);
     replicate or fsdp: one stage on 2 dp ranks of the group, each taking half the rows."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from tests import models_tp  # run as a file: the repository must be on PYTHONPATH
 
     torch.distributed.init_process_group("gloo")
     if layout == "tp":
