@@ -254,7 +254,7 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
           layout: str = "") -> None:
     pipe = (_mesh_pipe(layout) if layout else
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
-    tp = bool(layout)  # the tests' tp MLP and its data
+    mlp = bool(layout)  # a mesh layout: the tests' tp MLP and its data
     rank = int(os.environ["RANK"])
     killer = Killer(out, kills, pipe.replica_id, rank)
     heal = killer.heal_armed()
@@ -276,7 +276,7 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
         step = pipe.committed_steps
         killer.arm(step)
         begun = time.monotonic()
-        x, y = (tp_batch if tp else batch)(pipe.replica_id, step)
+        x, y = (tp_batch if mlp else batch)(pipe.replica_id, step)
         if pipe.mesh is not None and pipe.mesh.dp_size > 1:  # this dp rank's rows
             x, y = x.chunk(pipe.mesh.dp_size)[pipe.mesh.dp_rank], y.chunk(
                 pipe.mesh.dp_size)[pipe.mesh.dp_rank]
@@ -294,8 +294,8 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
                               "members": list(pipe.participants)}) + "\n")
         log.flush()
         time.sleep(max(0.0, begun + min_step_s - time.monotonic()))
-    torch.save({"model": _full(pipe.state_dict()) if tp else pipe.state_dict(),
-                "optimizer": _full(optimizer.state_dict()) if tp else optimizer.state_dict(),
+    torch.save({"model": _full(pipe.state_dict()) if mlp else pipe.state_dict(),
+                "optimizer": _full(optimizer.state_dict()) if mlp else optimizer.state_dict(),
                 "committed_steps": pipe.committed_steps,
                 "scaler": scaler.state_dict() if scaler is not None else None},
                os.path.join(out, f"final_{pipe.replica_id}_{rank}.pt"))

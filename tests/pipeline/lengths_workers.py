@@ -20,6 +20,20 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, summation order only (tests/models_t
 
 
 
+def _step_equal(pipe: Pipe, model: nn.Module, reference: nn.Module, inputs: dict[str, Any],
+                labels: torch.Tensor, what: str, tol: dict[str, float]) -> int:
+    """One step from zeroed gradients, the first rank passing the inputs and the last the
+    labels, against the unsplit model's: the gradients this rank checked."""
+    first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    loss = pipe.step(inputs if first else None, labels if last else None, token_loss,
+                     loss_weight=token_count)
+    expected = token_loss(reference(**inputs), labels)
+    expected.backward()
+    return grads_equal(model, reference, loss, expected, what, tol)
+
+
 def lengths_pp(rank: int, runs: list[tuple[str, str]], lengths: list[int]) -> dict[str, Any]:
     """Per (model, schedule): captured at 12, trained at each of `lengths`, the first rank
     passing the inputs, the last the labels, the others None (the ranks agree on the shapes);
@@ -31,16 +45,10 @@ def lengths_pp(rank: int, runs: list[tuple[str, str]], lengths: list[int]) -> di
         two = schedule in ("interleaved", "zb-v")
         pipe = Pipe(model, example_inputs=case.inputs, chunks=4, schedule=schedule,
                     split_points=case.blocks[1:] if two else [case.blocks[2]])
-        first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+        first = 0 in pipe.local_stages
         for seed, length in enumerate(lengths):
             inputs, labels = batch(name, length, seed=seed + 1)
-            model.zero_grad(set_to_none=True)
-            reference.zero_grad(set_to_none=True)
-            loss = pipe.step(inputs if first else None, labels if last else None, token_loss,
-                             loss_weight=token_count)
-            expected = token_loss(reference(**inputs), labels)
-            expected.backward()
-            checked += grads_equal(model, reference, loss, expected,
+            checked += _step_equal(pipe, model, reference, inputs, labels,
                                    f"{name}/{schedule}/{length}", TOL)
         inputs, _ = batch(name, 20, rows=6, seed=9)
         model.eval()
@@ -94,18 +102,11 @@ def dtypes_pp(rank: int, schedule: str) -> dict[str, Any]:
     model, reference = case.model(), case.model().double()
     pipe = Pipe(model, example_inputs=case.inputs, chunks=4, schedule=schedule,
                 split_points=[case.blocks[2]])
-    first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
     pipe.to(torch.float64)
     checked, captures = 0, []
     for seed, length in enumerate([12, 7]):
         inputs, labels = batch("llama", length, seed=seed + 1)
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        loss = pipe.step(inputs if first else None, labels if last else None, token_loss,
-                         loss_weight=token_count)
-        expected = token_loss(reference(**inputs), labels)
-        expected.backward()
-        checked += grads_equal(model, reference, loss, expected, f"float64/{length}",
+        checked += _step_equal(pipe, model, reference, inputs, labels, f"float64/{length}",
                                {"rtol": 1e-12, "atol": 1e-14})
         captures.append(pipe._io.captures)
     pipe.close()
