@@ -204,6 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "[ft] extra; the script builds Pipe(..., fault_tolerance=True))")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --replicas: restarts allowed per replica group")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None,
+                        help="with --replicas: seconds without a heartbeat after which the "
+                             "lighthouse drops a replica group (default 1; longer on a loaded "
+                             "host, where a live group's heartbeats may stall)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -211,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
     if not ns.init_timeout > 0:
         parser.error(f"--init-timeout must be > 0 seconds (got {ns.init_timeout})")
+    if ns.heartbeat_timeout is not None and not ns.heartbeat_timeout > 0:
+        parser.error(f"--heartbeat-timeout must be > 0 seconds (got {ns.heartbeat_timeout})")
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     if ns.replicas is not None:
         from pipeline.errors import PipeConfigError
@@ -218,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return run_replicas(ns.script, ns.args, replicas=ns.replicas, nproc=ns.nproc,
-                                max_restarts=ns.max_restarts, init_timeout_env=extra)
+                                max_restarts=ns.max_restarts, init_timeout_env=extra,
+                                heartbeat_timeout=ns.heartbeat_timeout)
         except PipeConfigError as exc:
             parser.error(str(exc))
     store, port = host_store()

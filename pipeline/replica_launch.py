@@ -37,7 +37,10 @@ _log = logging.getLogger("pipeline.launch")
 
 # The lighthouse drops a replica whose heartbeats stop for this long, and only then forms a
 # quorum without it: the bound on a survivor's wait after a SIGKILL (torchft's default, 5 s,
-# would take the whole budget the docs promise).
+# would take the whole budget the docs promise). A live group whose heartbeats stall this long
+# (a loaded host) is dropped too and may commit a step alone that another also committed
+# alone: each step's average then finds their lineages differ and the later group restarts
+# and heals (ft_lineage); `--heartbeat-timeout` trades detection time for fewer of those.
 HEARTBEAT_TIMEOUT_MS = 1000
 # How long a quorum waits for a replica that is alive (heartbeating) but has not asked to join
 # yet: one still in its step, or starting. Short, two replicas each alone in a quorum at the
@@ -99,14 +102,17 @@ def _describe(code: int) -> str:
 
 
 def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
-                 max_restarts: int, init_timeout_env: dict[str, str]) -> int:
+                 max_restarts: int, init_timeout_env: dict[str, str],
+                 heartbeat_timeout: float | None = None) -> int:
     """Run `script args` as `replicas` groups of `nproc` ranks; return the exit code."""
     check_installed("python -m pipeline.launch --replicas")
     if replicas < 1 or max_restarts < 0:
         raise PipeConfigError(f"--replicas must be >= 1 and --max-restarts >= 0; got "
                               f"--replicas {replicas}, --max-restarts {max_restarts}")
     rust_log = os.environ.get(RUST_LOG_ENV, RUST_LOG_DEFAULT)
-    lighthouse = _lighthouse(rust_log)
+    beats = (HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None
+             else max(1, round(heartbeat_timeout * 1e3)))
+    lighthouse = _lighthouse(rust_log, beats)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
     env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas),
            RUST_LOG_ENV: rust_log, **init_timeout_env}
@@ -142,7 +148,7 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
         lighthouse.shutdown()
 
 
-def _lighthouse(rust_log: str) -> Any:
+def _lighthouse(rust_log: str, heartbeat_timeout_ms: int) -> Any:
     """torchft's lighthouse in this process, logging at `rust_log` (its logger reads RUST_LOG
     when torchft is first imported; the variable is restored after, for a caller in the same
     process)."""
@@ -157,7 +163,7 @@ def _lighthouse(rust_log: str) -> Any:
         # use the port alone.
         return LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
                                 join_timeout_ms=JOIN_TIMEOUT_MS,
-                                heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+                                heartbeat_timeout_ms=heartbeat_timeout_ms)
     finally:
         if before is None:
             del os.environ[RUST_LOG_ENV]

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from pipeline.errors import PipeConfigError
+from pipeline.parallel import ft_lineage
 from pipeline.parallel.tensor_parallel import local_tensor
 
 __all__ = ["LIGHTHOUSE_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
@@ -116,6 +117,8 @@ class FaultTolerance:
         self._optimizer: torch.optim.Optimizer | None = None
         self._quorum_started = False
         self.participants: tuple[int, ...] = ()
+        # The history of committed steps this replica holds (ft_lineage): a heal carries it.
+        self.lineage = 0
         # Quorum at the start of a step and healing before its forward (use_async_quorum
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
@@ -126,6 +129,8 @@ class FaultTolerance:
             checkpoint_transport=_weights_only_transport(wait),
             lighthouse_addr=lighthouse, replica_id=f"pipeline_replica_{self.replica_id}")
         self.manager.register_state_dict_fn("pipe", self._load_model, self._model_state)
+        self.manager.register_state_dict_fn("lineage", self._load_lineage,
+                                            lambda: {"lineage": self.lineage})
 
     # -- what heals a rank: its stage's weights and its optimizer's state ----------------------
     # Under tp each rank sends and loads its own shards as plain tensors (what a heal carries
@@ -144,6 +149,9 @@ class FaultTolerance:
                                       f"rank's: {sorted(set(mine) ^ set(state))[:5]}")
             for k, v in mine.items():
                 local_tensor(v).copy_(state[k])
+
+    def _load_lineage(self, state: dict[str, Any]) -> None:
+        self.lineage = int(state["lineage"])
 
     def _optimizer_state(self) -> dict[str, Any]:
         assert self._optimizer is not None
@@ -232,7 +240,12 @@ class FaultTolerance:
         here[self.replica_id] = 1.0
         device = grads[0].device if grads else here.device
         dtype = grads[0].dtype if grads else here.dtype
-        flat = torch.cat([g.reshape(-1) for g in grads] + [here.to(device, dtype)])
+        # So do the replicas' lineages: replicas that meet at one step after committing steps
+        # apart hold other weights, which no heal would make equal (torchft heals only a
+        # replica behind the others).
+        lineage = ft_lineage.encode(self.lineage, self.replica_id, self.num_replicas, dtype,
+                                    device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [here.to(device, dtype), lineage])
         self.manager.allreduce(flat).wait()
         offset = 0
         with torch.no_grad():
@@ -245,13 +258,36 @@ class FaultTolerance:
         if self.manager.errored() is not None:  # the buffer may be torn: not committed
             self.participants = ()
             return
-        self.participants = tuple(int(r) for r in flat[offset:].nonzero().flatten())
+        ones = flat[offset:offset + self.num_replicas]
+        self.participants = tuple(int(r) for r in ones.nonzero().flatten())
+        self._check_lineages(ft_lineage.decode(flat[offset + self.num_replicas:],
+                                               self.participants))
         if len(self.participants) < self.num_replicas:
             # torchft's rule: the average is over the replicas present, so the step's batch
             # is smaller than the job's (fewer replicas' batches).
             _log.warning("step %d: averaged over %d of %d replicas (%s)", self.committed_steps,
                          len(self.participants), self.num_replicas,
                          ", ".join(map(str, self.participants)) or "none")
+
+    def _check_lineages(self, lineages: dict[int, int]) -> None:
+        """Refuse a step whose replicas hold other histories: none commits it, and every
+        replica whose history is not the lowest-numbered participant's exits, so that its
+        launcher restarts it and it heals from that replica."""
+        if len(set(lineages.values())) <= 1:
+            return
+        first = min(lineages)
+        apart = sorted(r for r, v in lineages.items() if v != lineages[first])
+        why = (f"step {self.committed_steps}: replica(s) {apart} committed steps apart from "
+               f"replica {first} (the lighthouse dropped a live replica whose heartbeats "
+               f"stalled, and each went on alone at the same step); the step is not committed")
+        self.manager.report_error(ft_lineage.ReplicasDiverged(why))
+        self.participants = ()
+        if self.replica_id in apart:
+            raise ft_lineage.ReplicasDiverged(
+                f"{why}. Replica group {self.replica_id} stops so that its launcher restarts "
+                f"it and it heals from replica {first}; a longer heartbeat timeout "
+                f"(`python -m pipeline.launch --heartbeat-timeout`) makes this rarer on a "
+                f"loaded host")
 
     def commit(self, apply: Callable[[], None]) -> bool:
         """Apply the step when every rank of every replica in the quorum agrees; the next
@@ -262,6 +298,8 @@ class FaultTolerance:
             self._quorum_started = False
         if ok:
             apply()
+            self.lineage = ft_lineage.next_lineage(self.lineage, self.committed_steps - 1,
+                                                   self.participants)
         else:
             _log.warning("step %d not committed (a replica failed or the quorum changed); "
                          "it is taken again", self.committed_steps)

@@ -106,9 +106,11 @@ def test_scaler_step_on_the_wrapper_says_to_call_optimizer_step() -> None:
 
 
 # -- replicas, killed ranks --------------------------------------------------------------------
-def _launch(out: Path, *args: str, max_restarts: int = 3) -> subprocess.CompletedProcess[str]:
+def _launch(out: Path, *args: str, max_restarts: int = 3, heartbeat_timeout: float = 1.0
+            ) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
-           "--max-restarts", str(max_restarts), TRAIN, str(out), *args]
+           "--max-restarts", str(max_restarts), "--heartbeat-timeout", str(heartbeat_timeout),
+           TRAIN, str(out), *args]
     # The repository on the path: the script (run as a file) imports the tests' models.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
@@ -302,8 +304,10 @@ def test_replica_groups_of_tp_or_fsdp_survive_a_lost_rank_and_heal(tmp_path: Pat
     AdamW state) from rank 1 of replica 0. Both replicas end bit-identical, equal to a replay
     of the logged quorums on the unsplit model (fp32: tp's row-parallel layers, or dp's
     halves, sum in another order, hence rtol 1e-5 and not bits)."""
+    # Four ranks starting a mesh each load the host most: a 3 s heartbeat timeout keeps a
+    # stalled live group from being dropped (and restarted when its lineage is found apart).
     done = _launch(tmp_path, "4", "--layout", layout, "--kill", "1:1:1:allreduce",
-                   "--min-step-ms", "20")
+                   "--min-step-ms", "20", heartbeat_timeout=3.0)
     assert done.returncode == 0, done.stderr[-4000:]
     members = _logged_members(tmp_path)
     assert {len(m) for m in members} == {1, 2}  # a step alone, then together again
