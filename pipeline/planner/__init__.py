@@ -6,8 +6,9 @@ from pipeline.planner.plan import Plan, PlanError, format_bytes, format_table, p
 from pipeline.planner.search import predict
 from pipeline.planner.space import Candidate
 from pipeline.planner.tensor import TensorSharding, sharding_of
+from pipeline.planner.time_model import Sample, TimeModel, fit_time_model
 
-__all__ = ["Candidate", "LayerCosts", "Link", "ModelProfile", "Plan", "PlanError",
-           "TensorSharding", "format_bytes", "format_table", "measure_allreduce",
-           "measure_contention", "measure_link", "plan", "plan_profile", "predict",
-           "profile_model", "sharding_of"]
+__all__ = ["Candidate", "LayerCosts", "Link", "ModelProfile", "Plan", "PlanError", "Sample",
+           "TensorSharding", "TimeModel", "fit_time_model", "format_bytes", "format_table",
+           "measure_allreduce", "measure_contention", "measure_link", "plan", "plan_profile",
+           "predict", "profile_model", "sharding_of"]

@@ -15,6 +15,7 @@ from pipeline.planner.link import Link
 from pipeline.planner.memory import checkpointed, format_bytes, rank_peaks, stash_profile
 from pipeline.planner.space import Configuration
 from pipeline.planner.tensor import TensorSharding, shard_profile
+from pipeline.planner.time_model import TimeModel
 from pipeline.splitting.partition import (
     BalanceError,
     bounds,
@@ -52,9 +53,12 @@ class Evaluator:
     def __init__(self, profile: ModelProfile, link: Link, ranks: int, limits: Sequence[float],
                  optimizer: tuple[float, int], contention: float = 1.0,
                  sharding: TensorSharding | None = None, host_link: Link | None = None,
-                 ranks_per_host: int | None = None) -> None:
+                 ranks_per_host: int | None = None, time_model: TimeModel | None = None
+                 ) -> None:
         self.profile, self.link, self.ranks = profile, link, ranks
-        self.contention = contention
+        # A fitted time model brings its own contention (fitted with its other terms).
+        self.time_model = time_model
+        self.contention = contention if time_model is None else time_model.contention
         self.limits, self.optimizer = list(limits), optimizer
         self.n = profile.num_layers
         self.sharding = sharding
@@ -242,10 +246,11 @@ class Evaluator:
         profile = self.profile_of(w.config.tp)
         reduce = [self.dp_link().allreduce(profile.static_bytes(edges[s], edges[s + 1])[1], dp)
                   if dp > 1 else 0.0 for s in range(len(balance))]
-        return Costs(forward=out["forward"], backward=out["backward"],
-                     backward_input=out["backward_input"],
-                     backward_weight=out["backward_weight"],
-                     comm=self.p2p_link(w.config).time(boundary), reduce_grad=reduce)
+        costs = Costs(forward=out["forward"], backward=out["backward"],
+                      backward_input=out["backward_input"],
+                      backward_weight=out["backward_weight"],
+                      comm=self.p2p_link(w.config).time(boundary), reduce_grad=reduce)
+        return costs if self.time_model is None else self.time_model.costs(costs)
 
     def bound(self, w: Work, balance: Sequence[int], chain_only: bool = False) -> float:
         """A lower bound on the step: no rank finishes before its own work is done, and no
@@ -306,7 +311,8 @@ class Evaluator:
                 w.bound = max(w.bound, timeline.makespan, busy)
                 return None
             timeline = schedules.simulate(step, slowed)
-        finish = timeline.makespan
+        # The step's own time outside its actions (fitted), which the simulator does not have.
+        finish = timeline.makespan + (self.time_model.step if self.time_model else 0.0)
         if w.config.dp == 1:
             return finish, 0.0, timeline
         # What the reductions add: the step's end past the end of the pipeline's own work.

@@ -17,6 +17,7 @@ from pipeline.planner.result import Plan, PlanError, format_table, no_fit
 from pipeline.planner.search import search
 from pipeline.planner.space import CHECKPOINTS, Space
 from pipeline.planner.tensor import TensorSharding, mesh_shapes, sharding_of
+from pipeline.planner.time_model import TimeModel
 from pipeline.planner.trials import check_trials, run_trials
 from pipeline.splitting.traced import SplitModel
 
@@ -109,7 +110,8 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
                  contention: float = 1.0, sharding: TensorSharding | None = None,
                  tp_sizes: Sequence[int] | None = None, ranks_per_host: int | None = None,
                  host_link: Link | None = None, tp_plan: Mapping[str, Any] | None = None,
-                 devices: Sequence[str] | None = None, transport: str | None = None) -> Plan:
+                 devices: Sequence[str] | None = None, transport: str | None = None,
+                 time_model: TimeModel | None = None) -> Plan:
     """`plan()` on costs already in hand: a `ModelProfile` (measured, or built from a formula,
     e.g. `pipeline.planner.transformer.gpt_profile`) and a `link` between ranks.
 
@@ -119,7 +121,8 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
     on one), numbered (dp, pp, tp) with tp innermost: tp groups stay within a host, whose link
     is `host_link` (default `link`, which is then the link between hosts). `tp_plan` is only
     passed on by `Plan.pipe_kwargs`; `transport` (default: the link's) says whether the ranks
-    are threads of one process, which run one pipeline.
+    are threads of one process, which run one pipeline. `time_model` (`fit_time_model`) prices
+    every candidate as this machine ran measured steps, its contention replacing `contention`.
     """
     ranks = _whole("ranks", ranks)
     per_host = ranks if ranks_per_host is None else _whole("ranks_per_host", ranks_per_host)
@@ -147,7 +150,8 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
                    microbatch_rows)
     table, least, where = search(profile, link, ranks=ranks, limits=limits, optimizer=factor,
                                  space=space, contention=contention, sharding=sharding,
-                                 host_link=host_link, ranks_per_host=per_host)
+                                 host_link=host_link, ranks_per_host=per_host,
+                                 time_model=time_model)
     chosen = table[0] if table else None
     if chosen is None or chosen.status != "chosen":
         raise no_fit(limits, least, where, tuple(table))
@@ -157,7 +161,8 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
                 chosen.checkpoint, chosen.dp, chosen.pp, chosen.rows, chosen.step_time,
                 chosen.peak_bytes, chosen.activation_bytes, chosen.allreduce_time, limits,
                 tuple(table), tuple(str(d) for d in devices) if devices is not None else None,
-                link, profile, contention, factor, chosen.tp,
+                link, profile, time_model.contention if time_model else contention, factor,
+                chosen.tp,
                 dict(tp_plan) if tp_plan is not None else None, sharding,
                 host_link if host_link is not None else link, per_host)
 
@@ -173,7 +178,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
          tp_sizes: Sequence[int] | None = None, ranks_per_host: int | None = None,
          host_link: Link | None = None,
          microbatch_rows: Sequence[int] | None = None, trials: int | None = 0,
-         trial_rounds: int = 5, trial_steps: int = 2, trial_warmup: int = 1) -> Plan:
+         trial_rounds: int = 5, trial_steps: int = 2, trial_warmup: int = 1,
+         time_model: TimeModel | None = None) -> Plan:
     """Choose how to pipeline `model` over `ranks` ranks within `memory_per_rank` bytes each.
 
     `sample` and `target` are one (global) batch, `loss_fn` the loss. A `SplitModel` (see
@@ -190,7 +196,9 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     Costs come from profiling the model where it lives (`profile_model`) and from
     measuring the transport (`measure_link`) and, when the ranks are CPUs, how much ranks
     computing at once slow each other (`measure_contention`); pass `profile`, `link` or
-    `contention` to reuse measurements.
+    `contention` to reuse measurements; `time_model` (fitted from measured steps on this
+    machine, `pipeline.planner.fit_time_model`) adds what the profile and link leave out, and
+    its contention is used (none is measured).
     With `trials=k` (default 0: by prediction alone) the k best predicted candidates that fit
     run where the plan is for (threads here; with processes, `plan` is called on every rank of
     the launched group), on copies of the model and this batch: `trial_warmup` untimed and
@@ -241,7 +249,7 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     if link is None:
         pair = list(devices[:2]) if devices is not None and len(devices) > 1 else ["cpu", "cpu"]
         link = measure_link(transport, devices=pair)
-    if contention is None:
+    if contention is None and time_model is None:
         on_cpu = devices is None or all(str(d).startswith("cpu") for d in devices)
         contention = (measure_contention(model, sample, ranks=ranks)
                       if on_cpu and ranks > 1 and sample is not None else 1.0)
@@ -249,9 +257,10 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                      schedules=schedules, optimizer=optimizer, chunks=chunks,
                      microbatch_rows=microbatch_rows, checkpoints=checkpoints,
                      data_parallel=dps, max_stages_per_rank=max_stages_per_rank,
-                     contention=contention, sharding=sharding, tp_sizes=tps,
+                     contention=1.0 if contention is None else contention,
+                     sharding=sharding, tp_sizes=tps,
                      ranks_per_host=ranks_per_host, host_link=host_link, tp_plan=tp_plan,
-                     devices=devices, transport=transport)
+                     devices=devices, transport=transport, time_model=time_model)
     if k == 0:
         return p
     return run_trials(p, model, *given, k=k, rounds=rounds, steps=steps, warmup=warmup,

@@ -35,6 +35,7 @@ from pipeline.planner.evaluate import Evaluator, Work, beside
 from pipeline.planner.link import Link
 from pipeline.planner.space import Candidate, Configuration, Space
 from pipeline.planner.tensor import TensorSharding, mesh_shapes
+from pipeline.planner.time_model import TimeModel
 from schedules import Timeline
 
 __all__ = ["predict", "search"]
@@ -44,11 +45,14 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
             balance: Sequence[int] | None = None, options: Sequence[tuple[str, int]] = (),
             dp: int = 1, pp: int | None = None, optimizer: tuple[float, int] = (2.0, 4),
             contention: float = 1.0, tp: int = 1, sharding: TensorSharding | None = None,
-            host_link: Link | None = None, ranks_per_host: int | None = None) -> Candidate:
+            host_link: Link | None = None, ranks_per_host: int | None = None,
+            time_model: TimeModel | None = None) -> Candidate:
     """The prediction for one configuration (`balance` None: the min-max split of time), as a
     `Candidate` with status "fits" whatever the budget. With `tp` > 1, `sharding` says what
     tensor parallelism splits; `host_link` (default `link`) carries its collectives and
-    `ranks_per_host` (default: every rank on one host) places the ranks."""
+    `ranks_per_host` (default: every rank on one host) places the ranks; `time_model` (fitted
+    from measured steps, `fit_time_model`) prices it as this machine runs, its contention
+    replacing `contention`."""
     if pp is None:
         if balance is None:
             raise ValueError("predict needs pp (pipeline ranks) or a balance")
@@ -57,7 +61,7 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
     rows = -(-(profile.batch_rows // dp) // chunks)
     ranks = dp * pp * tp
     s = Evaluator(profile, link, ranks, [math.inf] * ranks, optimizer, contention, sharding,
-                host_link, ranks_per_host)
+                host_link, ranks_per_host, time_model)
     w = Work(Configuration(schedule, tuple(options), dp, pp, chunks, rows, checkpoint, tp=tp),
               s.profile_of(tp).at(rows), 0.0)
     s.evaluate(w, balance)
@@ -70,12 +74,13 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
 def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[float],
            optimizer: tuple[float, int], space: Space, contention: float = 1.0,
            sharding: TensorSharding | None = None, host_link: Link | None = None,
-           ranks_per_host: int | None = None) -> tuple[list[Candidate], float, str]:
+           ranks_per_host: int | None = None, time_model: TimeModel | None = None
+           ) -> tuple[list[Candidate], float, str]:
     """Every candidate of `space` with its verdict, the chosen one first; and, when none fits,
     the smallest budget per rank under which one would (else 0) and that candidate. Tensor
     parallel sizes other than 1 (`space.tps`) need `sharding`; see `predict` for the links."""
     s = Evaluator(profile, link, ranks, limits, optimizer, contention, sharding, host_link,
-                ranks_per_host)
+                ranks_per_host, time_model)
     rows_total = profile.batch_rows
     table: list[Candidate] = []
     todo: list[Work] = []

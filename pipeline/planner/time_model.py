@@ -1,0 +1,244 @@
+"""A time model fitted from measured steps: compute, contention, per-action, message, step.
+
+The planner prices a step from a profile of each layer alone and a link's time per message.
+Measured steps add what neither holds: compute at another speed than the profile's (caches,
+the allocator, another thread count), slowed further while another rank computes at once; the
+runtime's own time per action (dispatch, wake-ups) and per message (beyond the link's bytes);
+the step's time outside its actions (the loss sent to every rank, the end of the sends); and
+the dp all-reduce as it runs (its flattening copies included). `fit_time_model` fits each term
+from pairs of a measured timeline and the planner's prediction of the same configuration (no
+model applied), and `plan(..., time_model=m)` prices every candidate with them. A model is
+stored per machine (`save`, `load`): a fit is only as good as the machine it was measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import PipeConfigError
+from schedules import Costs, Op, Timeline
+from schedules.ir import COMPUTE_OPS
+
+__all__ = ["Sample", "TimeModel", "fit_time_model", "machine"]
+
+_COMPUTE = (Op.F, Op.B, Op.I, Op.W)
+
+
+def machine() -> dict[str, str]:
+    """What a fit depends on: the host, its processor count, the torch build, the GPU."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return {"host": platform.node(), "cpus": str(os.cpu_count()),
+            "processor": platform.machine(), "torch": torch.__version__, "gpu": gpu}
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Terms fitted from measured steps (seconds), applied on top of a profile and a link.
+
+    `compute`: measured / profiled compute of a rank computing alone; `contention`: the
+    further slowdown of compute overlapping another rank's (1 = none); `action`: seconds each
+    compute action adds; `message`: seconds each cross-rank message adds to the link's time;
+    `step`: seconds a step spends outside its actions; `allreduce`: measured / predicted dp
+    all-reduce. `samples`: the measured steps it was fitted on; `machine`: where."""
+
+    compute: float = 1.0
+    contention: float = 1.0
+    action: float = 0.0
+    message: float = 0.0
+    step: float = 0.0
+    allreduce: float = 1.0
+    samples: int = 0
+    machine: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "allreduce"):
+            if not getattr(self, name) > 0:
+                raise PipeConfigError(f"TimeModel.{name} must be > 0 (got {getattr(self, name)})")
+        if not self.contention >= 1:
+            raise PipeConfigError(f"TimeModel.contention must be >= 1 (got {self.contention})")
+        for name in ("action", "message", "step"):
+            if not getattr(self, name) >= 0:
+                raise PipeConfigError(f"TimeModel.{name} must be >= 0 seconds (got "
+                                      f"{getattr(self, name)})")
+
+    def costs(self, costs: Costs) -> Costs:
+        """`costs` (from a profile and a link) as this machine runs them, contention aside."""
+        def timed(value: float | Sequence[float]) -> tuple[float, ...] | float:
+            if isinstance(value, int | float):
+                return value * self.compute + self.action
+            return tuple(v * self.compute + self.action for v in value)
+
+        def reduced(value: float | Sequence[float]) -> tuple[float, ...] | float:
+            if isinstance(value, int | float):
+                return value * self.allreduce
+            return tuple(v * self.allreduce for v in value)
+
+        return Costs(forward=timed(costs.forward), backward=timed(costs.backward),
+                     backward_input=timed(costs.backward_input),
+                     backward_weight=timed(costs.backward_weight), update=costs.update,
+                     comm=costs.comm + self.message, tie=costs.tie,
+                     reduce_grad=reduced(costs.reduce_grad), overflow=costs.overflow,
+                     microbatch=costs.microbatch)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the model as JSON (with the machine it was fitted on)."""
+        from schedules.files import write_atomic
+
+        write_atomic(Path(path), json.dumps(asdict(self) | {"machine": dict(self.machine)},
+                                            indent=1).encode())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, any_machine: bool = False) -> TimeModel:
+        """Read a saved model; one fitted on another machine is refused unless `any_machine`."""
+        try:
+            data = json.loads(Path(path).read_text())
+            model = cls(**{k: data[k] for k in ("compute", "contention", "action", "message",
+                                               "step", "allreduce", "samples")},
+                        machine={str(k): str(v) for k, v in data["machine"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise PipeConfigError(f"{path}: not a saved TimeModel ({exc}); fit one with "
+                                  f"fit_time_model(...) and save it") from exc
+        here = machine()
+        if not any_machine and dict(model.machine) != here:
+            moved = sorted(k for k in here if model.machine.get(k) != here[k])
+            raise PipeConfigError(f"{path} was fitted on another machine ({', '.join(moved)} "
+                                  f"differ: {[model.machine.get(k) for k in moved]} here "
+                                  f"{[here[k] for k in moved]}); fit it again here, or pass "
+                                  f"any_machine=True to use it anyway")
+        return model
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured step beside its prediction: `measured` (`pipe.last_timeline()`),
+    `predicted` (the planner's timeline of the same configuration, no time model and no
+    contention: `predict(...).timeline`), `step` the measured step's seconds; under dp, the
+    all-reduce's seconds measured (`pipe.data_parallel_stats()["allreduce_s"]`) and as
+    predicted (`Costs.reduce_grad` of the busiest stage)."""
+
+    measured: Timeline
+    predicted: Timeline
+    step: float
+    allreduce: tuple[float, float] | None = None
+
+
+Key = tuple[int, Op, int]
+
+
+def _index(t: Timeline) -> dict[Key, Any]:
+    return {(e.action.stage, e.action.op, e.action.microbatch): e for e in t.events
+            if e.action.op in _COMPUTE}
+
+
+def _producer(key: Key, num_stages: int, events: Mapping[Key, Any]) -> Any:
+    """The action whose output `key` consumes from the next or previous stage, if any."""
+    s, op, mb = key
+    if op is Op.F:
+        return events.get((s - 1, Op.F, mb)) if s > 0 else None
+    if op in (Op.B, Op.I) and s + 1 < num_stages:
+        return events.get((s + 1, Op.B, mb)) or events.get((s + 1, Op.I, mb))
+    return None
+
+
+def _shares(t: Timeline) -> dict[Key, float]:
+    """Per compute action, the share of it during which another rank was computing."""
+    spans = [(e.rank, e.start, e.end) for e in t.events if e.action.op in _COMPUTE]
+    out = {}
+    for key, e in _index(t).items():
+        length = e.end - e.start
+        covered = sorted((max(s, e.start), min(x, e.end)) for r, s, x in spans
+                         if r != e.rank and s < e.end and x > e.start)
+        total, reach = 0.0, e.start
+        for lo, hi in covered:  # the union: two other ranks at once count once
+            if hi > reach:
+                total += hi - max(lo, reach)
+                reach = hi
+        out[key] = total / length if length > 0 else 0.0
+    return out
+
+
+def _gaps(t: Timeline) -> list[float]:
+    """Per cross-rank input a rank waited for (idle when it was sent), start - producer end."""
+    events = _index(t)
+    stages = 1 + max((k[0] for k in events), default=0)
+    ends: dict[int, list[float]] = {}
+    for e in t.events:
+        if e.action.op in COMPUTE_OPS:
+            ends.setdefault(e.rank, []).append(e.end)
+    out = []
+    for key, e in events.items():
+        p = _producer(key, stages, events)
+        if p is None or p.rank == e.rank:
+            continue
+        before = [x for x in ends.get(e.rank, []) if x <= e.start]
+        if not before or max(before) <= p.end:  # idle from before the message left
+            out.append(e.start - p.end)
+    return out
+
+
+def _span(t: Timeline) -> float:
+    starts = [e.start for e in t.events]
+    return max(e.end for e in t.events) - min(starts) if starts else 0.0
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (the columns are few: drop the most
+    negative and fit again)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        got, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (got >= 0).all():
+            coef[active] = got
+            return coef
+        active.pop(int(np.argmin(got)))
+    return coef
+
+
+def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
+    """Fit every term from measured steps and their predictions (module docstring): each
+    compute action's measured seconds as `compute * p + (contention - 1) * compute * p *
+    share + action` (p its predicted seconds, share the part of it another rank computed
+    during), least squares with no term negative; the message term as the median of the
+    waits for a peer's output less the predicted link time; the step term as the median of
+    the step less its actions' span; the all-reduce as the median measured / predicted."""
+    samples = list(samples)
+    if not samples:
+        raise PipeConfigError("fit_time_model needs at least one measured step (a Sample)")
+    rows, seconds, gaps, outside, reduce = [], [], [], [], []
+    for s in samples:
+        if s.measured.unit != "s":
+            raise PipeConfigError(f"Sample.measured must be a measured timeline (unit 's', "
+                                  f"from pipe.last_timeline()); got unit {s.measured.unit!r}")
+        want, shares = _index(s.predicted), _shares(s.measured)
+        for key, e in _index(s.measured).items():
+            if key in want:
+                p = want[key].end - want[key].start
+                rows.append((p, p * shares[key], 1.0))
+                seconds.append(e.end - e.start)
+        link = statistics.median(_gaps(s.predicted) or [0.0])
+        gaps += [g - link for g in _gaps(s.measured)]
+        outside.append(s.step - _span(s.measured))
+        if s.allreduce is not None and s.allreduce[1] > 0:
+            reduce.append(s.allreduce[0] / s.allreduce[1])
+    if not rows:
+        raise PipeConfigError("fit_time_model: no action of the measured steps is in their "
+                              "predictions: pair each measured step with its own configuration")
+    g, h, a = _nonnegative_fit(np.array(rows), np.array(seconds))
+    compute = g if g > 0 else 1.0
+    return TimeModel(compute=float(compute), contention=float(1 + h / compute),
+                     action=float(a), message=max(0.0, statistics.median(gaps or [0.0])),
+                     step=max(0.0, statistics.median(outside)),
+                     allreduce=statistics.median(reduce) if reduce else 1.0,
+                     samples=len(samples), machine=machine())

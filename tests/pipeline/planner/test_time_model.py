@@ -1,0 +1,169 @@
+"""pipeline.planner.time_model: terms fitted from measured steps, recovered when injected."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import schedules
+from pipeline import Pipe, PipeConfigError
+from pipeline.comm.threads import ThreadTransport
+from pipeline.planner import Sample, TimeModel, fit_time_model, predict
+from pipeline.planner.link import Link
+from schedules import Costs, Timeline
+from tests.benchmarks.fakes import planning_profile
+
+COSTS = Costs(forward=[0.004, 0.008], backward=[0.008, 0.012], comm=0.0)
+
+
+def _measured(t: Timeline) -> Timeline:
+    return Timeline(t.num_ranks, t.events, "s", t.meta)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zb-h1"])
+def test_a_simulated_machine_is_recovered_exactly(name: str) -> None:
+    """Steps simulated with known terms (each compute action 1.25x the profile plus 0.3 ms,
+    each message 0.7 ms more than the link, 2 ms per step outside the actions) fit back to
+    those terms."""
+    sched = schedules.get_schedule(name, 2, 4)
+    stages = sched.num_stages
+    costs = Costs(forward=[0.001 * (s + 1) for s in range(stages)],
+                  backward=[0.0025 * (s + 1) for s in range(stages)],
+                  backward_input=[0.0012 * (s + 1) for s in range(stages)],
+                  backward_weight=[0.0013 * (s + 1) for s in range(stages)], comm=1e-4)
+    truth = TimeModel(compute=1.25, action=3e-4, message=7e-4, step=2e-3)
+    predicted = schedules.simulate(sched, costs)
+    run = schedules.simulate(sched, truth.costs(costs))
+    got = fit_time_model([Sample(_measured(run), predicted, run.makespan + truth.step)])
+    assert got.compute == pytest.approx(truth.compute, rel=1e-9)
+    assert got.action == pytest.approx(truth.action, rel=1e-6)
+    assert got.message == pytest.approx(truth.message, rel=1e-6)
+    assert got.step == pytest.approx(truth.step, rel=1e-6)
+    assert got.contention == pytest.approx(1.0, abs=1e-6)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+        time.sleep(forward)
+        ctx.backward = backward
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward)
+        return grad, None, None
+
+
+class _Sleepy(nn.Module):
+    """A stage whose forward and backward take known times (sleeps: no CPU, no contention)."""
+
+    def __init__(self, forward: float, backward: float) -> None:
+        super().__init__()
+        self.lin, self.times = nn.Linear(4, 4), (forward, backward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.lin(x), *self.times)
+
+
+def _fit(extra: float = 0.0, steps: int = 3) -> TimeModel:
+    """A time model fitted from `steps` steps of two sleeping stages (1F1B, 4 micro-batches),
+    each compute action `extra` seconds longer than COSTS says."""
+    f, b = COSTS.forward, COSTS.backward
+    assert not isinstance(f, float) and not isinstance(b, float)
+    model = nn.Sequential(_Sleepy(f[0] + extra, b[0] + extra), _Sleepy(f[1] + extra, b[1] + extra))
+    pipe = Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=4, schedule="1f1b",
+                checkpoint="never")
+    predicted = schedules.simulate(schedules.get_schedule("1f1b", 2, 4), COSTS)
+    samples = []
+    for _ in range(steps):
+        begun = time.perf_counter()
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss())
+        samples.append(Sample(pipe.last_timeline(), predicted, time.perf_counter() - begun))
+    return fit_time_model(samples)
+
+
+def test_a_sleep_in_every_action_is_recovered_within_5_percent() -> None:
+    """10 ms slept in every forward and backward: the fitted per-action term grows by 10 ms
+    (within 5 %: sleeps overrun by a fraction of a millisecond on a busy machine, alike in
+    both runs), and the compute scale stays."""
+    base, slow = _fit(), _fit(extra=0.010)
+    assert slow.action - base.action == pytest.approx(0.010, rel=0.05)
+    assert slow.compute == pytest.approx(base.compute, rel=0.05)
+
+
+def test_a_delay_on_every_message_is_recovered_within_5_percent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every message between the two threads received 10 ms after it was sent (the sender goes
+    on): the fitted per-message term grows by 10 ms, within 5 %."""
+    base = _fit()
+    send, wait = ThreadTransport.send, ThreadTransport.wait
+    sent: dict[Any, float] = {}
+
+    def timed(self: ThreadTransport, msg: Any, values: Any, dst_rank: int) -> None:
+        sent[msg] = time.monotonic()
+        send(self, msg, values, dst_rank)
+
+    def late(self: ThreadTransport, msg: Any, src_rank: int, device: torch.device) -> Any:
+        got = wait(self, msg, src_rank, device)
+        time.sleep(max(0.0, sent[msg] + 0.010 - time.monotonic()))
+        return got
+
+    monkeypatch.setattr(ThreadTransport, "send", timed)
+    monkeypatch.setattr(ThreadTransport, "wait", late)
+    delayed = _fit()
+    assert delayed.message - base.message == pytest.approx(0.010, rel=0.05)
+
+
+def test_predictions_take_every_term() -> None:
+    base = predict(planning_profile(), Link("gloo", 1e-4, 1e-9), schedule="1f1b", chunks=4,
+                   checkpoint="never", pp=2)
+    assert base.step_time is not None
+
+    def step(**terms: float) -> float:
+        got = predict(planning_profile(), Link("gloo", 1e-4, 1e-9), schedule="1f1b", chunks=4,
+                      checkpoint="never", pp=2, time_model=TimeModel(**terms))
+        assert got.step_time is not None
+        return got.step_time
+
+    assert step() == pytest.approx(base.step_time)
+    assert step(step=0.01) == pytest.approx(base.step_time + 0.01)
+    assert step(compute=2.0) > 1.9 * base.step_time
+    # 1F1B over 2 ranks, 4 micro-batches: the step's path holds 4 + 4 + 2 actions or more.
+    assert step(action=1e-3) >= base.step_time + 10 * 1e-3 - 1e-12
+    assert step(message=1e-3) > base.step_time
+    assert step(contention=1.5) > base.step_time
+
+
+def test_a_model_is_stored_for_its_machine(tmp_path: Path) -> None:
+    fitted = _fit(steps=1)
+    path = tmp_path / "time-model.json"
+    fitted.save(path)
+    assert TimeModel.load(path) == fitted
+    data = json.loads(path.read_text())
+    data["machine"]["host"] = "another-host"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PipeConfigError, match="fitted on another machine .*host"):
+        TimeModel.load(path)
+    assert TimeModel.load(path, any_machine=True).compute == fitted.compute
+    path.write_text("{not json")
+    with pytest.raises(PipeConfigError, match="not a saved TimeModel"):
+        TimeModel.load(path)
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(PipeConfigError, match="contention must be >= 1"):
+        TimeModel(contention=0.5)
+    with pytest.raises(PipeConfigError, match="action must be >= 0"):
+        TimeModel(action=-1.0)
+    with pytest.raises(PipeConfigError, match="at least one measured step"):
+        fit_time_model([])
+    simulated = schedules.simulate(schedules.get_schedule("1f1b", 2, 2), COSTS)
+    with pytest.raises(PipeConfigError, match="must be a measured timeline"):
+        fit_time_model([Sample(simulated, simulated, 1.0)])
