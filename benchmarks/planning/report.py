@@ -132,7 +132,8 @@ def _drift(records: Sequence[dict[str, Any]]) -> list[str]:
 def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| model | transport | median \\|error\\|, contention as measured | ... the "
              "contention that fits best | ... and a cost per step and per action | fitted "
-             "(each half) |", "|---|---|---|---|---|---|"]
+             "(each half) | the fitted time model: median \\|error\\|, within 5 / 10 / 20 % | "
+             "its terms (each half) |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
         w = r.get("what_if", {})
         if "fitted" not in w:
@@ -142,8 +143,21 @@ def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
                            f"us/action" for f in w["fitted"])
         lines.append(f"| {r['model']} | {r['transport']} ({r['contention']:.2f}x) | "
                      f"{_pct(w['as_measured'])} | {_pct(w['contention'])} | "
-                     f"{_pct(w['contention_and_overheads'])} | {fitted} |")
+                     f"{_pct(w['contention_and_overheads'])} | {fitted} | "
+                     f"{_time_model(w.get('time_model', {}))} |")
     return lines
+
+
+def _time_model(w: dict[str, Any]) -> str:
+    """The fitted time model's held-out score and terms, as two table cells."""
+    if "median_abs" not in w:
+        return "- | -"
+    within = " / ".join(f"{w['within'][p] * 100:.0f}%" for p in ("5", "10", "20"))
+    terms = "; ".join(f"compute {f['compute']:.2f}x, contention {f['contention']:.2f}x, "
+                      f"{f['action'] * 1e6:.0f} us/action, {f['message'] * 1e6:.0f} us/message, "
+                      f"{f['step'] * 1e3:.2f} ms/step, all-reduce {f['allreduce']:.2f}x"
+                      for f in w["fitted"])
+    return f"{_pct(w['median_abs'])}, {within} | {terms}"
 
 
 def _fastest(r: dict[str, Any], top: int) -> list[str]:
@@ -194,10 +208,11 @@ def report(records: Sequence[dict[str, Any]], command: str = "", top: int = 5) -
               *_data_parallel(records), "",
               "The cost model's inputs measured again after the steps (the planner's are "
               "snapshots taken before them):", "", *_drift(records), "",
-              "What two changes to the cost model's inputs would do, each fitted on half the "
+              "What three changes to the cost model's inputs would do, each fitted on half the "
               "configurations and scored (median |error|) on the other half, both ways round: "
-              "the contention factor, and then a cost per step and per compute action of the "
-              "busiest rank.", "", *_what_if(records), ""]
+              "the contention factor, then a cost per step and per compute action of the "
+              "busiest rank, and the time model `fit_time_model` fits from the measured "
+              "timelines (every term at once).", "", *_what_if(records), ""]
     for r in records:
         lines += [*_fastest(r, top), ""]
     return "\n".join(lines)

@@ -6,9 +6,10 @@ import argparse
 import json
 import math
 import shlex
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from benchmarks.env import environment
 from benchmarks.models import get_model
 from benchmarks.planning.calibrate import calibrate
+from benchmarks.planning.held_out import time_model_what_if
 from benchmarks.planning.record import (
     config_rows,
     error_sources,
@@ -37,6 +39,7 @@ from benchmarks.planning.space import (
 from pipeline.planner import (
     ModelProfile,
     PlanError,
+    TimeModel,
     measure_contention,
     measure_link,
     plan,
@@ -44,6 +47,7 @@ from pipeline.planner import (
 )
 from pipeline.splitting.partition import partition
 from pipeline.splitting.profile import layer_params
+from schedules import Timeline
 from schedules.files import write_atomic
 
 __all__ = ["BUDGETS", "USAGE", "main", "profile_rows", "run"]
@@ -131,6 +135,8 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     what_if = calibrate(configs, [r["measured"]["median_s"] for r in rows],
                         [max(r["predicted"]["anatomy"]["compute_actions"]) for r in rows],
                         step_time, contention)
+    what_if["time_model"] = _held_out(configs, measured, rows, predict,
+                                      lambda c: allreduce_seconds(profile, link, c))
     results = {}
     for b in plans:
         chosen = from_candidate(plans[b].chosen)
@@ -153,6 +159,33 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
         "what_if": what_if,
         "configs": rows, "measure_s": measure_s, "elapsed_s": time.perf_counter() - began,
     }
+
+
+def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
+              rows: Sequence[dict[str, Any]], predict: Predictor,
+              allreduce: Callable[[Config], float]) -> dict[str, Any]:
+    """The fitted time model on held-out configurations (`held_out.time_model_what_if`)."""
+    def steps(i: int) -> list[tuple[float, Timeline]]:
+        return [(s, tl) for row in measured for s, tl in zip(row[i].step_s, row[i].timelines,
+                                                             strict=True)]
+
+    def reduced(i: int) -> tuple[float, float] | None:
+        if configs[i].dp == 1:
+            return None
+        return (statistics.median(s for row in measured for s in row[i].allreduce_s),
+                allreduce(configs[i]))
+
+    def with_model(c: Config, model: TimeModel) -> float:
+        got = predict(c, 1.0, model).step_time
+        assert got is not None
+        return float(got)
+
+    alone = [predict(c, 1.0).timeline for c in configs]
+    assert all(tl is not None for tl in alone)
+    return time_model_what_if(configs, [steps(i) for i in range(len(configs))],
+                              [tl for tl in alone if tl is not None],
+                              [r["measured"]["median_s"] for r in rows], with_model,
+                              [reduced(i) for i in range(len(configs))])
 
 
 def _drift(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss: Any,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import schedules
-from pipeline.planner import Candidate, Link, ModelProfile, Plan, predict
+from pipeline.planner import Candidate, Link, ModelProfile, Plan, TimeModel, predict
 
 __all__ = ["Config", "Entry", "Predictor", "allreduce_seconds", "balance_neighbours",
            "build_space", "dedupe", "from_candidate", "index_of", "predictor"]
@@ -59,15 +59,17 @@ def from_candidate(c: Candidate) -> Config:
                   c.dp, c.pp)
 
 
-Predictor = Callable[[Config, float], Candidate]  # (config, contention) -> its prediction
+# (config, contention[, time model]) -> its prediction
+Predictor = Callable[..., Candidate]
 
 
 def predictor(profile: ModelProfile, link: Link) -> Predictor:
-    """The planner's prediction of any configuration, at a given contention factor."""
-    def run(c: Config, contention: float) -> Candidate:
+    """The planner's prediction of any configuration, at a given contention factor (or by a
+    fitted time model, whose contention it then takes)."""
+    def run(c: Config, contention: float, time_model: TimeModel | None = None) -> Candidate:
         return predict(profile, link, schedule=c.schedule, chunks=c.chunks,
                        checkpoint=c.checkpoint, balance=c.balance, options=c.options, dp=c.dp,
-                       pp=c.pp, contention=contention)
+                       pp=c.pp, contention=contention, time_model=time_model)
     return run
 
 

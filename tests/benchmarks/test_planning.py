@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+import schedules
 from benchmarks.planning.calibrate import calibrate, fit_line, halves
+from benchmarks.planning.held_out import time_model_what_if
 from benchmarks.planning.record import config_rows, error_sources, results_for, round_seconds
 from benchmarks.planning.report import report
 from benchmarks.planning.rounds import Measured, Turn, merge, orders, run_rounds
@@ -37,7 +39,7 @@ from benchmarks.planning.stats import (
     spearman,
     standing,
 )
-from pipeline.planner import Link, Plan, PlanError, plan, predict
+from pipeline.planner import Link, Plan, PlanError, TimeModel, plan, predict
 from tests.benchmarks import fakes
 
 
@@ -426,3 +428,36 @@ def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     assert all(len(c["measured"]["round_s"]) == 2 for c in record["configs"])
     assert set(record["drift"]["profile_after_over_before"]) == {"8", "16"}  # m = 2, 1
     assert (tmp_path / "timelines" / "tiny-threads-plan-none-measured.json").exists()
+    # The fitted time model, scored on the configurations held out of each half's fit.
+    held = record["what_if"]["time_model"]
+    assert held["n"] == len(record["configs"]) and 0 <= held["median_abs"] < 10
+    assert len(held["fitted"]) == 2 and all(f["compute"] > 0 for f in held["fitted"])
+    assert "the fitted time model: median" in text
+
+
+def test_a_time_model_fitted_on_half_predicts_the_other_half() -> None:
+    """Configurations 'measured' on a simulated machine with known terms: the model fitted on
+    either half predicts the held-out half exactly (every term is recovered)."""
+    profile, link = fakes.planning_profile(), Link("gloo", 1e-4, 1e-9)
+    truth = TimeModel(compute=1.3, action=2e-4, message=5e-4, step=1e-3)
+    configs = [Config(s, (), m, "never", (2, 3)) for s in ("gpipe", "1f1b", "zb-h1")
+               for m in (1, 2, 4)]
+
+    def run(c: Config, model: TimeModel | None) -> tuple[float, Any]:
+        got = predict(profile, link, schedule=c.schedule, chunks=c.chunks,
+                      checkpoint=c.checkpoint, balance=c.balance, time_model=model)
+        assert got.step_time is not None and got.timeline is not None
+        return got.step_time, got.timeline
+
+    def measured(c: Config) -> tuple[float, Any]:
+        step, tl = run(c, truth)
+        return step, schedules.Timeline(tl.num_ranks, tl.events, "s", tl.meta)
+
+    steps = [[measured(c)] for c in configs]
+    held = time_model_what_if(configs, steps, [run(c, None)[1] for c in configs],
+                              [s[0][0] for s in steps], lambda c, m: run(c, m)[0],
+                              [None] * len(configs))
+    assert held["n"] == 9 and held["median_abs"] == pytest.approx(0.0, abs=1e-9)
+    assert held["within"]["5"] == 1.0
+    for f in held["fitted"]:
+        assert f["compute"] == pytest.approx(1.3) and f["step"] == pytest.approx(1e-3)

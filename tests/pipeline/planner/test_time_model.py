@@ -149,7 +149,7 @@ def test_a_model_is_stored_for_its_machine(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     data["machine"]["host"] = "another-host"
     path.write_text(json.dumps(data))
-    with pytest.raises(PipeConfigError, match="fitted on another machine .*host"):
+    with pytest.raises(PipeConfigError, match=r"fitted on another machine .*host"):
         TimeModel.load(path)
     assert TimeModel.load(path, any_machine=True).compute == fitted.compute
     path.write_text("{not json")
