@@ -17,6 +17,7 @@ from pipeline.planner.tensor import TensorSharding
 from schedules import Timeline
 
 if TYPE_CHECKING:
+    from pipeline.planner.time_model import TimeModel
     from pipeline.planner.trials import Trials
 
 __all__ = ["Plan", "PlanError", "format_table", "no_fit"]
@@ -76,6 +77,13 @@ class Plan:
     def calibration(self) -> float | None:
         """The median over the trials of measured / predicted step (None without trials)."""
         return None if self.trials is None else self.trials.calibration
+
+    @property
+    def time_model(self) -> TimeModel | None:
+        """The time model the trials' measured steps fit (None without trials, or when no
+        trial was a plain pipeline): `plan(..., time_model=p.time_model)` prices the next
+        plan as this machine ran these steps."""
+        return None if self.trials is None else self.trials.time_model
 
     def calibrated_profile(self) -> ModelProfile:
         """The profile with every layer's seconds scaled by `calibration`, for the next

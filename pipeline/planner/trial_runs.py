@@ -21,6 +21,7 @@ from pipeline.planner.costs import LossFn
 from pipeline.planner.result import Plan
 from pipeline.planner.space import Candidate
 from pipeline.planner.trials import chosen_as
+from schedules import Action, Event, Timeline
 
 __all__ = ["Runner", "check_launch", "rows_of"]
 
@@ -66,6 +67,9 @@ class Runner:
         self.cuda = transport == "nccl" or any(str(d).startswith("cuda")
                                                for d in p.devices or ())
         self.meshes: dict[tuple[int, int, int], Any] = {}
+        # Per turn of a plain pipeline (dp = tp = 1), each timed step's events on this
+        # process's ranks, on the clock every process shares: the time model's measurements.
+        self.events: list[tuple[Candidate, float, list[tuple[int, str, float, float]]]] = []
         check_launch(transport, self.ranks)
 
     def agree(self, chosen: list[Candidate]) -> list[Candidate]:
@@ -141,10 +145,31 @@ class Runner:
                     pipe.step(x, y, self.loss_fn)
                     self._sync()
                     out.append(time.perf_counter() - start)
+                    if c.dp == 1 and c.tp == 1:
+                        timeline = pipe.last_timeline()
+                        t0 = float(timeline.meta["t0"])
+                        self.events.append((c, out[-1], [(e.rank, str(e.action), t0 + e.start,
+                                                          t0 + e.end) for e in timeline.events]))
             finally:
                 gc.enable()
         finally:
             pipe.close()
+        return out
+
+    def timelines(self) -> list[tuple[Candidate, float, Timeline]]:
+        """Every timed step of a plain pipeline: its candidate, seconds and measured timeline
+        (with processes, every rank's events gathered; the step the slowest rank's)."""
+        steps = self.events
+        if self.processes:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, [(s, e) for _, s, e in steps])
+            steps = [(c, max(p[i][0] for p in every), [e for p in every for e in p[i][1]])
+                     for i, (c, _, _) in enumerate(steps)]
+        out = []
+        for c, seconds, events in steps:
+            start = min(e[2] for e in events)
+            laid = tuple(Event(r, Action.parse(a), s - start, e - start) for r, a, s, e in events)
+            out.append((c, seconds, Timeline(c.pp, laid, "s")))
         return out
 
     def slowest(self, times: list[list[list[float]]]) -> list[list[list[float]]]:

@@ -27,6 +27,8 @@ from pipeline.planner.intervals import median_interval
 from pipeline.planner.result import Plan
 from pipeline.planner.search import predict
 from pipeline.planner.space import Candidate
+from pipeline.planner.time_model import Sample, TimeModel, fit_time_model
+from schedules import Timeline
 
 __all__ = ["Trial", "Trials", "check_trials", "chosen_as", "contenders", "run_trials",
            "scaled_profile"]
@@ -67,13 +69,15 @@ class Trial:
 class Trials:
     """The trials of one plan: `trials` in the order predicted (best first), `orders[r]` the
     order (indices into `trials`) their turns took in round r, `warmup` and `steps` per turn,
-    and `seconds`, the wall time of them all."""
+    `seconds`, the wall time of them all, and `time_model`, fitted from their measured
+    timelines (`fit_time_model`; None when no trial was a plain pipeline, dp = tp = 1)."""
 
     trials: tuple[Trial, ...]
     orders: tuple[tuple[int, ...], ...]
     warmup: int
     steps: int
     seconds: float
+    time_model: TimeModel | None = None
 
     @property
     def fastest(self) -> int:
@@ -214,8 +218,26 @@ def run_trials(p: Plan, model: nn.Module, sample: Any, target: Any, loss_fn: Los
             for i in order:
                 times[i][r] = runner.turn(chosen[i], warmup, steps)
     times = runner.slowest(times)
+    fitted = _fit(p, runner.timelines())
     trials = tuple(Trial(c, tuple(tuple(s) for s in t),
                          median_interval([statistics.median(s) for s in t]))
                    for c, t in zip(chosen, times, strict=True))
     return _with_trials(p, Trials(trials, tuple(orders), warmup, steps,
-                                  time.perf_counter() - began))
+                                  time.perf_counter() - began, fitted))
+
+
+def _fit(p: Plan, steps: list[tuple[Candidate, float, Timeline]]) -> TimeModel | None:
+    """A time model from the trials' measured steps, each beside its candidate's prediction
+    with no contention (what the model's terms are fitted against)."""
+    if not steps:
+        return None
+    alone: dict[tuple[Any, ...], Timeline] = {}
+    for c, _, _ in steps:
+        if _key(c) not in alone:
+            got = predict(p.profile, p.link, schedule=c.schedule, chunks=c.chunks,
+                          checkpoint=c.checkpoint, balance=c.balance, options=c.options,
+                          pp=c.pp, optimizer=p.optimizer, host_link=p.host_link,
+                          ranks_per_host=p.ranks_per_host).timeline
+            assert got is not None
+            alone[_key(c)] = got
+    return fit_time_model(Sample(tl, alone[_key(c)], s) for c, s, tl in steps)

@@ -44,6 +44,9 @@ def plan_with_trials(rank: int) -> tuple[Any, ...]:
              trial_steps=1, trial_warmup=0)  # every candidate: which are best depends on the
     # profile this run measures, and the test must see both layouts measured
     assert p.trials is not None and p.measured_step_time is not None
+    assert p.time_model is not None  # fitted from the pipelines' steps, every rank's events
+    plain = sum(len(t.times) for t in p.trials.trials if t.candidate.dp == 1)
     return (p.schedule, p.chunks, p.dp, p.pp, p.balance, p.measured_step_time,
-            [t.times for t in p.trials.trials],
+            [t.times for t in p.trials.trials], (p.time_model.samples, plain),
+            p.time_model.compute,
             sorted({(t.candidate.dp, t.candidate.pp) for t in p.trials.trials}))

@@ -110,6 +110,14 @@ def test_calibration_is_the_median_ratio_and_scales_the_profile() -> None:
     assert scaled.at(8).saved_bytes == p.profile.at(8).saved_bytes
     with pytest.raises(PipeConfigError, match="trials=k"):
         _plan().calibrated_profile()
+    # The trials' timelines fit a time model (every timed step: 2 trials x 2 rounds x 1),
+    # which prices the next plan: its predictions then carry the fitted terms.
+    model = p.time_model
+    assert model is not None and model.samples == 4 and model.compute > 0
+    again = _plan(time_model=model)
+    assert again.contention == model.contention
+    assert again.predicted_step_time >= model.step
+    assert _plan().time_model is None
 
 
 @pytest.mark.parametrize(("kw", "error", "says"), [
@@ -140,5 +148,7 @@ def test_trials_over_gloo_run_on_every_rank_and_agree() -> None:
     from tests.pipeline.planner import plan_workers
 
     got = spawn(plan_workers.plan_with_trials, 2, timeout=120)
-    assert got[0] == got[1]  # the same choice and the same (slowest rank's) step times
+    assert got[0] == got[1]  # the same choice, step times (slowest rank's) and time model
+    samples, plain = got[0][-3]
+    assert samples == plain > 0  # every timed step of a pipeline (dp 1) was fitted
     assert got[0][-1] == [(1, 2), (2, 1)]  # a pipeline and two replicas (on a mesh) ran
