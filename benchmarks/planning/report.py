@@ -31,8 +31,8 @@ def _regret(who: dict[str, Any]) -> str:
 def _standings(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| model | transport | budget | fit / measured | plan | plan's rank [95% CI] | "
              "plan's regret [95% CI] | P(plan fastest) | default's rank [95% CI] | default's "
-             "regret [95% CI] | fastest measured | its ms | round-to-round CV |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "regret [95% CI] | fastest measured | its ms | round-to-round CV | planning s "
+             "(trials) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         for budget, res in r["results"].items():
             limit = res["limit_bytes"]
@@ -44,11 +44,12 @@ def _standings(records: Sequence[dict[str, Any]]) -> list[str]:
                 f" | {plan['asked_as']}{note} | {_rank(plan, n)} | {_regret(plan)} | "
                 f"{plan['p_best']:.2f} | {_rank(default, n)} | {_regret(default)} | "
                 f"{res['best']['key']} | {_ms(res['best']['median_s'])} | "
-                f"{_pct(res['noise']['median_cv'])} |")
+                f"{_pct(res['noise']['median_cv'])} | {plan.get('planning_s', 0.0):.1f} "
+                f"({plan.get('trials', 0)}) |")
     for r in records:
         for budget, why in r.get("plan_errors", {}).items():
             lines.append(f"| {r['model']} | {r['transport']} | {budget} | - | the planner found "
-                         f"no configuration: {why} | | | | | | | | |")
+                         f"no configuration: {why} | | | | | | | | | |")
     return lines
 
 

@@ -36,8 +36,10 @@ from benchmarks.planning.space import (
     from_candidate,
     predictor,
 )
+from pipeline.launch import spawn
 from pipeline.planner import (
     ModelProfile,
+    Plan,
     PlanError,
     TimeModel,
     measure_contention,
@@ -50,7 +52,7 @@ from pipeline.splitting.profile import layer_params
 from schedules import Timeline
 from schedules.files import write_atomic
 
-__all__ = ["BUDGETS", "USAGE", "main", "profile_rows", "run"]
+__all__ = ["BUDGETS", "USAGE", "main", "planned_on_ranks", "profile_rows", "run"]
 
 BUDGETS = ("default", "none")
 
@@ -83,8 +85,8 @@ def profile_rows(batch: int, ranks: int, chunks: Sequence[int], processes: bool)
 
 def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets: Sequence[str],
         rounds: int, steps: int, warmup: int, vary: int, seed: int, replicates: int,
-        profile: ModelProfile, profile_repeats: int = 5, out: Path | None = None
-        ) -> dict[str, Any]:
+        profile: ModelProfile, profile_repeats: int = 5, out: Path | None = None,
+        trials: int = 0) -> dict[str, Any]:
     """Plan, measure every configuration alike, and build the record of one model and
     transport (timelines of the plan's, the default's and the fastest's steps into `out`)."""
     began = time.perf_counter()
@@ -103,11 +105,15 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     chunks = sorted({*chunks, ranks})  # the default's own chunk count is always a candidate
     for b in budgets:
         start = time.perf_counter()
+        kwargs: dict[str, Any] = {
+            "ranks": ranks, "profile": profile, "link": link, "chunks": chunks,
+            "memory_per_rank": None if math.isinf(limits[b]) else limits[b],
+            "transport": "threads" if threads else "gloo",
+            "data_parallel": [1] if threads else None, "contention": contention,
+            "trials": trials}
         try:
-            plans[b] = plan(model, x, y, loss, ranks=ranks, profile=profile, link=link,
-                            memory_per_rank=None if math.isinf(limits[b]) else limits[b],
-                            chunks=chunks, transport="threads" if threads else "gloo",
-                            data_parallel=[1] if threads else None, contention=contention)
+            plans[b] = (plan(model, x, y, loss, **kwargs) if threads or not trials else
+                        spawn(planned_on_ranks, ranks, name, kwargs, timeout=1800)[0])
         except PlanError as exc:  # a finding, not a reason to lose the other budgets' runs
             failed[b] = str(exc)
             print(f"{name} {transport} budget {b}: no plan: {exc}", file=sys.stderr)
@@ -144,6 +150,8 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
                                  replicates=replicates, seed=seed)
         results[b]["plan"]["planning_s"] = planning_s[b]
         results[b]["plan"]["predicted_as_planned_s"] = plans[b].predicted_step_time
+        results[b]["plan"]["trials"] = trials
+        results[b]["plan"]["measured_in_trials_s"] = plans[b].measured_step_time
     if out is not None:
         _timelines(out, name, transport, entries, measured, rows, results, predict, contention)
     return {
@@ -159,6 +167,16 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
         "what_if": what_if,
         "configs": rows, "measure_s": measure_s, "elapsed_s": time.perf_counter() - began,
     }
+
+
+def planned_on_ranks(rank: int, name: str, kwargs: dict[str, Any]) -> Plan:
+    """`plan(..., trials=k)` over processes runs on every rank of a launched group: each of
+    `ranks` spawned ranks plans the model alike (rank 0's candidates, slowest rank's times)."""
+    del rank
+    spec = get_model(name)
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    torch.set_num_threads(1)
+    return plan(model, x, y, loss, **kwargs)
 
 
 def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
@@ -252,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="predicted-fastest configurations whose split is varied")
     parser.add_argument("--replicates", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trials", type=int, default=0,
+                        help="plan(..., trials=K): the K best predicted run first, the "
+                             "measured fastest is the plan (over processes on spawned ranks)")
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-out/planning"))
     args = parser.parse_args(argv)
@@ -278,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                          vary=args.vary, seed=args.seed, replicates=args.replicates,
                          profile=profile, profile_repeats=args.profile_repeats,
-                         out=args.out)
+                         out=args.out, trials=args.trials)
             records.append(record)
             for b, res in record["results"].items():
                 print(f"{name} {transport} budget {b}: plan rank {res['plan']['rank']} of "

@@ -420,7 +420,7 @@ def test_a_budget_the_planner_cannot_meet_is_reported_not_fatal(
 def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     assert main(["--models", "tiny", "--transports", "threads", "--chunks", "1,2",
                  "--rounds", "2", "--steps", "1", "--replicates", "50", "--vary", "1",
-                 "--profile-repeats", "1", "--out", str(tmp_path)]) == 0
+                 "--profile-repeats", "1", "--trials", "2", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "| tiny | threads | default: " in text and "| tiny | threads | none: " in text
     data = json.loads((tmp_path / "results.json").read_text())
@@ -428,6 +428,9 @@ def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     assert all(len(c["measured"]["round_s"]) == 2 for c in record["configs"])
     assert set(record["drift"]["profile_after_over_before"]) == {"8", "16"}  # m = 2, 1
     assert (tmp_path / "timelines" / "tiny-threads-plan-none-measured.json").exists()
+    # Planned with trials: the plan is the measured fastest of the 2 best predicted.
+    planned = record["results"]["none"]["plan"]
+    assert planned["trials"] == 2 and planned["measured_in_trials_s"] > 0
     # The fitted time model, scored on the configurations held out of each half's fit.
     held = record["what_if"]["time_model"]
     assert held["n"] == len(record["configs"]) and 0 <= held["median_abs"] < 10
