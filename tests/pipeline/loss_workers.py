@@ -157,17 +157,21 @@ def model_loss_pp(rank: int, runs: list[tuple[str, str]]) -> int:
     loss_weight=: every rank passes the inputs (the last counts the tokens in them), the
     last the labels as target, the first None; the loss and this rank's gradients equal the
     unsplit model's. Returns the parameters checked."""
+    from tests.models_traced import exports_reused
+
     checked = 0
-    for name, schedule in runs:
-        model, reference, inputs, blocks = _traced(name)
-        pipe = Pipe(model, example_inputs=inputs, split_points=[blocks[2]], chunks=4,
-                    schedule=schedule)
-        last = len(pipe.balance) - 1 in pipe.local_stages
-        loss = pipe.step(inputs, inputs["labels"] if last else None, _model_loss)
-        expected = reference(**inputs).loss
-        expected.backward()
-        checked += grads_equal(model, reference, loss, expected, f"{name}/{schedule}", TOL)
-        pipe.close()
+    with exports_reused():  # each model's graph exported once, split for each schedule
+        for name, schedule in runs:
+            model, reference, inputs, blocks = _traced(name)
+            pipe = Pipe(model, example_inputs=inputs, split_points=[blocks[2]], chunks=4,
+                        schedule=schedule)
+            last = len(pipe.balance) - 1 in pipe.local_stages
+            loss = pipe.step(inputs, inputs["labels"] if last else None, _model_loss)
+            expected = reference(**inputs).loss
+            expected.backward()
+            checked += grads_equal(model, reference, loss, expected, f"{name}/{schedule}",
+                                   TOL)
+            pipe.close()
     return checked
 
 
@@ -179,15 +183,20 @@ def model_loss_dp(rank: int, runs: list[tuple[str, str]]) -> int:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     rows = slice(0, 3) if mesh.get_local_rank("dp") == 0 else slice(3, 8)
+    from tests.models_traced import exports_reused
+
     checked = 0
-    for name, schedule in runs:
-        model, reference, inputs, blocks = _traced(name)
-        shard = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        pipe = Pipe(model, example_inputs=shard, split_points=[blocks[2]], chunks=2,
-                    schedule=schedule, mesh=mesh)
-        loss = pipe.step(shard, None, _model_loss)
-        expected = reference(**inputs).loss
-        expected.backward()
-        checked += grads_equal(model, reference, loss, expected, f"dp/{name}/{schedule}", TOL)
-        pipe.close()
+    with exports_reused():  # each model's graph exported once, split for each schedule
+        for name, schedule in runs:
+            model, reference, inputs, blocks = _traced(name)
+            shard = {k: v[rows] if isinstance(v, torch.Tensor) else v
+                     for k, v in inputs.items()}
+            pipe = Pipe(model, example_inputs=shard, split_points=[blocks[2]], chunks=2,
+                        schedule=schedule, mesh=mesh)
+            loss = pipe.step(shard, None, _model_loss)
+            expected = reference(**inputs).loss
+            expected.backward()
+            checked += grads_equal(model, reference, loss, expected, f"dp/{name}/{schedule}",
+                                   TOL)
+            pipe.close()
     return checked

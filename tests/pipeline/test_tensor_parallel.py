@@ -123,9 +123,10 @@ def test_checkpoint_loads_across_layouts_and_into_a_plain_model(tmp_path: Path) 
     """Saved at 1x2x2 (dp x pp x tp), loaded at 1x4x1 and into the plain model: the
     weights after the step, whole, each time; `full_state_dict` gathers them too."""
     path = tmp_path / "ckpt"
-    saved = spawn(tp_workers.save_at, 4, str(path), timeout=SPAWN_TIMEOUT)
-    whole = unpack([state for state, _ in saved])
-    assert saved[0][1] is not None and all(full is None for _, full in saved[1:])
+    # One set of ranks saves at 1x2x2 and then loads at 1x4x1 (their second mesh).
+    saved = spawn(tp_workers.save_and_load_elsewhere, 4, str(path), timeout=SPAWN_TIMEOUT)
+    whole = unpack([state for state, _, _ in saved])
+    assert saved[0][1] is not None and all(full is None for _, full, _ in saved[1:])
     full = unpack([saved[0][1]])
     plain = models_tp.transformer(seed=7)
     assert set(whole) == set(plain.state_dict()) == set(full)
@@ -134,8 +135,7 @@ def test_checkpoint_loads_across_layouts_and_into_a_plain_model(tmp_path: Path) 
     sharded.load(plain, path)
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(v, whole[k], rtol=0, atol=0, msg=k)
-    loaded = spawn(tp_workers.load_elsewhere, 4, str(path), timeout=SPAWN_TIMEOUT)
-    got = unpack(loaded)
+    got = unpack([loaded for _, _, loaded in saved])
     assert set(got) == set(whole)
     for k, v in got.items():
         torch.testing.assert_close(v, whole[k], rtol=0, atol=0, msg=k)

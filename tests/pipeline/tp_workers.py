@@ -18,8 +18,8 @@ from tests.pipeline.sharded_workers import pack
 from tests.pipeline.traced_workers import STATE_TOL, TOL, TWO_PER_RANK
 
 __all__ = ["dropout_replay", "errors", "failure_names_coordinates",
-           "llama_like_one_device", "llama_plan", "load_elsewhere", "planned", "save_at",
-           "train_like_one_device", "two_bw_rule"]
+           "llama_like_one_device", "llama_plan", "load_elsewhere", "planned",
+           "save_and_load_elsewhere", "save_at", "train_like_one_device", "two_bw_rule"]
 
 BALANCE = {("mlp", 1): [6], ("mlp", 2): [3, 3], ("transformer", 1): [7],
            ("transformer", 2): [4, 3], ("transformer", 4): [2, 2, 2, 1], ("mlp", 4): [2, 1, 1, 2]}
@@ -186,6 +186,14 @@ def save_at(rank: int, path: str) -> tuple[bytes, bytes | None]:
         assert torch.equal(_full(v), other[k]), k
     fresh.close()
     return pack(state), pack(full) if full is not None else None
+
+
+def save_and_load_elsewhere(rank: int, path: str) -> tuple[bytes, bytes | None, bytes]:
+    """`save_at`, then (every rank's shards written) `load_elsewhere`, on one set of ranks:
+    both functions' results."""
+    saved, full = save_at(rank, path)
+    torch.distributed.barrier()
+    return saved, full, load_elsewhere(rank, path)
 
 
 def load_elsewhere(rank: int, path: str) -> bytes:

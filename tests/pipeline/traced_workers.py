@@ -4,9 +4,11 @@ live in a module of their own)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeline import Pipe
@@ -25,8 +27,9 @@ from tests.models_traced import (
 )
 from tests.pipeline.sharded_workers import pack, snapshot
 
-__all__ = ["CASES", "TWO_PER_RANK", "changing_batches", "load_other_split", "meta_stage",
-           "model_tensors", "save_and_gather", "split_points", "train_like_the_model"]
+__all__ = ["CASES", "TWO_PER_RANK", "changing_batches", "checkpoint_across_splits",
+           "load_other_split", "meta_stage", "model_tensors", "reusing_exports",
+           "save_and_gather", "split_points", "train_like_the_model"]
 
 CASES = {"gpt2": gpt2_case, "llama": llama_case, "bert": bert_case, "unet": unet_case}
 TWO_PER_RANK = {"interleaved", "zb-v"}  # schedules that hold two stages on every rank
@@ -36,6 +39,16 @@ TWO_PER_RANK = {"interleaved", "zb-v"}  # schedules that hold two stages on ever
 # rounding-noise gradient moves it by up to lr x noise / 1e-8.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 STATE_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def reusing_exports(rank: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(rank, *args)` with each graph exported once per process (`exports_reused`): a
+    scenario run in turn after others that exported the same model from the same inputs in
+    the same mode (and dtypes) gets a copy of that graph instead of exporting it again, most
+    of a Pipe's set-up. What it checks of the Pipe (splitting, captures again at other
+    lengths or dtypes, which export anew, training) runs as it would."""
+    with exports_reused():
+        return fn(rank, *args)
 
 
 def split_points(case: Case, schedule: str) -> list[str]:
@@ -280,6 +293,15 @@ def save_and_gather(rank: int, path: str) -> tuple[bytes, bytes | None]:
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, want.states[0][key]), key
     return saved, pack(full) if full is not None else None
+
+
+def checkpoint_across_splits(rank: int, path: str) -> tuple[bytes, bytes | None, bytes]:
+    """`save_and_gather`, then (every rank's shards written) `load_other_split`, on one set of
+    ranks, GPT-2 exported once: both functions' results."""
+    with exports_reused():
+        saved, full = save_and_gather(rank, path)
+        dist.barrier()
+        return saved, full, load_other_split(rank, path)
 
 
 def load_other_split(rank: int, path: str) -> bytes:
