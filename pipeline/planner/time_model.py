@@ -236,8 +236,10 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
         raise PipeConfigError("fit_time_model: no action of the measured steps is in their "
                               "predictions: pair each measured step with its own configuration")
     g, h, a = _nonnegative_fit(np.array(rows), np.array(seconds))
-    compute = g if g > 0 else 1.0
-    return TimeModel(compute=float(compute), contention=float(1 + h / compute),
+    # No compute term at all (the runtime's own cost swamps the profile's): a scale near 0,
+    # and no contention to scale.
+    compute, contention = (g, 1 + h / g) if g > 0 else (1e-6, 1.0)
+    return TimeModel(compute=float(compute), contention=float(contention),
                      action=float(a), message=max(0.0, statistics.median(gaps or [0.0])),
                      step=max(0.0, statistics.median(outside)),
                      allreduce=statistics.median(reduce) if reduce else 1.0,

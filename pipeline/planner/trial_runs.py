@@ -156,6 +156,15 @@ class Runner:
             pipe.close()
         return out
 
+    def shared(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (each rank profiled the model itself, so what it
+        derives from its own profile may differ)."""
+        if not self.processes:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def timelines(self) -> list[tuple[Candidate, float, Timeline]]:
         """Every timed step of a plain pipeline: its candidate, seconds and measured timeline
         (with processes, every rank's events gathered; the step the slowest rank's)."""

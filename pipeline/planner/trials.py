@@ -9,6 +9,12 @@ falls on all of them alike. A candidate's time is the median over rounds of its 
 median step, with a bootstrap interval over rounds. With processes (`transport` "gloo" or
 "nccl") `plan` is called on every rank of the launched group: rank 0's candidates are run by
 all, each timed step starts at a barrier, and a step's time is the slowest rank's.
+
+The trials' measured timelines then fit a time model (`pipeline.planner.time_model`; rank 0's
+over processes), which prices every candidate that fits again. Those of its k best not yet run
+take a second stage of rounds beside the first stage's fastest, and the plan is that stage's
+measured fastest: a candidate the profile alone mispriced (a runtime cost per action it does
+not hold, say) is still measured before the choice.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from pipeline.planner.space import Candidate
 from pipeline.planner.time_model import Sample, TimeModel, fit_time_model
 from schedules import Timeline
 
-__all__ = ["Trial", "Trials", "check_trials", "chosen_as", "contenders", "run_trials",
-           "scaled_profile"]
+__all__ = ["Trial", "Trials", "check_trials", "chosen_as", "contenders", "repriced",
+           "run_trials", "scaled_profile"]
 
 _SEED = 0  # the rounds' orders: fixed, so every process of a launch takes the same turns
 
@@ -70,7 +76,10 @@ class Trials:
     """The trials of one plan: `trials` in the order predicted (best first), `orders[r]` the
     order (indices into `trials`) their turns took in round r, `warmup` and `steps` per turn,
     `seconds`, the wall time of them all, and `time_model`, fitted from their measured
-    timelines (`fit_time_model`; None when no trial was a plain pipeline, dp = tp = 1)."""
+    timelines (`fit_time_model`; None when no trial was a plain pipeline, dp = tp = 1).
+    When that model ranked candidates not yet run among the k best, they ran in a second
+    stage beside the first stage's fastest: `trials` are that stage's, `screened` the
+    first's."""
 
     trials: tuple[Trial, ...]
     orders: tuple[tuple[int, ...], ...]
@@ -78,6 +87,7 @@ class Trials:
     steps: int
     seconds: float
     time_model: TimeModel | None = None
+    screened: tuple[Trial, ...] = ()
 
     @property
     def fastest(self) -> int:
@@ -199,31 +209,69 @@ def scaled_profile(profile: ModelProfile, factor: float) -> ModelProfile:
 
 def run_trials(p: Plan, model: nn.Module, sample: Any, target: Any, loss_fn: LossFn, *,
                k: int, rounds: int, steps: int, warmup: int, transport: str) -> Plan:
-    """Run the k best predicted candidates of `p` (see the module's docstring) and return the
-    plan of the measured fastest, carrying every trial's measurements."""
+    """Run the k best predicted candidates of `p` (see the module's docstring), then, priced
+    again by the time model their timelines fit, the k best of those not yet run beside the
+    measured fastest so far; return the plan of the measured fastest of that last stage,
+    carrying every trial's measurements."""
     from pipeline.planner import trial_runs  # the runtime, only when trials run
 
-    chosen = contenders(p, k)
     runner = trial_runs.Runner(p, model, sample, target, loss_fn, transport)
-    chosen = runner.agree(chosen)
+    began = time.perf_counter()
+    with runner.isolated():
+        first = _stage(runner, runner.agree(contenders(p, k)), rounds, warmup, steps)
+        fitted = runner.shared(_fit(p, runner.timelines()))
+        tried = {_key(t.candidate) for t in first[0]}
+        # Rank 0's: each rank prices with its own profile, and all must run the same stage.
+        more = runner.shared([c for c in repriced(p, fitted)[:k] if _key(c) not in tried]
+                             if fitted else [])
+        screened: tuple[Trial, ...] = ()
+        if more:
+            best = first[0][min(range(len(first[0])), key=lambda i: (first[0][i].median, i))]
+            screened = first[0]
+            first = _stage(runner, runner.agree([best.candidate, *more]), rounds, warmup, steps)
+            fitted = runner.shared(_fit(p, runner.timelines()))
+    trials, orders = first
+    return _with_trials(p, Trials(trials, orders, warmup, steps, time.perf_counter() - began,
+                                  fitted, screened))
+
+
+def _stage(runner: Any, chosen: list[Candidate], rounds: int, warmup: int, steps: int
+           ) -> tuple[tuple[Trial, ...], tuple[tuple[int, ...], ...]]:
+    """`chosen` measured in `rounds` interleaved rounds (each round's order shuffled)."""
     orders: list[tuple[int, ...]] = []
     for r in range(rounds):
         shuffled = list(range(len(chosen)))
         random.Random(_SEED * 100_003 + r).shuffle(shuffled)
         orders.append(tuple(shuffled))
     times: list[list[list[float]]] = [[[] for _ in range(rounds)] for _ in chosen]
-    began = time.perf_counter()
-    with runner.isolated():
-        for r, order in enumerate(orders):
-            for i in order:
-                times[i][r] = runner.turn(chosen[i], warmup, steps)
+    for r, order in enumerate(orders):
+        for i in order:
+            times[i][r] = runner.turn(chosen[i], warmup, steps)
     times = runner.slowest(times)
-    fitted = _fit(p, runner.timelines())
     trials = tuple(Trial(c, tuple(tuple(s) for s in t),
                          median_interval([statistics.median(s) for s in t]))
                    for c, t in zip(chosen, times, strict=True))
-    return _with_trials(p, Trials(trials, tuple(orders), warmup, steps,
-                                  time.perf_counter() - began, fitted))
+    return trials, tuple(orders)
+
+
+def repriced(p: Plan, model: TimeModel) -> list[Candidate]:
+    """Every candidate that fits, simulated or pruned by the search, predicted again by
+    `model` (a simulated one keeps its split; a pruned one takes the min-max split), fastest
+    first."""
+    out = []
+    for c in p.candidates:
+        if c.status not in ("chosen", "fits", "pruned"):
+            continue
+        got = predict(p.profile, p.link, schedule=c.schedule, chunks=c.chunks,
+                      checkpoint=c.checkpoint, balance=c.balance if c.status != "pruned"
+                      else None, options=c.options, dp=c.dp, pp=c.pp, optimizer=p.optimizer,
+                      tp=c.tp, sharding=p.sharding, host_link=p.host_link,
+                      ranks_per_host=p.ranks_per_host, time_model=model)
+        assert got.peak_bytes is not None
+        if all(b <= m * (1 + 1e-12) for b, m in zip(got.peak_bytes, p.memory_per_rank,
+                                                     strict=False)):
+            out.append(got)
+    return sorted(out, key=lambda c: (c.step_time, out.index(c)))
 
 
 def _fit(p: Plan, steps: list[tuple[Candidate, float, Timeline]]) -> TimeModel | None:

@@ -71,14 +71,15 @@ def no_run(*args: object, **kwargs: object) -> None:
 
 
 def planning_profile(layers: int = 5, batch: int = 16,
-                     rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> ModelProfile:
-    """A model profile without profiling: layer i's forward takes (i + 1) ms at a full batch,
-    scaled by rows (so splits and chunk counts matter), backward twice that; 1 KiB of weights
-    and 64 bytes of input and saved tensors per row, per layer."""
+                     rows: tuple[int, ...] = (1, 2, 4, 8, 16), uniform: bool = False
+                     ) -> ModelProfile:
+    """A model profile without profiling: layer i's forward takes (i + 1) ms at a full batch
+    (1 ms each if `uniform`), scaled by rows (so splits and chunk counts matter), backward
+    twice that; 1 KiB of weights and 64 bytes of input and saved tensors per row, per layer."""
     by_rows = {}
     for r in rows:
         share = r / batch
-        forward = tuple(0.001 * (i + 1) * share for i in range(layers))
+        forward = tuple(0.001 * (1 if uniform else i + 1) * share for i in range(layers))
         by_rows[r] = LayerCosts(r, forward, tuple(2 * f for f in forward), forward, forward,
                                 (64.0 * r,) * layers, (64.0 * r,) * layers)
     params = tuple(((i, 1024, True),) for i in range(layers))

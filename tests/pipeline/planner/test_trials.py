@@ -17,6 +17,7 @@ from benchmarks.models import get_model
 from pipeline import Plan, plan
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.planner import Link, ModelProfile, profile_model
+from tests.benchmarks import fakes
 
 _SLEEP = 0.03  # seconds added to each step of the slowed candidate: far above the tiny step
 
@@ -152,3 +153,49 @@ def test_trials_over_gloo_run_on_every_rank_and_agree() -> None:
     samples, plain = got[0][-3]
     assert samples == plain > 0  # every timed step of a pipeline (dp 1) was fitted
     assert got[0][-1] == [(1, 2), (2, 1)]  # a pipeline and two replicas (on a mesh) ran
+
+
+class _NapFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _Nap(nn.Module):
+    """A small layer that sleeps 10 ms in its forward and in its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NapFn.apply(self.lin(x), 0.010)
+
+
+def test_trials_price_the_candidates_again_by_the_time_model_they_fit() -> None:
+    """The profile says compute grows with rows (1 ms a layer at 64 rows), so 4
+    micro-batches are predicted faster than 1 (the bubble); but every layer sleeps 10 ms a
+    pass, so each action costs 20 ms whatever its rows, and 1 micro-batch (4 actions a step,
+    not 16) is faster. Trials of the predicted best alone fit that cost, price the candidates
+    again, run the newly best beside it, and choose it."""
+    model = nn.Sequential(*[_Nap() for _ in range(4)])
+    x, y, loss = torch.randn(64, 16), torch.randn(64, 16), nn.MSELoss()
+    kw: dict[str, Any] = {"ranks": 2, "memory_per_rank": None,
+                          "profile": fakes.planning_profile(4, 64, (16, 64), uniform=True),
+                          "link": Link("threads", 2e-5, 0.0), "contention": 1.0,
+                          "chunks": [1, 4], "checkpoints": ["never"], "schedules": ["1f1b"]}
+    assert plan(model, x, y, loss, **kw).chunks == 4
+    p = plan(model, x, y, loss, trials=1, trial_rounds=2, trial_steps=1, trial_warmup=1, **kw)
+    assert p.trials is not None and p.time_model is not None
+    assert [t.candidate.chunks for t in p.trials.screened] == [4]
+    assert [t.candidate.chunks for t in p.trials.trials] == [4, 1]
+    assert p.chunks == 1 and p.measured_step_time == p.trials.trials[1].median
+    # Two layers' sleeps an action, fitted from 3 steps on 2 busy cores.
+    assert p.time_model.action == pytest.approx(0.020, rel=0.25)
