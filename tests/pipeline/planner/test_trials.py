@@ -111,10 +111,11 @@ def test_calibration_is_the_median_ratio_and_scales_the_profile() -> None:
     assert scaled.at(8).saved_bytes == p.profile.at(8).saved_bytes
     with pytest.raises(PipeConfigError, match="trials=k"):
         _plan().calibrated_profile()
-    # The trials' timelines fit a time model (every timed step: 2 trials x 2 rounds x 1),
-    # which prices the next plan: its predictions then carry the fitted terms.
+    # The trials' timelines fit a time model (every timed step: 2 rounds x 1 step of each
+    # trial of both stages), which prices the next plan: its predictions carry its terms.
     model = p.time_model
-    assert model is not None and model.samples == 4 and model.compute > 0
+    runs = len(p.trials.trials) + len(p.trials.screened)
+    assert model is not None and model.samples == 2 * runs and model.compute > 0
     again = _plan(time_model=model)
     assert again.contention == model.contention
     assert again.predicted_step_time >= model.step
