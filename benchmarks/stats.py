@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipeline.planner.time_model import message_waits, producer
 from schedules import Action, Costs, Event, Op, Schedule, Timeline, simulate
-from schedules.lower import consumed, source_stage
 
 __all__ = [
     "RawEvent",
@@ -93,31 +93,8 @@ def _kind(op: Op) -> str | None:
 def comm_latency(timelines: Iterable[Timeline]) -> float:
     """Median delay from a producer's end to its consumer's start on another rank, counted only
     where the consumer sat idle waiting for it (so the delay is transfer, not queueing)."""
-    gaps: list[float] = []
-    for tl in timelines:
-        index = {(e.action.stage, e.action.op, e.action.microbatch): e for e in tl.events}
-        last_stage = max((e.action.stage for e in tl.events), default=0)
-        for r in range(tl.num_ranks):
-            lane = tl.lane(r)
-            for prev, e in zip((None, *lane), lane, strict=False):
-                src = _source(index, e.action, last_stage)
-                if src is None or src.rank == e.rank:
-                    continue
-                if prev is None or prev.end <= src.end:  # idle when the data left
-                    gaps.append(max(0.0, e.start - src.end))
+    gaps = [max(0.0, g) for tl in timelines for g in message_waits(tl)]
     return statistics.median(gaps) if gaps else 0.0
-
-
-def _source(index: dict[tuple[int, Op, int], Event], a: Action, last_stage: int
-            ) -> Event | None:
-    """The event whose output `a` consumes from an adjacent stage (None: its input is local)."""
-    msg = consumed(a, last_stage + 1)
-    if msg is None:
-        return None
-    src = source_stage(msg)
-    if msg[0] == "F":
-        return index.get((src, Op.F, a.microbatch))
-    return index.get((src, Op.B, a.microbatch)) or index.get((src, Op.I, a.microbatch))
 
 
 def idle_not_waiting(tl: Timeline) -> float:
@@ -130,7 +107,7 @@ def idle_not_waiting(tl: Timeline) -> float:
     for r in range(tl.num_ranks):
         total, free_at = 0.0, 0.0
         for e in tl.lane(r):
-            src = _source(index, e.action, last_stage)
+            src = producer(index, e.action, last_stage + 1)
             ready = free_at if src is None or src.rank == r else max(free_at, src.end)
             total += max(0.0, e.start - ready)
             free_at = e.end

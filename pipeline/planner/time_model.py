@@ -20,15 +20,14 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from pipeline.errors import PipeConfigError
-from schedules import Costs, Op, Timeline
-from schedules.ir import COMPUTE_OPS
+from schedules import Action, Costs, Event, Op, Timeline
+from schedules.lower import consumed, source_stage
 
-__all__ = ["Sample", "TimeModel", "fit_time_model", "machine"]
+__all__ = ["Sample", "TimeModel", "fit_time_model", "machine", "message_waits", "producer"]
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
 
@@ -74,22 +73,21 @@ class TimeModel:
 
     def costs(self, costs: Costs) -> Costs:
         """`costs` (from a profile and a link) as this machine runs them, contention aside."""
-        def timed(value: float | Sequence[float]) -> tuple[float, ...] | float:
+        def scaled(value: float | Sequence[float], factor: float, add: float = 0.0
+                   ) -> tuple[float, ...] | float:
             if isinstance(value, int | float):
-                return value * self.compute + self.action
-            return tuple(v * self.compute + self.action for v in value)
+                return value * factor + add
+            return tuple(v * factor + add for v in value)
 
-        def reduced(value: float | Sequence[float]) -> tuple[float, ...] | float:
-            if isinstance(value, int | float):
-                return value * self.allreduce
-            return tuple(v * self.allreduce for v in value)
+        def timed(value: float | Sequence[float]) -> tuple[float, ...] | float:
+            return scaled(value, self.compute, self.action)
 
         return Costs(forward=timed(costs.forward), backward=timed(costs.backward),
                      backward_input=timed(costs.backward_input),
                      backward_weight=timed(costs.backward_weight), update=costs.update,
                      comm=costs.comm + self.message, tie=costs.tie,
-                     reduce_grad=reduced(costs.reduce_grad), overflow=costs.overflow,
-                     microbatch=costs.microbatch)
+                     reduce_grad=scaled(costs.reduce_grad, self.allreduce),
+                     overflow=costs.overflow, microbatch=costs.microbatch)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the model as JSON (with the machine it was fitted on)."""
@@ -136,54 +134,52 @@ class Sample:
 Key = tuple[int, Op, int]
 
 
-def _index(t: Timeline) -> dict[Key, Any]:
-    return {(e.action.stage, e.action.op, e.action.microbatch): e for e in t.events
-            if e.action.op in _COMPUTE}
+def _index(t: Timeline) -> dict[Key, Event]:
+    return {(e.action.stage, e.action.op, e.action.microbatch): e for e in t.events}
 
 
-def _producer(key: Key, num_stages: int, events: Mapping[Key, Any]) -> Any:
-    """The action whose output `key` consumes from the next or previous stage, if any."""
-    s, op, mb = key
-    if op is Op.F:
-        return events.get((s - 1, Op.F, mb)) if s > 0 else None
-    if op in (Op.B, Op.I) and s + 1 < num_stages:
-        return events.get((s + 1, Op.B, mb)) or events.get((s + 1, Op.I, mb))
-    return None
+def producer(events: Mapping[Key, Event], action: Action, num_stages: int) -> Event | None:
+    """The event whose output `action` consumes from an adjacent stage (None: its input is
+    local); `events` keyed by (stage, op, micro-batch)."""
+    msg = consumed(action, num_stages)
+    if msg is None:
+        return None
+    src, mb = source_stage(msg), action.microbatch
+    if msg[0] == "F":
+        return events.get((src, Op.F, mb))
+    return events.get((src, Op.B, mb)) or events.get((src, Op.I, mb))
+
+
+def message_waits(t: Timeline) -> list[float]:
+    """Per input from a peer that a rank sat idle for (its previous action ended before the
+    input's producer did): its start less the producer's end, transfer and no queueing."""
+    events = _index(t)
+    stages = 1 + max((e.action.stage for e in t.events), default=0)
+    out = []
+    for r in range(t.num_ranks):
+        lane = t.lane(r)
+        for prev, e in zip((None, *lane), lane, strict=False):
+            src = producer(events, e.action, stages)
+            if src is not None and src.rank != e.rank and (prev is None or prev.end <= src.end):
+                out.append(e.start - src.end)
+    return out
 
 
 def _shares(t: Timeline) -> dict[Key, float]:
     """Per compute action, the share of it during which another rank was computing."""
-    spans = [(e.rank, e.start, e.end) for e in t.events if e.action.op in _COMPUTE]
+    computing = [e for e in t.events if e.action.op in _COMPUTE]
     out = {}
-    for key, e in _index(t).items():
+    for e in computing:
         length = e.end - e.start
-        covered = sorted((max(s, e.start), min(x, e.end)) for r, s, x in spans
-                         if r != e.rank and s < e.end and x > e.start)
+        covered = sorted((max(o.start, e.start), min(o.end, e.end)) for o in computing
+                         if o.rank != e.rank and o.start < e.end and o.end > e.start)
         total, reach = 0.0, e.start
         for lo, hi in covered:  # the union: two other ranks at once count once
             if hi > reach:
                 total += hi - max(lo, reach)
                 reach = hi
-        out[key] = total / length if length > 0 else 0.0
-    return out
-
-
-def _gaps(t: Timeline) -> list[float]:
-    """Per cross-rank input a rank waited for (idle when it was sent), start - producer end."""
-    events = _index(t)
-    stages = 1 + max((k[0] for k in events), default=0)
-    ends: dict[int, list[float]] = {}
-    for e in t.events:
-        if e.action.op in COMPUTE_OPS:
-            ends.setdefault(e.rank, []).append(e.end)
-    out = []
-    for key, e in events.items():
-        p = _producer(key, stages, events)
-        if p is None or p.rank == e.rank:
-            continue
-        before = [x for x in ends.get(e.rank, []) if x <= e.start]
-        if not before or max(before) <= p.end:  # idle from before the message left
-            out.append(e.start - p.end)
+        out[(e.action.stage, e.action.op, e.action.microbatch)] = (
+            total / length if length > 0 else 0.0)
     return out
 
 
@@ -221,14 +217,14 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
         if s.measured.unit != "s":
             raise PipeConfigError(f"Sample.measured must be a measured timeline (unit 's', "
                                   f"from pipe.last_timeline()); got unit {s.measured.unit!r}")
-        want, shares = _index(s.predicted), _shares(s.measured)
-        for key, e in _index(s.measured).items():
+        want, got = _index(s.predicted), _index(s.measured)
+        for key, share in _shares(s.measured).items():
             if key in want:
                 p = want[key].end - want[key].start
-                rows.append((p, p * shares[key], 1.0))
-                seconds.append(e.end - e.start)
-        link = statistics.median(_gaps(s.predicted) or [0.0])
-        gaps += [g - link for g in _gaps(s.measured)]
+                rows.append((p, p * share, 1.0))
+                seconds.append(got[key].end - got[key].start)
+        link = statistics.median(message_waits(s.predicted) or [0.0])
+        gaps += [g - link for g in message_waits(s.measured)]
         outside.append(s.step - _span(s.measured))
         if s.allreduce is not None and s.allreduce[1] > 0:
             reduce.append(s.allreduce[0] / s.allreduce[1])
