@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -152,16 +153,25 @@ def contenders(p: Plan, k: int) -> list[Candidate]:
                     key=lambda c: c.lower_bound or float("inf")):
         if len(out) >= k:
             break
-        alone = predict(p.profile, p.link, schedule=c.schedule, chunks=c.chunks,
-                        checkpoint=c.checkpoint, options=c.options, pp=c.pp, dp=c.dp,
-                        contention=p.contention, optimizer=p.optimizer, tp=c.tp,
-                        sharding=p.sharding, host_link=p.host_link,
-                        ranks_per_host=p.ranks_per_host)
-        assert alone.peak_bytes is not None
-        if all(b <= m * (1 + 1e-12) for b, m in zip(alone.peak_bytes, p.memory_per_rank,
-                                                     strict=False)):
+        alone = _predict(p, c, None, contention=p.contention)
+        if _fits(p, alone):
             out.append(replace(alone, reason="pruned by the search; simulated alone for trials"))
     return sorted(out, key=lambda c: (c.step_time, out.index(c)))
+
+
+def _predict(p: Plan, c: Candidate, balance: Sequence[int] | None, **how: Any) -> Candidate:
+    """`c` predicted alone with `p`'s profile, links and optimizer, at `balance` (None: the
+    min-max split); `how`: the contention or a time model."""
+    return predict(p.profile, p.link, schedule=c.schedule, chunks=c.chunks,
+                   checkpoint=c.checkpoint, balance=balance, options=c.options, pp=c.pp,
+                   dp=c.dp, tp=c.tp, optimizer=p.optimizer, sharding=p.sharding,
+                   host_link=p.host_link, ranks_per_host=p.ranks_per_host, **how)
+
+
+def _fits(p: Plan, c: Candidate) -> bool:
+    assert c.peak_bytes is not None
+    return all(b <= m * (1 + 1e-12) for b, m in zip(c.peak_bytes, p.memory_per_rank,
+                                                    strict=False))
 
 
 def chosen_as(p: Plan, c: Candidate, **fields: Any) -> Plan:
@@ -226,7 +236,7 @@ def run_trials(p: Plan, model: nn.Module, sample: Any, target: Any, loss_fn: Los
                              if fitted else [])
         screened: tuple[Trial, ...] = ()
         if more:
-            best = first[0][min(range(len(first[0])), key=lambda i: (first[0][i].median, i))]
+            best = min(first[0], key=lambda t: t.median)  # the better predicted on a tie
             screened = first[0]
             first = _stage(runner, runner.agree([best.candidate, *more]), rounds, warmup, steps)
             fitted = runner.shared(_fit(p, runner.timelines()))
@@ -258,19 +268,9 @@ def repriced(p: Plan, model: TimeModel) -> list[Candidate]:
     """Every candidate that fits, simulated or pruned by the search, predicted again by
     `model` (a simulated one keeps its split; a pruned one takes the min-max split), fastest
     first."""
-    out = []
-    for c in p.candidates:
-        if c.status not in ("chosen", "fits", "pruned"):
-            continue
-        got = predict(p.profile, p.link, schedule=c.schedule, chunks=c.chunks,
-                      checkpoint=c.checkpoint, balance=c.balance if c.status != "pruned"
-                      else None, options=c.options, dp=c.dp, pp=c.pp, optimizer=p.optimizer,
-                      tp=c.tp, sharding=p.sharding, host_link=p.host_link,
-                      ranks_per_host=p.ranks_per_host, time_model=model)
-        assert got.peak_bytes is not None
-        if all(b <= m * (1 + 1e-12) for b, m in zip(got.peak_bytes, p.memory_per_rank,
-                                                     strict=False)):
-            out.append(got)
+    out = [got for c in p.candidates if c.status in ("chosen", "fits", "pruned")
+           if _fits(p, got := _predict(p, c, c.balance if c.status != "pruned" else None,
+                                       time_model=model))]
     return sorted(out, key=lambda c: (c.step_time, out.index(c)))
 
 
@@ -282,10 +282,7 @@ def _fit(p: Plan, steps: list[tuple[Candidate, float, Timeline]]) -> TimeModel |
     alone: dict[tuple[Any, ...], Timeline] = {}
     for c, _, _ in steps:
         if _key(c) not in alone:
-            got = predict(p.profile, p.link, schedule=c.schedule, chunks=c.chunks,
-                          checkpoint=c.checkpoint, balance=c.balance, options=c.options,
-                          pp=c.pp, optimizer=p.optimizer, host_link=p.host_link,
-                          ranks_per_host=p.ranks_per_host).timeline
+            got = _predict(p, c, c.balance).timeline
             assert got is not None
             alone[_key(c)] = got
     return fit_time_model(Sample(tl, alone[_key(c)], s) for c, s, tl in steps)
