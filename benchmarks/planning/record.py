@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.planning.rounds import Measured
+from benchmarks.planning.rounds import Measured, steps_of
 from benchmarks.planning.space import Config, Entry, index_of
 from benchmarks.planning.stats import (
     anatomy,
@@ -52,8 +52,7 @@ def config_rows(entries: Sequence[Entry], measured: Sequence[Sequence[Measured]]
         assert guess.step_time is not None and guess.timeline is not None
         assert alone.timeline is not None and alone.step_time is not None
         planned = anatomy(guess.timeline)
-        steps = [(s, tl) for row in measured for s, tl in zip(row[i].step_s, row[i].timelines,
-                                                                strict=True)]
+        steps = steps_of(measured, i)
         shapes = [anatomy(tl, s) for s, tl in steps]
         parts = [decompose(planned, a) for a in shapes]
         mean_step = statistics.fmean(a.step for a in shapes)

@@ -21,7 +21,7 @@ from pipeline import Pipe
 from pipeline.launch import spawn
 from schedules import Timeline
 
-__all__ = ["Measured", "Turn", "measure", "merge", "orders", "run_rounds"]
+__all__ = ["Measured", "Turn", "measure", "merge", "orders", "run_rounds", "steps_of"]
 
 
 @dataclass
@@ -53,6 +53,13 @@ class Measured:
     peaks: list[int]
     allreduce_s: list[float] = field(default_factory=list)
     exposed_s: list[float] = field(default_factory=list)
+
+
+def steps_of(measured: Sequence[Sequence[Measured]], i: int) -> list[tuple[float, Timeline]]:
+    """Configuration `i`'s timed steps over every round (`measured[round][config]`): each
+    step's seconds and timeline."""
+    return [(s, tl) for row in measured for s, tl in zip(row[i].step_s, row[i].timelines,
+                                                         strict=True)]
 
 
 def orders(n: int, rounds: int, seed: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from benchmarks.planning.record import (
     timeline_json,
 )
 from benchmarks.planning.report import report
-from benchmarks.planning.rounds import Measured, measure, orders
+from benchmarks.planning.rounds import Measured, measure, orders, steps_of
 from benchmarks.planning.space import (
     Config,
     Entry,
@@ -49,7 +49,6 @@ from pipeline.planner import (
 )
 from pipeline.splitting.partition import partition
 from pipeline.splitting.profile import layer_params
-from schedules import Timeline
 from schedules.files import write_atomic
 
 __all__ = ["BUDGETS", "USAGE", "main", "planned_on_ranks", "profile_rows", "run"]
@@ -183,10 +182,6 @@ def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
               rows: Sequence[dict[str, Any]], predict: Predictor,
               allreduce: Callable[[Config], float]) -> dict[str, Any]:
     """The fitted time model on held-out configurations (`held_out.time_model_what_if`)."""
-    def steps(i: int) -> list[tuple[float, Timeline]]:
-        return [(s, tl) for row in measured for s, tl in zip(row[i].step_s, row[i].timelines,
-                                                             strict=True)]
-
     def reduced(i: int) -> tuple[float, float] | None:
         if configs[i].dp == 1:
             return None
@@ -200,7 +195,7 @@ def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
 
     alone = [predict(c, 1.0).timeline for c in configs]
     assert all(tl is not None for tl in alone)
-    return time_model_what_if(configs, [steps(i) for i in range(len(configs))],
+    return time_model_what_if(configs, [steps_of(measured, i) for i in range(len(configs))],
                               [tl for tl in alone if tl is not None],
                               [r["measured"]["median_s"] for r in rows], with_model,
                               [reduced(i) for i in range(len(configs))])
@@ -240,9 +235,7 @@ def _timelines(out: Path, name: str, transport: str, entries: Sequence[Entry],
         for who in ("plan", "default", "best"):
             key = res[who]["key"]
             i = next(j for j, r in enumerate(rows) if r["key"] == key)
-            steps = sorted(((s, tl) for row in measured
-                            for s, tl in zip(row[i].step_s, row[i].timelines, strict=True)),
-                           key=lambda st: st[0])
+            steps = sorted(steps_of(measured, i), key=lambda st: st[0])
             _, median = steps[(len(steps) - 1) // 2]
             stem = f"{name}-{transport}-{who}-{budget}"
             write_atomic(folder / f"{stem}-measured.json",
