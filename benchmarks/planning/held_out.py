@@ -17,11 +17,10 @@ __all__ = ["time_model_what_if"]
 
 def time_model_what_if(configs: Sequence[Config], steps: Sequence[Sequence[tuple[float, Timeline]]],
                        alone: Sequence[Timeline], medians: Sequence[float],
-                       predict: Callable[[Config, TimeModel], float],
-                       allreduce: Sequence[tuple[float, float] | None]) -> dict[str, Any]:
+                       predict: Callable[[Config, TimeModel], float]) -> dict[str, Any]:
     """Fit `fit_time_model` on the measured steps of one half of the configurations (each
-    step's timeline beside the planner's uncontended prediction `alone`, its all-reduce
-    measured and predicted under dp) and score it on the other half: |predicted / measured
+    step's timeline beside the planner's uncontended prediction `alone`; under dp, the other
+    replicas' compute in its `meta["beside"]`) and score it on the other half: |predicted / measured
     median - 1| per held-out configuration (`predict(config, model)` in seconds), then the
     halves swapped. Reports the median |error| over both held-out halves, the share within
     5 %, 10 % and 20 %, and each half's fitted terms."""
@@ -31,7 +30,7 @@ def time_model_what_if(configs: Sequence[Config], steps: Sequence[Sequence[tuple
     errors: list[float] = []
     fitted: list[dict[str, Any]] = []
     for fit, test in (halves(n), halves(n)[::-1]):
-        model = fit_time_model(Sample(tl, alone[i], s, allreduce[i])
+        model = fit_time_model(Sample(tl, alone[i], s, tuple(tl.meta.get("beside", ())))
                                for i in fit for s, tl in steps[i])
         errors += [predict(configs[i], model) / medians[i] - 1 for i in test]
         fitted.append({k: v for k, v in asdict(model).items() if k != "machine"})

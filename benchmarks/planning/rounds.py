@@ -19,7 +19,8 @@ from benchmarks.planning.space import Config
 from benchmarks.stats import RawEvent, merge_events
 from pipeline import Pipe
 from pipeline.launch import spawn
-from schedules import Timeline
+from schedules import Action, Timeline
+from schedules.ir import COMPUTE_OPS
 
 __all__ = ["Measured", "Turn", "measure", "merge", "orders", "run_rounds", "steps_of"]
 
@@ -44,7 +45,8 @@ class Turn:
 class Measured:
     """One configuration in one round, every process merged: each timed step's seconds (the
     first process's start to the last one's end), each step's timeline (the first replica's
-    ranks, counted from the step's first action) and, from the memory round, the peak bytes
+    ranks, counted from the step's first action; `meta["beside"]`, the other replicas'
+    compute actions, (start, end) on its clock) and, from the memory round, the peak bytes
     per pipeline rank (the largest over replicas); under dp, each step's all-reduce seconds
     and the seconds the step waited for them (each the largest over processes)."""
 
@@ -214,7 +216,10 @@ def merge(per_process: Sequence[Sequence[Sequence[Turn]]], configs: Sequence[Con
             for k in range(steps):
                 events = [e for t in first for e in t.events[k]]
                 start = min((e[2] for e in events), default=0.0)
-                timelines.append(merge_events(c.pp, events, start))
+                # The other replicas' compute on this clock: it slows the first's alike.
+                beside = [(s - start, e - start) for t in turns if t.dp_rank != 0
+                          for _, a, s, e in t.events[k] if Action.parse(a).op in COMPUTE_OPS]
+                timelines.append(merge_events(c.pp, events, start, {"beside": beside}))
             peaks: dict[int, int] = {}
             for t in turns:
                 for rank, b in zip(t.pp_ranks, t.peaks, strict=False):

@@ -6,10 +6,9 @@ import argparse
 import json
 import math
 import shlex
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +139,7 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     what_if = calibrate(configs, [r["measured"]["median_s"] for r in rows],
                         [max(r["predicted"]["anatomy"]["compute_actions"]) for r in rows],
                         step_time, contention)
-    what_if["time_model"] = _held_out(configs, measured, rows, predict,
-                                      lambda c: allreduce_seconds(profile, link, c))
+    what_if["time_model"] = _held_out(configs, measured, rows, predict)
     results = {}
     for b in plans:
         chosen = from_candidate(plans[b].chosen)
@@ -179,15 +177,8 @@ def planned_on_ranks(rank: int, name: str, kwargs: dict[str, Any]) -> Plan:
 
 
 def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
-              rows: Sequence[dict[str, Any]], predict: Predictor,
-              allreduce: Callable[[Config], float]) -> dict[str, Any]:
+              rows: Sequence[dict[str, Any]], predict: Predictor) -> dict[str, Any]:
     """The fitted time model on held-out configurations (`held_out.time_model_what_if`)."""
-    def reduced(i: int) -> tuple[float, float] | None:
-        if configs[i].dp == 1:
-            return None
-        return (statistics.median(s for row in measured for s in row[i].allreduce_s),
-                allreduce(configs[i]))
-
     def with_model(c: Config, model: TimeModel) -> float:
         got = predict(c, 1.0, model).step_time
         assert got is not None
@@ -197,8 +188,7 @@ def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
     assert all(tl is not None for tl in alone)
     return time_model_what_if(configs, [steps_of(measured, i) for i in range(len(configs))],
                               [tl for tl in alone if tl is not None],
-                              [r["measured"]["median_s"] for r in rows], with_model,
-                              [reduced(i) for i in range(len(configs))])
+                              [r["measured"]["median_s"] for r in rows], with_model)
 
 
 def _drift(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss: Any,

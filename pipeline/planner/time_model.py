@@ -5,10 +5,11 @@ Measured steps add what neither holds: compute at another speed than the profile
 the allocator, another thread count), slowed further while another rank computes at once; the
 runtime's own time per action (dispatch, wake-ups) and per message (beyond the link's bytes);
 the step's time outside its actions (the loss sent to every rank, the end of the sends); and
-the dp all-reduce as it runs (its flattening copies included). `fit_time_model` fits each term
-from pairs of a measured timeline and the planner's prediction of the same configuration (no
-model applied), and `plan(..., time_model=m)` prices every candidate with them. A model is
-stored per machine (`save`, `load`): a fit is only as good as the machine it was measured on.
+the dp all-reduce as it costs a rank (its flattening copies and the copies back included).
+`fit_time_model` fits each term from pairs of a measured timeline and the planner's prediction
+of the same configuration (no model applied), and `plan(..., time_model=m)` prices every
+candidate with them. A model is stored per machine (`save`, `load`): a fit is only as good as
+the machine it was measured on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from pipeline.errors import PipeConfigError
 from schedules import Action, Costs, Event, Op, Timeline
 from schedules.lower import consumed, source_stage
 
-__all__ = ["Sample", "TimeModel", "fit_time_model", "machine", "message_waits", "producer"]
+__all__ = ["Sample", "TimeModel", "fit_time_model", "machine", "message_waits", "producer",
+           "reduce_tails"]
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
 
@@ -119,16 +121,16 @@ class TimeModel:
 
 @dataclass(frozen=True)
 class Sample:
-    """One measured step beside its prediction: `measured` (`pipe.last_timeline()`),
-    `predicted` (the planner's timeline of the same configuration, no time model and no
-    contention: `predict(...).timeline`), `step` the measured step's seconds; under dp, the
-    all-reduce's seconds measured (`pipe.data_parallel_stats()["allreduce_s"]`) and as
-    predicted (`Costs.reduce_grad` of the busiest stage)."""
+    """One measured step beside its prediction: `measured` (`pipe.last_timeline()`; under dp,
+    one replica's), `predicted` (the planner's timeline of the same configuration, no time
+    model and no contention: `predict(...).timeline`), `step` the measured step's seconds;
+    under dp, `beside`: (start, end) of every compute action of the other replicas' ranks, on
+    `measured`'s clock (they slow this replica's compute as another stage's would)."""
 
     measured: Timeline
     predicted: Timeline
     step: float
-    allreduce: tuple[float, float] | None = None
+    beside: tuple[tuple[float, float], ...] = ()
 
 
 Key = tuple[int, Op, int]
@@ -165,14 +167,16 @@ def message_waits(t: Timeline) -> list[float]:
     return out
 
 
-def _shares(t: Timeline) -> dict[Key, float]:
-    """Per compute action, the share of it during which another rank was computing."""
+def _shares(t: Timeline, beside: Sequence[tuple[float, float]] = ()) -> dict[Key, float]:
+    """Per compute action, the share of it during which another rank was computing (one of
+    `t`'s, or of another replica: `beside`)."""
     computing = [e for e in t.events if e.action.op in _COMPUTE]
     out = {}
     for e in computing:
         length = e.end - e.start
-        covered = sorted((max(o.start, e.start), min(o.end, e.end)) for o in computing
-                         if o.rank != e.rank and o.start < e.end and o.end > e.start)
+        others = [(o.start, o.end) for o in computing if o.rank != e.rank] + list(beside)
+        covered = sorted((max(lo, e.start), min(hi, e.end)) for lo, hi in others
+                         if lo < e.end and hi > e.start)
         total, reach = 0.0, e.start
         for lo, hi in covered:  # the union: two other ranks at once count once
             if hi > reach:
@@ -180,6 +184,24 @@ def _shares(t: Timeline) -> dict[Key, float]:
                 reach = hi
         out[(e.action.stage, e.action.op, e.action.microbatch)] = (
             total / length if length > 0 else 0.0)
+    return out
+
+
+def reduce_tails(t: Timeline) -> dict[int, float]:
+    """Per rank that averages gradients over dp, what that costs it: the seconds from its first
+    REDUCE_GRAD's start to its AWAIT_GRAD's end, less its compute actions between. Measured,
+    that is the flattening copies, the wait for the reduction and the copies back; predicted,
+    the part of the (background) reduction no compute hides."""
+    out = {}
+    for r in range(t.num_ranks):
+        lane = t.lane(r)
+        launches = [e.start for e in lane if e.action.op is Op.REDUCE_GRAD]
+        waits = [e.end for e in lane if e.action.op is Op.AWAIT_GRAD]
+        if launches and waits:
+            start, end = min(launches), max(waits)
+            busy = sum(e.end - e.start for e in lane
+                       if e.action.op in _COMPUTE and e.start >= start and e.end <= end)
+            out[r] = end - start - busy
     return out
 
 
@@ -208,7 +230,8 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
     share + action` (p its predicted seconds, share the part of it another rank computed
     during), least squares with no term negative; the message term as the median of the
     waits for a peer's output less the predicted link time; the step term as the median of
-    the step less its actions' span; the all-reduce as the median measured / predicted."""
+    the step less its actions' span; the all-reduce as the median over ranks and steps of
+    measured / predicted `reduce_tails` (a rank whose prediction hides it all is left out)."""
     samples = list(samples)
     if not samples:
         raise PipeConfigError("fit_time_model needs at least one measured step (a Sample)")
@@ -218,7 +241,7 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
             raise PipeConfigError(f"Sample.measured must be a measured timeline (unit 's', "
                                   f"from pipe.last_timeline()); got unit {s.measured.unit!r}")
         want, got = _index(s.predicted), _index(s.measured)
-        for key, share in _shares(s.measured).items():
+        for key, share in _shares(s.measured, s.beside).items():
             if key in want:
                 p = want[key].end - want[key].start
                 rows.append((p, p * share, 1.0))
@@ -226,8 +249,9 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
         link = statistics.median(message_waits(s.predicted) or [0.0])
         gaps += [g - link for g in message_waits(s.measured)]
         outside.append(s.step - _span(s.measured))
-        if s.allreduce is not None and s.allreduce[1] > 0:
-            reduce.append(s.allreduce[0] / s.allreduce[1])
+        tails = reduce_tails(s.predicted)
+        reduce += [got / tails[r] for r, got in reduce_tails(s.measured).items()
+                   if tails.get(r, 0.0) > 1e-12]
     if not rows:
         raise PipeConfigError("fit_time_model: no action of the measured steps is in their "
                               "predictions: pair each measured step with its own configuration")

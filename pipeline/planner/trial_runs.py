@@ -22,6 +22,7 @@ from pipeline.planner.result import Plan
 from pipeline.planner.space import Candidate
 from pipeline.planner.trials import chosen_as
 from schedules import Action, Event, Timeline
+from schedules.ir import COMPUTE_OPS
 
 __all__ = ["Runner", "check_launch", "rows_of"]
 
@@ -67,9 +68,11 @@ class Runner:
         self.cuda = transport == "nccl" or any(str(d).startswith("cuda")
                                                for d in p.devices or ())
         self.meshes: dict[tuple[int, int, int], Any] = {}
-        # Per turn of a plain pipeline (dp = tp = 1), each timed step's events on this
-        # process's ranks, on the clock every process shares: the time model's measurements.
-        self.events: list[tuple[Candidate, float, list[tuple[int, str, float, float]]]] = []
+        # Per turn without tp, each timed step's events on this process's ranks (and, under
+        # dp, the replica they belong to), on the clock every process shares: the time
+        # model's measurements.
+        self.events: list[tuple[Candidate, float, int,
+                                list[tuple[int, str, float, float]]]] = []
         check_launch(transport, self.ranks)
 
     def agree(self, chosen: list[Candidate]) -> list[Candidate]:
@@ -145,11 +148,13 @@ class Runner:
                     pipe.step(x, y, self.loss_fn)
                     self._sync()
                     out.append(time.perf_counter() - start)
-                    if c.dp == 1 and c.tp == 1:
+                    if c.tp == 1:
                         timeline = pipe.last_timeline()
                         t0 = float(timeline.meta["t0"])
-                        self.events.append((c, out[-1], [(e.rank, str(e.action), t0 + e.start,
-                                                          t0 + e.end) for e in timeline.events]))
+                        replica = mesh.get_local_rank("dp") if mesh is not None and c.dp > 1 else 0
+                        self.events.append((c, out[-1], replica, [
+                            (e.rank, str(e.action), t0 + e.start, t0 + e.end)
+                            for e in timeline.events]))
             finally:
                 gc.enable()
         finally:
@@ -165,10 +170,12 @@ class Runner:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def timelines(self) -> list[tuple[Candidate, float, Timeline]]:
-        """Every timed step of a plain pipeline: its candidate, seconds and measured timeline
-        (with processes, every rank's events gathered; the step the slowest rank's)."""
-        steps = self.events
+    def timelines(self) -> list[tuple[Candidate, float, Timeline, tuple[tuple[float, float],
+                                                                        ...]]]:
+        """Every timed step without tp: its candidate, seconds, measured timeline (the first
+        replica's ranks; with processes, every rank's events gathered, the step the slowest
+        rank's) and the other replicas' compute, (start, end) on that timeline's clock."""
+        steps = [(c, s, [(d, *e) for e in events]) for c, s, d, events in self.events]
         if self.processes:
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, [(s, e) for _, s, e in steps])
@@ -176,9 +183,12 @@ class Runner:
                      for i, (c, _, _) in enumerate(steps)]
         out = []
         for c, seconds, events in steps:
-            start = min(e[2] for e in events)
-            laid = tuple(Event(r, Action.parse(a), s - start, e - start) for r, a, s, e in events)
-            out.append((c, seconds, Timeline(c.pp, laid, "s")))
+            start = min(e[3] for e in events if e[0] == 0)
+            laid = tuple(Event(r, Action.parse(a), s - start, e - start)
+                         for d, r, a, s, e in events if d == 0)
+            beside = tuple((s - start, e - start) for d, _, a, s, e in events
+                           if d != 0 and Action.parse(a).op in COMPUTE_OPS)
+            out.append((c, seconds, Timeline(c.pp, laid, "s"), beside))
         return out
 
     def slowest(self, times: list[list[list[float]]]) -> list[list[list[float]]]:

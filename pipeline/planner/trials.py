@@ -77,7 +77,8 @@ class Trials:
     """The trials of one plan: `trials` in the order predicted (best first), `orders[r]` the
     order (indices into `trials`) their turns took in round r, `warmup` and `steps` per turn,
     `seconds`, the wall time of them all, and `time_model`, fitted from their measured
-    timelines (`fit_time_model`; None when no trial was a plain pipeline, dp = tp = 1).
+    timelines (`fit_time_model`, under dp the first replica's beside the others' compute, the
+    all-reduce included; None when every trial split stages over tp).
     When that model ranked candidates not yet run among the k best, they ran in a second
     stage beside the first stage's fastest: `trials` are that stage's, `screened` the
     first's."""
@@ -274,15 +275,16 @@ def repriced(p: Plan, model: TimeModel) -> list[Candidate]:
     return sorted(out, key=lambda c: (c.step_time, out.index(c)))
 
 
-def _fit(p: Plan, steps: list[tuple[Candidate, float, Timeline]]) -> TimeModel | None:
+def _fit(p: Plan, steps: list[tuple[Candidate, float, Timeline, tuple[tuple[float, float], ...]]]
+         ) -> TimeModel | None:
     """A time model from the trials' measured steps, each beside its candidate's prediction
     with no contention (what the model's terms are fitted against)."""
     if not steps:
         return None
     alone: dict[tuple[Any, ...], Timeline] = {}
-    for c, _, _ in steps:
+    for c, _, _, _ in steps:
         if _key(c) not in alone:
             got = _predict(p, c, c.balance).timeline
             assert got is not None
             alone[_key(c)] = got
-    return fit_time_model(Sample(tl, alone[_key(c)], s) for c, s, tl in steps)
+    return fit_time_model(Sample(tl, alone[_key(c)], s, beside) for c, s, tl, beside in steps)

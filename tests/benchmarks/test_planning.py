@@ -220,7 +220,8 @@ def test_merge_times_a_step_from_the_first_start_to_the_last_end() -> None:
     c = replace(_config(balance=(5,)), pp=1, dp=2)
     first = Turn([(10.0, 10.5)], [[(0, "0F0", 10.1, 10.3)]], [0], 0, [100],
                  [{"allreduce_s": 0.02, "exposed_s": 0.01}])
-    second = Turn([(10.2, 10.7)], [[(0, "0F0", 10.0, 10.6)]], [0], 1, [300],
+    second = Turn([(10.2, 10.7)], [[(0, "0F0", 10.0, 10.6), (0, "0REDUCE_GRAD0", 10.6, 10.61)]],
+                  [0], 1, [300],
                   [{"allreduce_s": 0.01, "exposed_s": 0.03}])
     (row,) = merge([[[first]], [[second]]], [c])
     (got,) = row
@@ -229,6 +230,8 @@ def test_merge_times_a_step_from_the_first_start_to_the_last_end() -> None:
     assert got.allreduce_s == [0.02] and got.exposed_s == [0.03]  # the busiest process's
     (tl,) = got.timelines  # the first replica's ranks, from its first action
     assert [(e.start, e.end) for e in tl.events] == [(0.0, pytest.approx(0.2))]
+    # The other replica's compute on the first's clock (its all-reduce launch is not compute).
+    assert tl.meta["beside"] == [(pytest.approx(-0.1), pytest.approx(0.5))]
 
 
 def test_the_planners_all_reduce_is_the_busiest_ranks_stages_in_sequence() -> None:
@@ -458,8 +461,7 @@ def test_a_time_model_fitted_on_half_predicts_the_other_half() -> None:
 
     steps = [[measured(c)] for c in configs]
     held = time_model_what_if(configs, steps, [run(c, None)[1] for c in configs],
-                              [s[0][0] for s in steps], lambda c, m: run(c, m)[0],
-                              [None] * len(configs))
+                              [s[0][0] for s in steps], lambda c, m: run(c, m)[0])
     assert held["n"] == 9 and held["median_abs"] == pytest.approx(0.0, abs=1e-9)
     assert held["within"]["5"] == 1.0
     for f in held["fitted"]:

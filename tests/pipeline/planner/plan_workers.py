@@ -44,9 +44,46 @@ def plan_with_trials(rank: int) -> tuple[Any, ...]:
              trial_steps=1, trial_warmup=0)  # every candidate: which are best depends on the
     # profile this run measures, and the test must see both layouts measured
     assert p.trials is not None and p.measured_step_time is not None
-    assert p.time_model is not None  # fitted from the pipelines' steps, every rank's events
-    plain = sum(len(t.times) for t in p.trials.trials if t.candidate.dp == 1)
+    assert p.time_model is not None  # fitted from every trial's steps, every rank's events
+    timed = sum(len(t.times) for t in p.trials.trials)
     return (p.schedule, p.chunks, p.dp, p.pp, p.balance, p.measured_step_time,
-            [t.times for t in p.trials.trials], (p.time_model.samples, plain),
-            p.time_model.compute,
+            [t.times for t in p.trials.trials], (p.time_model.samples, timed),
+            (p.time_model.compute, p.time_model.allreduce),
             sorted({(t.candidate.dp, t.candidate.pp) for t in p.trials.trials}))
+
+
+def fit_replicas(rank: int, delay: float) -> tuple[float, float]:
+    """Every rank plans the tiny model as two replicas (dp 2 x pp 1) with trials over gloo,
+    each gradient average `delay` seconds longer (a sleep once it is written); the all-reduce
+    term fitted from the replicas' timelines, and the planner's own price of what the
+    all-reduce costs the rank (`reduce_tails` of the candidate's prediction, no model)."""
+    import time
+
+    from pipeline import plan
+    from pipeline.parallel.data_parallel import GradSync
+    from pipeline.planner import Link, predict
+    from pipeline.planner.time_model import reduce_tails
+
+    finish = GradSync.finish
+
+    def late(self: GradSync) -> None:
+        finish(self)
+        time.sleep(delay)
+
+    GradSync.finish = late  # type: ignore[method-assign]
+    spec = get_model("tiny")
+    model, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    link = Link("gloo", 1e-4, 1e-9, collective_latency=1e-3, collective_per_byte=1e-9)
+    try:
+        p = plan(model, x, y, loss, ranks=2, memory_per_rank=None, transport="gloo", link=link,
+                 contention=1.0, chunks=[2], repeats=1, schedules=["gpipe"],
+                 checkpoints=["never"], data_parallel=[2], trials=1, trial_rounds=3,
+                 trial_steps=2, trial_warmup=1)
+    finally:
+        GradSync.finish = finish  # type: ignore[method-assign]
+    assert p.time_model is not None and p.dp == 2
+    alone = predict(p.profile, link, schedule="gpipe", chunks=2, checkpoint="never", pp=1,
+                    dp=2, balance=p.balance)
+    assert alone.timeline is not None
+    (price,) = reduce_tails(alone.timeline).values()
+    return p.time_model.allreduce, price

@@ -48,6 +48,34 @@ def test_a_simulated_machine_is_recovered_exactly(name: str) -> None:
     assert got.contention == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1"])
+def test_a_simulated_replica_step_is_recovered_exactly(name: str) -> None:
+    """Under dp: the all-reduce running 3x the link's price, and another replica computing
+    beside every action slowing it 1.2x, fit back to those terms (a step of one rank alone,
+    fitted with it, tells the contention from the compute scale)."""
+    sched = schedules.get_schedule(name, 2, 4)
+    stages = sched.num_stages
+    costs = Costs(forward=[0.001 * (s + 1) for s in range(stages)],
+                  backward=[0.0025 * (s + 1) for s in range(stages)],
+                  backward_input=[0.0012 * (s + 1) for s in range(stages)],
+                  backward_weight=[0.0013 * (s + 1) for s in range(stages)], comm=1e-4,
+                  reduce_grad=[0.004, 0.006])
+    replicated = schedules.program(sched, schedules.Syncs(dp=True))
+    plain = TimeModel(compute=1.25, action=3e-4)
+    beside = TimeModel(compute=1.25 * 1.2, action=3e-4, allreduce=3.0)
+    single, one = schedules.get_schedule("gpipe", 1, 4), Costs(forward=0.003, backward=0.007)
+    alone = schedules.simulate(single, plain.costs(one))
+    run = schedules.simulate(replicated, beside.costs(costs))
+    samples = [Sample(_measured(alone), schedules.simulate(single, one), alone.makespan),
+               Sample(_measured(run), schedules.simulate(replicated, costs), run.makespan,
+                      beside=((0.0, run.makespan),))]
+    got = fit_time_model(samples)
+    assert got.allreduce == pytest.approx(3.0, rel=1e-9)
+    assert got.compute == pytest.approx(1.25, rel=1e-9)
+    assert got.contention == pytest.approx(1.2, rel=1e-9)
+    assert got.action == pytest.approx(3e-4, rel=1e-6)
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:

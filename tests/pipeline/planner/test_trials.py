@@ -151,9 +151,28 @@ def test_trials_over_gloo_run_on_every_rank_and_agree() -> None:
 
     got = spawn(plan_workers.plan_with_trials, 2, timeout=120)
     assert got[0] == got[1]  # the same choice, step times (slowest rank's) and time model
-    samples, plain = got[0][-3]
-    assert samples == plain > 0  # every timed step of a pipeline (dp 1) was fitted
+    samples, timed = got[0][-3]
+    assert samples == timed > 0  # every timed step was fitted, the replicas' (dp 2) too
+    _, allreduce = got[0][-2]
+    assert allreduce != 1.0  # the all-reduce's term, fitted from the replicas' timelines
     assert got[0][-1] == [(1, 2), (2, 1)]  # a pipeline and two replicas (on a mesh) ran
+
+
+@pytest.mark.dist
+def test_trials_of_replicas_fit_the_all_reduce_as_it_runs() -> None:
+    """Two replicas' trials (dp 2, no plain pipeline among them) still fit a time model:
+    100 ms added to every gradient average raises the fitted all-reduce's cost by 100 ms,
+    within 5 % (the average's own time on gloo and the replicas' skew vary by a millisecond
+    or two between steps)."""
+    from pipeline.launch import spawn
+    from tests.pipeline.planner import plan_workers
+
+    base = spawn(plan_workers.fit_replicas, 2, 0.0, timeout=120)
+    slow = spawn(plan_workers.fit_replicas, 2, 0.100, timeout=120)
+    assert base[0] == base[1] and slow[0] == slow[1]  # rank 0's model on every rank
+    (fitted, price), (slowed, _) = base[0], slow[0]
+    assert price > 0
+    assert slowed * price - fitted * price == pytest.approx(0.100, rel=0.05)
 
 
 class _NapFn(torch.autograd.Function):
