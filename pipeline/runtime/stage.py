@@ -15,6 +15,7 @@ from pipeline.comm.transport import Transport, move
 from pipeline.errors import PipeConfigError
 from pipeline.runtime.batchnorm import microbatch_scope
 from pipeline.runtime.context import CallerState
+from pipeline.runtime.gpu_clock import GpuClock
 from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like, sendable
 from pipeline.runtime.recompute import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.runtime.saved_bytes import SavedBytes
@@ -123,6 +124,8 @@ class StageRuntime:
         # within one), not once per forward (a walk of every submodule).
         self._modes: dict[int, tuple[int, tuple[bool, ...]]] = {}
         self._ready = 0.0  # when the current action had its inputs
+        # On a GPU the host's clock sees launches: the timeline takes CUDA events' times.
+        self.gpu_clock = GpuClock() if device.type == "cuda" else None
         self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
                           Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
                           Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post,
@@ -142,18 +145,27 @@ class StageRuntime:
 
     def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         events, comm, t0, clock = self.events, self.comm, step.t0, time.perf_counter
+        gpu = self.gpu_clock
         self._t0 = t0
         first = clock()
+        if gpu is not None:
+            gpu.begin(first - t0)
         for action in actions:
             self.current = action
             self._ready = clock()
+            if gpu is not None:
+                gpu.ready()
             self._handlers[action.op](action, step, result)
             if action.op not in COMM_OPS:
                 # Compute (and sync) time only: waiting for a peer's data is idle time (a
                 # bubble), so the clock starts when the handler has its inputs (see _take).
                 events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+                if gpu is not None:
+                    gpu.done(len(events) - 1)
             else:
                 comm.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+        if gpu is not None:
+            self.events = events = gpu.timed(events)
         self.span = (first - t0, clock() - t0)
         self.current = None
         if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
@@ -183,6 +195,8 @@ class StageRuntime:
         waited = time.perf_counter()
         values = self.transport.wait(msg, src, self.device)
         self._ready = time.perf_counter()
+        if self.gpu_clock is not None:
+            self.gpu_clock.ready()
         self.waits.append((msg, waited - self._t0, self._ready - self._t0))
         return values
 

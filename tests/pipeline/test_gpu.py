@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -161,3 +162,48 @@ def test_traced_llama_on_cuda_takes_any_length() -> None:
                                            msg=lambda m, n=name, t=length: f"{t}, {n}: {m}")
     finally:
         pipe.close()
+
+
+class _Spin(nn.Module):
+    """A layer whose forward keeps the GPU busy for a known number of cycles, launched in
+    microseconds: only the GPU's own clock sees how long it runs."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.lin, self.cycles = nn.Linear(8, 8), cycles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return self.lin(x)
+
+
+def test_a_cuda_timeline_holds_the_gpus_times_not_the_launches() -> None:
+    """The first stage's forward spins the GPU ~10 ms but launches in microseconds: its
+    measured forwards last what the spin lasts alone (CUDA events, within 10 %: a spin's
+    length varies with the GPU's clock), each rank's actions keep their order, and the step's
+    span holds them all. Two GPUs: a rank each; one: a single rank (two ranks on one GPU
+    share its stream, so each one's events would also hold the other's kernels)."""
+    _gpus(1)
+    cycles = 1 << 23
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda._sleep(cycles)  # warm
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    spin = start.elapsed_time(end) / 1e3
+    two = torch.cuda.device_count() >= 2
+    model = nn.Sequential(_Spin(cycles), nn.Linear(8, 8))
+    pipe = Pipe(model, [1, 1] if two else [2], devices=["cuda:0", "cuda:1"] if two else
+                ["cuda:0"], chunks=4, schedule="1f1b" if two else "gpipe")
+    for _ in range(2):  # the first warms
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss())
+    timeline = pipe.last_timeline()
+    forwards = [e for e in timeline.events if e.action.stage == 0 and str(e.action.op) == "F"]
+    assert len(forwards) == 4
+    for e in forwards:
+        assert e.duration == pytest.approx(spin, rel=0.10), (e, spin)
+    for r in range(timeline.num_ranks):
+        lane = timeline.lane(r)
+        assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(lane))
+    assert timeline.makespan >= 4 * spin * 0.9

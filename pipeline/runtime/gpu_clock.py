@@ -1,0 +1,65 @@
+"""A rank's actions timed on its GPU by CUDA events, on the host clock its timeline counts in.
+
+On a GPU an action's handler only launches kernels: the host's clock around it measures the
+launches, not the work. Each action's start and end are also recorded as CUDA events on the
+rank's stream (the start where the action has its inputs, as on the host), and the step's
+measured timeline takes the GPU's times: a reference event recorded at the run's start, when
+the stream is idle (the previous step's results were waited for), is placed at its host time,
+and every action at that time plus its GPU time since the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from schedules import Event
+
+__all__ = ["GpuClock"]
+
+
+def _event() -> torch.cuda.Event:
+    mark = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    mark.record()
+    return mark
+
+
+class GpuClock:
+    """Marks one rank's actions on its current CUDA stream: `begin` at the run's start,
+    `ready` when an action has its inputs, `done` after its handler; `timed` turns the run's
+    events into the GPU's times (waiting for the last mark)."""
+
+    def __init__(self) -> None:
+        self._reference: torch.cuda.Event | None = None
+        self._host = 0.0
+        self._start: torch.cuda.Event | None = None
+        self._marks: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self, host: float) -> None:
+        """The run starts at `host` seconds on the timeline's clock."""
+        self._reference, self._host, self._marks = _event(), host, []
+
+    def ready(self) -> None:
+        """The current action has its inputs (called again after a wait for a peer's)."""
+        self._start = _event()
+
+    def done(self, index: int) -> None:
+        """The current action, event `index` of the run, has launched all its work."""
+        assert self._start is not None, "ready() before done()"
+        self._marks.append((index, self._start, _event()))
+        self._start = None
+
+    def timed(self, events: Sequence[Event]) -> list[Event]:
+        """`events` with each marked one's start and end as the GPU ran it."""
+        out = list(events)
+        if not self._marks or self._reference is None:
+            return out
+        self._marks[-1][2].synchronize()
+        ref, base = self._reference, self._host
+        for index, start, end in self._marks:
+            e = out[index]
+            out[index] = Event(e.rank, e.action, base + ref.elapsed_time(start) / 1e3,
+                               base + ref.elapsed_time(end) / 1e3)
+        self._marks = []
+        return out
