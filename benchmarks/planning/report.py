@@ -154,11 +154,18 @@ def _time_model(w: dict[str, Any]) -> str:
     if "median_abs" not in w:
         return "- | -"
     within = " / ".join(f"{w['within'][p] * 100:.0f}%" for p in ("5", "10", "20"))
-    terms = "; ".join(f"compute {f['compute']:.2f}x, contention {f['contention']:.2f}x, "
-                      f"{f['action'] * 1e6:.0f} us/action, {f['message'] * 1e6:.0f} us/message, "
-                      f"{f['step'] * 1e3:.2f} ms/step, all-reduce {f['allreduce']:.2f}x"
-                      for f in w["fitted"])
-    return f"{_pct(w['median_abs'])}, {within} | {terms}"
+    def sizes(f: dict[str, Any]) -> str:
+        got = f.get("rows") or {}
+        return (" (by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(got.items()))
+                + ")") if got else ""
+
+    terms = "; ".join(f"compute {f['compute']:.2f}x{sizes(f)}, contention "
+                      f"{f['contention']:.2f}x, {f['action'] * 1e6:.0f} us/action, "
+                      f"{f['message'] * 1e6:.0f} us/message, {f['step'] * 1e3:.2f} ms/step, "
+                      f"all-reduce {f['allreduce']:.2f}x" for f in w["fitted"])
+    one = (f" (one compute scale: {_pct(w['one_scale']['median_abs'])})"
+           if "one_scale" in w else "")
+    return f"{_pct(w['median_abs'])}{one}, {within} | {terms}"
 
 
 def _fastest(r: dict[str, Any], top: int) -> list[str]:

@@ -139,7 +139,8 @@ def run(name: str, transport: str, *, ranks: int, chunks: Sequence[int], budgets
     what_if = calibrate(configs, [r["measured"]["median_s"] for r in rows],
                         [max(r["predicted"]["anatomy"]["compute_actions"]) for r in rows],
                         step_time, contention)
-    what_if["time_model"] = _held_out(configs, measured, rows, predict)
+    what_if["time_model"] = _held_out(configs, measured, rows, predict,
+                                      [profile.batch_rows // (c.dp * c.chunks) for c in configs])
     results = {}
     for b in plans:
         chosen = from_candidate(plans[b].chosen)
@@ -177,7 +178,8 @@ def planned_on_ranks(rank: int, name: str, kwargs: dict[str, Any]) -> Plan:
 
 
 def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
-              rows: Sequence[dict[str, Any]], predict: Predictor) -> dict[str, Any]:
+              rows: Sequence[dict[str, Any]], predict: Predictor, sizes: Sequence[int]
+              ) -> dict[str, Any]:
     """The fitted time model on held-out configurations (`held_out.time_model_what_if`)."""
     def with_model(c: Config, model: TimeModel) -> float:
         got = predict(c, 1.0, model).step_time
@@ -188,7 +190,7 @@ def _held_out(configs: Sequence[Config], measured: Sequence[Sequence[Measured]],
     assert all(tl is not None for tl in alone)
     return time_model_what_if(configs, [steps_of(measured, i) for i in range(len(configs))],
                               [tl for tl in alone if tl is not None],
-                              [r["measured"]["median_s"] for r in rows], with_model)
+                              [r["measured"]["median_s"] for r in rows], with_model, sizes)
 
 
 def _drift(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss: Any,

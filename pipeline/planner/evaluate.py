@@ -250,7 +250,7 @@ class Evaluator:
                       backward_input=out["backward_input"],
                       backward_weight=out["backward_weight"],
                       comm=self.p2p_link(w.config).time(boundary), reduce_grad=reduce)
-        return costs if self.time_model is None else self.time_model.costs(costs)
+        return costs if self.time_model is None else self.time_model.costs(costs, w.config.rows)
 
     def bound(self, w: Work, balance: Sequence[int], chain_only: bool = False) -> float:
         """A lower bound on the step: no rank finishes before its own work is done, and no

@@ -47,11 +47,13 @@ def machine() -> dict[str, str]:
 class TimeModel:
     """Terms fitted from measured steps (seconds), applied on top of a profile and a link.
 
-    `compute`: measured / profiled compute of a rank computing alone; `contention`: the
-    further slowdown of compute overlapping another rank's (1 = none); `action`: seconds each
-    compute action adds; `message`: seconds each cross-rank message adds to the link's time;
-    `step`: seconds a step spends outside its actions; `allreduce`: measured / predicted dp
-    all-reduce. `samples`: the measured steps it was fitted on; `machine`: where."""
+    `compute`: measured / profiled compute of a rank computing alone; `rows`: that scale for
+    micro-batches of so many rows, where it was fitted apart (a profile errs by its own amount
+    at each size; other sizes take `compute`); `contention`: the further slowdown of compute
+    overlapping another rank's (1 = none); `action`: seconds each compute action adds;
+    `message`: seconds each cross-rank message adds to the link's time; `step`: seconds a
+    step spends outside its actions; `allreduce`: measured / predicted dp all-reduce.
+    `samples`: the measured steps it was fitted on; `machine`: where."""
 
     compute: float = 1.0
     contention: float = 1.0
@@ -61,6 +63,7 @@ class TimeModel:
     allreduce: float = 1.0
     samples: int = 0
     machine: Mapping[str, str] = field(default_factory=dict)
+    rows: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("compute", "allreduce"):
@@ -72,9 +75,14 @@ class TimeModel:
             if not getattr(self, name) >= 0:
                 raise PipeConfigError(f"TimeModel.{name} must be >= 0 seconds (got "
                                       f"{getattr(self, name)})")
+        if not all(v > 0 for v in self.rows.values()):
+            raise PipeConfigError(f"TimeModel.rows' scales must be > 0 (got {dict(self.rows)})")
 
-    def costs(self, costs: Costs) -> Costs:
-        """`costs` (from a profile and a link) as this machine runs them, contention aside."""
+    def costs(self, costs: Costs, rows: int | None = None) -> Costs:
+        """`costs` (from a profile and a link, for micro-batches of `rows` rows) as this
+        machine runs them, contention aside."""
+        compute = self.rows.get(rows, self.compute) if rows is not None else self.compute
+
         def scaled(value: float | Sequence[float], factor: float, add: float = 0.0
                    ) -> tuple[float, ...] | float:
             if isinstance(value, int | float):
@@ -82,7 +90,7 @@ class TimeModel:
             return tuple(v * factor + add for v in value)
 
         def timed(value: float | Sequence[float]) -> tuple[float, ...] | float:
-            return scaled(value, self.compute, self.action)
+            return scaled(value, compute, self.action)
 
         return Costs(forward=timed(costs.forward), backward=timed(costs.backward),
                      backward_input=timed(costs.backward_input),
@@ -95,8 +103,9 @@ class TimeModel:
         """Write the model as JSON (with the machine it was fitted on)."""
         from schedules.files import write_atomic
 
-        write_atomic(Path(path), json.dumps(asdict(self) | {"machine": dict(self.machine)},
-                                            indent=1).encode())
+        write_atomic(Path(path), json.dumps(asdict(self) | {
+            "machine": dict(self.machine), "rows": {str(k): v for k, v in self.rows.items()}},
+            indent=1).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, any_machine: bool = False) -> TimeModel:
@@ -105,7 +114,8 @@ class TimeModel:
             data = json.loads(Path(path).read_text())
             model = cls(**{k: data[k] for k in ("compute", "contention", "action", "message",
                                                "step", "allreduce", "samples")},
-                        machine={str(k): str(v) for k, v in data["machine"].items()})
+                        machine={str(k): str(v) for k, v in data["machine"].items()},
+                        rows={int(k): float(v) for k, v in data.get("rows", {}).items()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise PipeConfigError(f"{path}: not a saved TimeModel ({exc}); fit one with "
                                   f"fit_time_model(...) and save it") from exc
@@ -125,12 +135,14 @@ class Sample:
     one replica's), `predicted` (the planner's timeline of the same configuration, no time
     model and no contention: `predict(...).timeline`), `step` the measured step's seconds;
     under dp, `beside`: (start, end) of every compute action of the other replicas' ranks, on
-    `measured`'s clock (they slow this replica's compute as another stage's would)."""
+    `measured`'s clock (they slow this replica's compute as another stage's would); `rows`:
+    its micro-batches' rows, when the compute scale is to be fitted per size."""
 
     measured: Timeline
     predicted: Timeline
     step: float
     beside: tuple[tuple[float, float], ...] = ()
+    rows: int | None = None
 
 
 Key = tuple[int, Op, int]
@@ -228,23 +240,31 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
     """Fit every term from measured steps and their predictions (module docstring): each
     compute action's measured seconds as `compute * p + (contention - 1) * compute * p *
     share + action` (p its predicted seconds, share the part of it another rank computed
-    during), least squares with no term negative; the message term as the median of the
+    during; with `Sample.rows`, one compute scale per size, `compute` their mean weighted by
+    predicted compute), least squares with no term negative; the message term as the median of the
     waits for a peer's output less the predicted link time; the step term as the median of
     the step less its actions' span; the all-reduce as the median over ranks and steps of
     measured / predicted `reduce_tails` (a rank whose prediction hides it all is left out)."""
     samples = list(samples)
     if not samples:
         raise PipeConfigError("fit_time_model needs at least one measured step (a Sample)")
-    rows, seconds, gaps, outside, reduce = [], [], [], [], []
+    sizes = sorted({s.rows for s in samples if s.rows is not None})
+    column = {r: i for i, r in enumerate(sizes)}
+    group = len(sizes)  # the compute column of samples with no rows given
+    rows: list[list[float]] = []
+    seconds, gaps, outside, reduce = [], [], [], []
     for s in samples:
         if s.measured.unit != "s":
             raise PipeConfigError(f"Sample.measured must be a measured timeline (unit 's', "
                                   f"from pipe.last_timeline()); got unit {s.measured.unit!r}")
         want, got = _index(s.predicted), _index(s.measured)
+        at = column.get(s.rows, group) if s.rows is not None else group
         for key, share in _shares(s.measured, s.beside).items():
             if key in want:
                 p = want[key].end - want[key].start
-                rows.append((p, p * share, 1.0))
+                row = [0.0] * (group + 1) + [p * share, 1.0]
+                row[at] = p
+                rows.append(row)
                 seconds.append(got[key].end - got[key].start)
         link = statistics.median(message_waits(s.predicted) or [0.0])
         gaps += [g - link for g in message_waits(s.measured)]
@@ -255,11 +275,18 @@ def fit_time_model(samples: Iterable[Sample]) -> TimeModel:
     if not rows:
         raise PipeConfigError("fit_time_model: no action of the measured steps is in their "
                               "predictions: pair each measured step with its own configuration")
-    g, h, a = _nonnegative_fit(np.array(rows), np.array(seconds))
+    x = np.array(rows)
+    used = [i for i in range(group + 1) if x[:, i].any()]
+    *scales, h, a = _nonnegative_fit(x[:, [*used, group + 1, group + 2]], np.array(seconds))
+    # The scale over every size: each size's weighted by its predicted compute.
+    fitted = [(float(x[:, i].sum()), v) for i, v in zip(used, scales, strict=True) if v > 0]
+    g = sum(w * v for w, v in fitted) / sum(w for w, _ in fitted) if fitted else 0.0
+    by_rows = {sizes[i]: float(v) for i, v in zip(used, scales, strict=True)
+               if i < group and v > 0 and len(used) > 1}
     # No compute term at all (the runtime's own cost swamps the profile's): a scale near 0,
     # and no contention to scale.
     compute, contention = (g, 1 + h / g) if g > 0 else (1e-6, 1.0)
-    return TimeModel(compute=float(compute), contention=float(contention),
+    return TimeModel(compute=float(compute), contention=float(contention), rows=by_rows,
                      action=float(a), message=max(0.0, statistics.median(gaps or [0.0])),
                      step=max(0.0, statistics.median(outside)),
                      allreduce=statistics.median(reduce) if reduce else 1.0,

@@ -287,4 +287,5 @@ def _fit(p: Plan, steps: list[tuple[Candidate, float, Timeline, tuple[tuple[floa
             got = _predict(p, c, c.balance).timeline
             assert got is not None
             alone[_key(c)] = got
-    return fit_time_model(Sample(tl, alone[_key(c)], s, beside) for c, s, tl, beside in steps)
+    return fit_time_model(Sample(tl, alone[_key(c)], s, beside, c.rows)
+                          for c, s, tl, beside in steps)

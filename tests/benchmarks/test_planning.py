@@ -461,8 +461,12 @@ def test_a_time_model_fitted_on_half_predicts_the_other_half() -> None:
 
     steps = [[measured(c)] for c in configs]
     held = time_model_what_if(configs, steps, [run(c, None)[1] for c in configs],
-                              [s[0][0] for s in steps], lambda c, m: run(c, m)[0])
+                              [s[0][0] for s in steps], lambda c, m: run(c, m)[0],
+                              [8 // c.chunks for c in configs])
     assert held["n"] == 9 and held["median_abs"] == pytest.approx(0.0, abs=1e-9)
+    assert held["one_scale"]["median_abs"] == pytest.approx(0.0, abs=1e-9)
     assert held["within"]["5"] == 1.0
     for f in held["fitted"]:
         assert f["compute"] == pytest.approx(1.3) and f["step"] == pytest.approx(1e-3)
+        assert f["rows"] == {8: pytest.approx(1.3), 4: pytest.approx(1.3),
+                             2: pytest.approx(1.3)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,32 @@ def test_a_simulated_replica_step_is_recovered_exactly(name: str) -> None:
     assert got.compute == pytest.approx(1.25, rel=1e-9)
     assert got.contention == pytest.approx(1.2, rel=1e-9)
     assert got.action == pytest.approx(3e-4, rel=1e-6)
+
+
+def test_a_profile_wrong_by_its_own_amount_at_each_size_is_fitted_per_size() -> None:
+    """The profile says 1 ms a forward at 8 rows and 2 ms at 16, but the machine runs them in
+    0.9 and 2.6 ms (a profile errs by its own amount at each size): with each step's rows the
+    fit gives each size its scale, and a prediction at 16 rows takes 16 rows' scale; with no
+    rows, one scale between the two."""
+    sched = schedules.get_schedule("1f1b", 2, 4)
+    samples, scale = [], {8: 0.9, 16: 1.3}
+    for rows in (8, 16):
+        unit = rows / 8 * 1e-3
+        costs = Costs(forward=[unit, unit], backward=[2 * unit, 2 * unit], comm=1e-4)
+        run = schedules.simulate(sched, TimeModel(compute=scale[rows]).costs(costs))
+        samples.append(Sample(_measured(run), schedules.simulate(sched, costs), run.makespan,
+                              rows=rows))
+    got = fit_time_model(samples)
+    assert got.rows == {8: pytest.approx(0.9), 16: pytest.approx(1.3)}
+    # The mean weighted by predicted compute: 16 rows' actions hold twice 8 rows'.
+    assert got.compute == pytest.approx((0.9 + 2 * 1.3) / 3)
+    assert got.action == pytest.approx(0.0, abs=1e-9)
+    assert got.contention == pytest.approx(1.0, abs=1e-6)
+    costs = Costs(forward=[0.002, 0.002], backward=[0.004, 0.004])
+    assert got.costs(costs, 16).forward == pytest.approx((0.0026, 0.0026))
+    assert got.costs(costs, 32).forward == pytest.approx((0.002 * got.compute,) * 2)
+    plain = fit_time_model(replace(s, rows=None) for s in samples)
+    assert plain.rows == {} and 0.9 < plain.compute < 1.3
 
 
 class _Sleep(torch.autograd.Function):
@@ -170,7 +197,7 @@ def test_predictions_take_every_term() -> None:
 
 
 def test_a_model_is_stored_for_its_machine(tmp_path: Path) -> None:
-    fitted = _fit(steps=1)
+    fitted = replace(_fit(steps=1), rows={8: 1.1, 16: 0.9})
     path = tmp_path / "time-model.json"
     fitted.save(path)
     assert TimeModel.load(path) == fitted
@@ -190,6 +217,8 @@ def test_bad_input_is_refused() -> None:
         TimeModel(contention=0.5)
     with pytest.raises(PipeConfigError, match="action must be >= 0"):
         TimeModel(action=-1.0)
+    with pytest.raises(PipeConfigError, match="rows' scales must be > 0"):
+        TimeModel(rows={8: 0.0})
     with pytest.raises(PipeConfigError, match="at least one measured step"):
         fit_time_model([])
     simulated = schedules.simulate(schedules.get_schedule("1f1b", 2, 2), COSTS)
