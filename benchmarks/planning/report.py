@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.planner import format_bytes
 
-__all__ = ["report"]
+__all__ = ["noise_floor", "report"]
 
 
 def _pct(x: float | None, digits: int = 1) -> str:
@@ -130,11 +132,28 @@ def _drift(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def noise_floor(configs: Sequence[dict[str, Any]], resamples: int = 200, seed: int = 0
+                ) -> float:
+    """What a perfect model's median |error| would still be: per configuration, the mean
+    |median of the rounds resampled / their median - 1| (the measurement's own error), then
+    the median over configurations."""
+    rng = random.Random(seed)
+    floors = []
+    for c in configs:
+        rounds = c["measured"]["round_s"]
+        middle = statistics.median(rounds)
+        floors.append(statistics.fmean(
+            abs(statistics.median(rng.choices(rounds, k=len(rounds))) / middle - 1)
+            for _ in range(resamples)))
+    return statistics.median(floors)
+
+
 def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| model | transport | median \\|error\\|, contention as measured | ... the "
              "contention that fits best | ... and a cost per step and per action | fitted "
              "(each half) | the fitted time model: median \\|error\\|, within 5 / 10 / 20 % | "
-             "its terms (each half) |", "|---|---|---|---|---|---|---|---|"]
+             "its terms (each half) | the measurement's own error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         w = r.get("what_if", {})
         if "fitted" not in w:
@@ -145,7 +164,8 @@ def _what_if(records: Sequence[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['model']} | {r['transport']} ({r['contention']:.2f}x) | "
                      f"{_pct(w['as_measured'])} | {_pct(w['contention'])} | "
                      f"{_pct(w['contention_and_overheads'])} | {fitted} | "
-                     f"{_time_model(w.get('time_model', {}))} |")
+                     f"{_time_model(w.get('time_model', {}))} | "
+                     f"{_pct(noise_floor(r['configs']))} |")
     return lines
 
 
@@ -156,7 +176,9 @@ def _time_model(w: dict[str, Any]) -> str:
     within = " / ".join(f"{w['within'][p] * 100:.0f}%" for p in ("5", "10", "20"))
     def sizes(f: dict[str, Any]) -> str:
         got = f.get("rows") or {}
-        return (" (by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(got.items()))
+        # Sizes in order, as ints whether from the run or from results.json (str keys).
+        return (" (by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(
+            got.items(), key=lambda kv: int(kv[0])))
                 + ")") if got else ""
 
     terms = "; ".join(f"compute {f['compute']:.2f}x{sizes(f)}, contention "
@@ -220,7 +242,9 @@ def report(records: Sequence[dict[str, Any]], command: str = "", top: int = 5) -
               "configurations and scored (median |error|) on the other half, both ways round: "
               "the contention factor, then a cost per step and per compute action of the "
               "busiest rank, and the time model `fit_time_model` fits from the measured "
-              "timelines (every term at once).", "", *_what_if(records), ""]
+              "timelines (every term at once). The last column is the floor under any model: "
+              "the median |error| of a configuration's median over the rounds against the "
+              "same median of the rounds resampled.", "", *_what_if(records), ""]
     for r in records:
         lines += [*_fastest(r, top), ""]
     return "\n".join(lines)

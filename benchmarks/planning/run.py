@@ -260,7 +260,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "measured fastest is the plan (over processes on spawned ranks)")
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-out/planning"))
+    parser.add_argument("--from", dest="source", type=Path, default=None,
+                        help="a results.json: write its report.md to --out, measuring nothing")
     args = parser.parse_args(argv)
+    if args.source is not None:
+        saved = json.loads(args.source.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "report.md", report(saved["records"], saved["command"]))
+        return 0
     budgets = args.budgets.split(",")
     if not set(budgets) <= set(BUDGETS) or not 2 <= args.ranks <= 4 or args.rounds < 2:
         parser.error(f"--budgets among {BUDGETS}, --ranks 2 to 4, --rounds >= 2")

@@ -16,7 +16,7 @@ import schedules
 from benchmarks.planning.calibrate import calibrate, fit_line, halves
 from benchmarks.planning.held_out import time_model_what_if
 from benchmarks.planning.record import config_rows, error_sources, results_for, round_seconds
-from benchmarks.planning.report import report
+from benchmarks.planning.report import noise_floor, report
 from benchmarks.planning.rounds import Measured, Turn, merge, orders, run_rounds
 from benchmarks.planning.run import main, profile_rows
 from benchmarks.planning.space import (
@@ -439,6 +439,23 @@ def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     assert held["n"] == len(record["configs"]) and 0 <= held["median_abs"] < 10
     assert len(held["fitted"]) == 2 and all(f["compute"] > 0 for f in held["fitted"])
     assert "the fitted time model: median" in text
+    # The report again from the stored results, measuring nothing: the same text.
+    again = tmp_path / "again"
+    assert main(["--from", str(tmp_path / "results.json"), "--out", str(again)]) == 0
+    assert (again / "report.md").read_text() == text
+
+
+def test_the_noise_floor_is_the_error_of_a_median_over_few_rounds() -> None:
+    """Two rounds of 1 and 2 s: resampled, their median is 1, 1.5 or 2 (a quarter, a half and
+    a quarter of the time), off from 1.5 by a third, 0 and a third: 1/6 on average. Rounds
+    that agree have no error."""
+    def config(rounds: list[float]) -> dict[str, Any]:
+        return {"measured": {"round_s": rounds}}
+
+    assert noise_floor([config([1.0, 2.0])], resamples=20_000) == pytest.approx(1 / 6, rel=0.03)
+    assert noise_floor([config([3.0] * 5)]) == 0.0
+    assert noise_floor([config([3.0] * 5), config([1.0, 2.0]), config([1.0, 2.0])],
+                       resamples=20_000) == pytest.approx(1 / 6, rel=0.03)
 
 
 def test_a_time_model_fitted_on_half_predicts_the_other_half() -> None:
