@@ -3,9 +3,11 @@
 On a GPU an action's handler only launches kernels: the host's clock around it measures the
 launches, not the work. Each action's start and end are also recorded as CUDA events on the
 rank's stream (the start where the action has its inputs, as on the host), and the step's
-measured timeline takes the GPU's times: a reference event recorded at the run's start, when
-the stream is idle (the previous step's results were waited for), is placed at its host time,
-and every action at that time plus its GPU time since the reference.
+measured timeline takes the GPU's times: a reference event recorded at the run's start is
+placed at its host time, and every action at that time plus its GPU time since the reference.
+Work still queued on the stream at the run's start (an optimizer step launched between two
+steps, say) places every action earlier by what is left of it. The run waits for its last
+mark, so on a GPU each rank ends its step with its work done.
 """
 
 from __future__ import annotations
