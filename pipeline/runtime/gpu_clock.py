@@ -21,10 +21,6 @@ from schedules import Event
 __all__ = ["GpuClock"]
 
 
-def _event() -> torch.cuda.Event:
-    mark = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    mark.record()
-    return mark
 
 
 class GpuClock:
@@ -32,7 +28,8 @@ class GpuClock:
     `ready` when an action has its inputs, `done` after its handler; `timed` turns the run's
     events into the GPU's times (waiting for the last mark)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self._device = device  # its current stream, whichever device the thread is on
         self._reference: torch.cuda.Event | None = None
         self._host = 0.0
         self._start: torch.cuda.Event | None = None
@@ -40,17 +37,22 @@ class GpuClock:
 
     def begin(self, host: float) -> None:
         """The run starts at `host` seconds on the timeline's clock."""
-        self._reference, self._host, self._marks = _event(), host, []
+        self._reference, self._host, self._marks = self._event(), host, []
 
     def ready(self) -> None:
         """The current action has its inputs (called again after a wait for a peer's)."""
-        self._start = _event()
+        self._start = self._event()
 
     def done(self, index: int) -> None:
         """The current action, event `index` of the run, has launched all its work."""
         assert self._start is not None, "ready() before done()"
-        self._marks.append((index, self._start, _event()))
+        self._marks.append((index, self._start, self._event()))
         self._start = None
+
+    def _event(self) -> torch.cuda.Event:
+        mark = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        mark.record(torch.cuda.current_stream(self._device))
+        return mark
 
     def timed(self, events: Sequence[Event]) -> list[Event]:
         """`events` with each marked one's start and end as the GPU ran it."""

@@ -125,7 +125,7 @@ class StageRuntime:
         self._modes: dict[int, tuple[int, tuple[bool, ...]]] = {}
         self._ready = 0.0  # when the current action had its inputs
         # On a GPU the host's clock sees launches: the timeline takes CUDA events' times.
-        self.gpu_clock = GpuClock() if device.type == "cuda" else None
+        self.gpu_clock = GpuClock(device) if device.type == "cuda" else None
         self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
                           Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
                           Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post,

@@ -21,7 +21,8 @@ class _FakeEvent:
         assert enable_timing
         self.at: float | None = None
 
-    def record(self) -> None:
+    def record(self, stream: Any = None) -> None:
+        assert stream == "stream of cuda:1"  # the rank's device's, not the thread's current
         self.at = _FakeEvent.now
 
     def synchronize(self) -> None:
@@ -39,8 +40,9 @@ def test_actions_take_the_gpus_times_from_the_reference_on(monkeypatch: pytest.M
     at 700 ms on the GPU: it is placed at 0.65-1.2 s. An action not marked (a message's)
     keeps the host's times; the last mark is waited for, once."""
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
     _FakeEvent.synced = []
-    clock = GpuClock()
+    clock = GpuClock(torch.device("cuda", 1))
     _FakeEvent.now = 100.0
     clock.begin(0.5)
     host = [Event(0, Action.parse("0F0"), 0.51, 0.511), Event(0, Action.parse("0SEND_F0"),
@@ -67,4 +69,4 @@ def test_actions_take_the_gpus_times_from_the_reference_on(monkeypatch: pytest.M
 
 def test_a_run_with_no_mark_is_left_as_the_host_saw_it() -> None:
     host = [Event(0, Action.parse("0F0"), 0.1, 0.2)]
-    assert GpuClock().timed(host) == host
+    assert GpuClock(torch.device("cuda", 0)).timed(host) == host
