@@ -112,9 +112,29 @@ class Runner:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def turn(self, c: Candidate, warmup: int, steps: int) -> list[float]:
+    def turn(self, c: Candidate, warmup: int, steps: int) -> list[float] | str:
         """One turn of `c`: a fresh Pipe on a copy of the model, `warmup` steps, then `steps`
-        timed ones (a barrier before each, with processes); their seconds."""
+        timed ones (a barrier before each, with processes); their seconds. When a step fails
+        on any rank (out of memory, a stage's error: every rank's step raises), the failure,
+        the same on every rank, in place of the seconds."""
+        kept = len(self.events)
+        failed: str | None = None
+        try:
+            out = self._turn(c, warmup, steps)
+        except RuntimeError as exc:  # PipelineError, torch.OutOfMemoryError among them
+            out, failed = [], f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+        if self.processes:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, failed)
+            # A PipelineError names the rank that failed; another error, the rank it rose on.
+            failed = next((f if f.startswith("PipelineError") else f"rank {r}: {f}"
+                           for r, f in enumerate(every) if f is not None), None)
+        if failed is not None:
+            del self.events[kept:]  # a failed candidate's steps fit nothing
+            return failed
+        return out
+
+    def _turn(self, c: Candidate, warmup: int, steps: int) -> list[float]:
         from pipeline import pipe as pipe_module  # looked up at each turn: tests replace it
 
         extra: dict[str, Any] = {}

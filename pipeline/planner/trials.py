@@ -19,6 +19,7 @@ not hold, say) is still measured before the choice.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from pipeline.planner.costs import LayerCosts, LossFn, ModelProfile
 from pipeline.planner.intervals import median_interval
 from pipeline.planner.result import Plan
@@ -81,7 +82,8 @@ class Trials:
     all-reduce included; None when every trial split stages over tp).
     When that model ranked candidates not yet run among the k best, they ran in a second
     stage beside the first stage's fastest: `trials` are that stage's, `screened` the
-    first's."""
+    first's. `failed`: each candidate whose turn failed (out of memory, say) and the failure;
+    it took no further turn and is not chosen."""
 
     trials: tuple[Trial, ...]
     orders: tuple[tuple[int, ...], ...]
@@ -90,6 +92,7 @@ class Trials:
     seconds: float
     time_model: TimeModel | None = None
     screened: tuple[Trial, ...] = ()
+    failed: tuple[tuple[Candidate, str], ...] = ()
 
     @property
     def fastest(self) -> int:
@@ -114,6 +117,8 @@ class Trials:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
                  for r in rows]
+        lines += [f"{c.label} m={c.chunks} {c.checkpoint} dp {c.dp}: failed, {why}"
+                  for c, why in self.failed]
         lines.append(f"{len(self.orders)} rounds, each candidate {self.warmup} warm-up + "
                      f"{self.steps} timed steps a round, in a shuffled order; "
                      f"{self.seconds:.1f} s in all; * measured fastest")
@@ -195,7 +200,9 @@ def _with_trials(p: Plan, found: Trials) -> Plan:
             t.candidate, status="chosen" if i == found.fastest else "fits",
             measured_step_time=t.median, measured_interval=t.interval)
     first = sorted(measured.values(), key=lambda c: (c.status != "chosen", c.measured_step_time))
-    rest = [c if c.status != "chosen" else replace(c, status="fits")
+    failed = {_key(c): why for c, why in found.failed}
+    rest = [replace(c, status="impossible", reason=f"failed in trials: {failed[_key(c)]}")
+            if _key(c) in failed else c if c.status != "chosen" else replace(c, status="fits")
             for c in p.candidates if _key(c) not in measured]
     winner = first[0]
     return chosen_as(p, winner, candidates=(*first, *rest),
@@ -228,10 +235,11 @@ def run_trials(p: Plan, model: nn.Module, sample: Any, target: Any, loss_fn: Los
 
     runner = trial_runs.Runner(p, model, sample, target, loss_fn, transport)
     began = time.perf_counter()
+    failed: list[tuple[Candidate, str]] = []
     with runner.isolated():
-        first = _stage(runner, runner.agree(contenders(p, k)), rounds, warmup, steps)
+        first = _stage(runner, runner.agree(contenders(p, k)), rounds, warmup, steps, failed)
         fitted = runner.shared(_fit(p, runner.timelines()))
-        tried = {_key(t.candidate) for t in first[0]}
+        tried = {_key(c) for c in (*(t.candidate for t in first[0]), *(c for c, _ in failed))}
         # Rank 0's: each rank prices with its own profile, and all must run the same stage.
         more = runner.shared([c for c in repriced(p, fitted)[:k] if _key(c) not in tried]
                              if fitted else [])
@@ -239,30 +247,46 @@ def run_trials(p: Plan, model: nn.Module, sample: Any, target: Any, loss_fn: Los
         if more:
             best = min(first[0], key=lambda t: t.median)  # the better predicted on a tie
             screened = first[0]
-            first = _stage(runner, runner.agree([best.candidate, *more]), rounds, warmup, steps)
+            first = _stage(runner, runner.agree([best.candidate, *more]), rounds, warmup, steps,
+                           failed)
             fitted = runner.shared(_fit(p, runner.timelines()))
     trials, orders = first
     return _with_trials(p, Trials(trials, orders, warmup, steps, time.perf_counter() - began,
-                                  fitted, screened))
+                                  fitted, screened, tuple(failed)))
 
 
-def _stage(runner: Any, chosen: list[Candidate], rounds: int, warmup: int, steps: int
+def _stage(runner: Any, chosen: list[Candidate], rounds: int, warmup: int, steps: int,
+           failed: list[tuple[Candidate, str]]
            ) -> tuple[tuple[Trial, ...], tuple[tuple[int, ...], ...]]:
-    """`chosen` measured in `rounds` interleaved rounds (each round's order shuffled)."""
+    """`chosen` measured in `rounds` interleaved rounds (each round's order shuffled); a
+    candidate whose turn fails takes no further turn and goes to `failed` with its failure."""
     orders: list[tuple[int, ...]] = []
     for r in range(rounds):
         shuffled = list(range(len(chosen)))
         random.Random(_SEED * 100_003 + r).shuffle(shuffled)
         orders.append(tuple(shuffled))
-    times: list[list[list[float]]] = [[[] for _ in range(rounds)] for _ in chosen]
+    times: list[list[list[float]]] = [[[math.nan] * steps for _ in range(rounds)] for _ in chosen]
+    lost: dict[int, str] = {}
     for r, order in enumerate(orders):
         for i in order:
-            times[i][r] = runner.turn(chosen[i], warmup, steps)
-    times = runner.slowest(times)
-    trials = tuple(Trial(c, tuple(tuple(s) for s in t),
-                         median_interval([statistics.median(s) for s in t]))
-                   for c, t in zip(chosen, times, strict=True))
-    return trials, tuple(orders)
+            if i not in lost:
+                got = runner.turn(chosen[i], warmup, steps)
+                if isinstance(got, str):
+                    lost[i] = got
+                else:
+                    times[i][r] = got
+    failed += [(chosen[i], why) for i, why in sorted(lost.items())]
+    kept = [i for i in range(len(chosen)) if i not in lost]
+    if not kept:
+        raise PipelineError("plan(..., trials=k): every candidate's trial failed (" + "; ".join(
+            f"{c.label} m={c.chunks}: {why}" for c, why in failed) + "); plan with trials=0, "
+            "or mend what fails")
+    times = runner.slowest(times)  # every rank took the same turns, the failed ones too
+    trials = tuple(Trial(chosen[i], tuple(tuple(s) for s in times[i]),
+                         median_interval([statistics.median(s) for s in times[i]]))
+                   for i in kept)
+    index = {i: j for j, i in enumerate(kept)}  # orders count among the kept trials
+    return trials, tuple(tuple(index[i] for i in order if i in index) for order in orders)
 
 
 def repriced(p: Plan, model: TimeModel) -> list[Candidate]:

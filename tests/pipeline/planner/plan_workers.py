@@ -87,3 +87,46 @@ def fit_replicas(rank: int, delay: float) -> tuple[float, float]:
     assert alone.timeline is not None
     (price,) = reduce_tails(alone.timeline).values()
     return p.time_model.allreduce, price
+
+
+class _FailsAt(torch.nn.Module):
+    """Passes its input on; once `armed`, raises on rank `rank` for micro-batches of `rows`
+    rows (a stage running out of memory on one rank, inside the runtime)."""
+
+    armed = False
+
+    def __init__(self, rank: int, rows: int) -> None:
+        super().__init__()
+        self.rank, self.rows = rank, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if _FailsAt.armed and dist.get_rank() == self.rank and x.shape[0] == self.rows:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a trial on rank 1)")
+        return x
+
+
+def plan_past_a_failing_trial(rank: int) -> tuple[Any, ...]:
+    """Every rank plans the tiny model with trials over gloo, where 2 micro-batches run out of
+    memory on rank 1 alone: what each chose, and the failure each recorded."""
+    from pipeline import plan
+    from pipeline.planner import Link
+
+    spec = get_model("tiny")
+    layers, (x, y), loss = spec.build(), spec.batch(), spec.loss()
+    model = torch.nn.Sequential(*layers, _FailsAt(1, len(x) // 2))
+    kw: dict[str, Any] = {"ranks": 2, "memory_per_rank": None, "transport": "gloo",
+                          "link": Link("gloo", 1e-4, 1e-9), "contention": 1.0, "chunks": [1, 2],
+                          "schedules": ["gpipe"], "checkpoints": ["never"],
+                          "data_parallel": [1], "repeats": 1}
+    profile = plan(model, x, y, loss, **kw).profile  # measured before the failure is armed
+    _FailsAt.armed = True
+    try:
+        p = plan(model, x, y, loss, profile=profile, trials=2, trial_rounds=2, trial_steps=1,
+                 trial_warmup=0, **kw)
+    finally:
+        _FailsAt.armed = False
+    assert p.trials is not None
+    return (p.chunks, [(c.chunks, why) for c, why in p.trials.failed],
+            [t.candidate.chunks for t in p.trials.trials])

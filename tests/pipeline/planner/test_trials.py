@@ -15,7 +15,7 @@ from torch import nn
 import pipeline.pipe
 from benchmarks.models import get_model
 from pipeline import Plan, plan
-from pipeline.errors import PipeConfigError, PipeTypeError
+from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from pipeline.planner import Link, ModelProfile, profile_model
 from tests.benchmarks import fakes
 
@@ -81,6 +81,66 @@ def test_a_slow_candidate_is_not_chosen_though_predicted_fastest(
     assert [c.status for c in p.candidates].count("chosen") == 1
     assert "measured step" in p.summary() and "measured ms" in p.table()
     assert p.schedule in p.trials.table()
+
+
+class _OutOfMemory(_Logged):
+    """A Pipe whose steps run out of memory under the schedule `slow`."""
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._slowed:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().step(*args, **kwargs)
+
+
+def test_a_candidate_whose_trial_fails_is_dropped_not_fatal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The predicted fastest runs out of memory in its first turn: it takes no other turn,
+    the plan is the measured fastest of the rest, and the plan says why it was dropped."""
+    predicted = _plan()
+    monkeypatch.setattr(_Logged, "log", [])
+    monkeypatch.setattr(_Logged, "slow", predicted.schedule)
+    monkeypatch.setattr(pipeline.pipe, "Pipe", _OutOfMemory)
+    p = _plan(trials=3, trial_rounds=3, trial_steps=1, trial_warmup=1)
+    assert p.trials is not None
+    ((lost, why),) = p.trials.failed
+    assert lost.schedule == predicted.schedule and "OutOfMemoryError: CUDA out of memory" in why
+    assert _Logged.log.count(predicted.schedule) == 1  # one turn, not one a round
+    assert p.schedule != predicted.schedule
+    trials = p.trials.trials
+    assert {t.candidate.schedule for t in trials} == {"gpipe", "1f1b", "zb-h1"} - {lost.schedule}
+    assert [t.predicted for t in trials] == sorted(t.predicted for t in trials)
+    assert len(p.trials.trials) == 2 and all(sorted(o) == [0, 1] for o in p.trials.orders)
+    dropped = next(c for c in p.candidates if c.schedule == predicted.schedule
+                   and c.chunks == lost.chunks and c.checkpoint == lost.checkpoint)
+    assert dropped.status == "impossible" and dropped.reason.startswith("failed in trials")
+    assert "failed, OutOfMemoryError" in p.trials.table()
+
+
+@pytest.mark.dist
+def test_a_trial_failing_on_one_rank_is_dropped_by_every_rank() -> None:
+    """Over gloo, 2 micro-batches run out of memory inside rank 1's stage alone: both ranks
+    drop that candidate with the same failure, naming rank 1, and choose the other (the
+    group takes the next turn as if nothing had failed)."""
+    from pipeline.launch import spawn
+    from tests.pipeline.planner import plan_workers
+
+    got = spawn(plan_workers.plan_past_a_failing_trial, 2, timeout=120)
+    assert got[0] == got[1]
+    chunks, failed, measured = got[0]
+    assert chunks == 1 and measured == [1]
+    ((lost, why),) = failed
+    assert lost == 2 and "rank 1 (cpu) failed" in why and "CUDA out of memory" in why
+
+
+def test_every_candidate_failing_its_trial_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(pipeline.pipe.Pipe):
+        def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise RuntimeError("a stage raised")
+
+    monkeypatch.setattr(pipeline.pipe, "Pipe", Broken)
+    with pytest.raises(PipelineError, match=r"every candidate's trial failed \(.*a stage "
+                                            r"raised.*plan with trials=0"):
+        _plan(trials=2, trial_rounds=2, trial_steps=1, trial_warmup=0)
 
 
 def test_the_models_weights_gradients_and_random_state_are_untouched() -> None:
@@ -169,7 +229,9 @@ def test_trials_of_replicas_fit_the_all_reduce_as_it_runs() -> None:
 
     base = spawn(plan_workers.fit_replicas, 2, 0.0, timeout=120)
     slow = spawn(plan_workers.fit_replicas, 2, 0.100, timeout=120)
-    assert base[0] == base[1] and slow[0] == slow[1]  # rank 0's model on every rank
+    # Rank 0's model on every rank; the price each rank's own (the same, to rounding).
+    assert base[0][0] == base[1][0] and slow[0][0] == slow[1][0]
+    assert base[0][1] == pytest.approx(base[1][1], rel=1e-12)
     (fitted, price), (slowed, _) = base[0], slow[0]
     assert price > 0
     assert slowed * price - fitted * price == pytest.approx(0.100, rel=0.05)
