@@ -111,7 +111,46 @@ def test_replicas_that_committed_apart_are_not_mixed() -> None:
         ft1.average_gradients(params1)
 
 
-def test_a_heal_carries_the_lineage() -> None:
-    healed, _ = _replica(1, 0, [])
-    healed._load_lineage({"lineage": 0xABCDEF})
-    assert healed.lineage == 0xABCDEF
+class _Recorder:
+    """torchft's Manager as FaultTolerance builds it: what it registers for a heal."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.fns: dict[str, tuple[Any, Any]] = {}
+
+    def register_state_dict_fn(self, key: str, load: Any, state: Any) -> None:
+        self.fns[key] = (load, state)
+
+
+def test_a_heal_carries_the_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a heal sends (the state functions FaultTolerance registers with torchft's
+    Manager) holds the peer's lineage, and loading it gives the healed replica that lineage:
+    a restarted replica then averages with its peers as one history."""
+    pytest.importorskip("torchft")
+    import torchft.manager
+    import torchft.process_group
+
+    from pipeline.parallel import fault_tolerance
+
+    monkeypatch.setattr(torchft.manager, "Manager", _Recorder)
+    monkeypatch.setattr(torchft.process_group, "ProcessGroupGloo", lambda timeout: None)
+    monkeypatch.setattr(fault_tolerance, "_weights_only_transport", lambda timeout: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setenv(fault_tolerance.NUM_REPLICAS_ENV, "2")
+    monkeypatch.setenv(fault_tolerance.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
+
+    class Pipe:
+        world, mesh, group, multi_batch = (0, 2), None, None, False
+
+    def replica(index: int) -> FaultTolerance:
+        monkeypatch.setenv(fault_tolerance.REPLICA_ID_ENV, str(index))
+        return FaultTolerance(Pipe(), timeout=5.0)
+
+    peer, healed = replica(0), replica(1)
+    peer.lineage = ft_lineage.next_lineage(ft_lineage.next_lineage(0, 0, (0,)), 1, (0,))
+    sent = peer.manager.fns["lineage"][1]()  # type: ignore[attr-defined]
+    assert sent == {"lineage": peer.lineage}
+    assert healed.lineage == 0
+    healed.manager.fns["lineage"][0](sent)  # type: ignore[attr-defined]
+    assert healed.lineage == peer.lineage
+    assert set(healed.manager.fns) >= {"pipe", "lineage"}  # type: ignore[attr-defined]
