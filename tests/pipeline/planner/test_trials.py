@@ -55,13 +55,20 @@ class _Logged(pipeline.pipe.Pipe):
         return super().step(*args, **kwargs)
 
 
-def test_a_slow_candidate_is_not_chosen_though_predicted_fastest(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _trials_slowing_the_predicted_fastest(monkeypatch: pytest.MonkeyPatch,
+                                          pipe: type[_Logged]) -> tuple[Plan, Plan]:
+    """The plan by prediction alone, and the plan by 3 trials in 3 rounds whose Pipes are
+    `pipe`, which slows (or fails) the predicted fastest schedule."""
     predicted = _plan()
     monkeypatch.setattr(_Logged, "log", [])
     monkeypatch.setattr(_Logged, "slow", predicted.schedule)
-    monkeypatch.setattr(pipeline.pipe, "Pipe", _Logged)
-    p = _plan(trials=3, trial_rounds=3, trial_steps=1, trial_warmup=1)
+    monkeypatch.setattr(pipeline.pipe, "Pipe", pipe)
+    return predicted, _plan(trials=3, trial_rounds=3, trial_steps=1, trial_warmup=1)
+
+
+def test_a_slow_candidate_is_not_chosen_though_predicted_fastest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    predicted, p = _trials_slowing_the_predicted_fastest(monkeypatch, _Logged)
     assert p.trials is not None
     trials = p.trials.trials
     # The predicted fastest is the first trial, the trials in predicted order.
@@ -96,11 +103,7 @@ def test_a_candidate_whose_trial_fails_is_dropped_not_fatal(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The predicted fastest runs out of memory in its first turn: it takes no other turn,
     the plan is the measured fastest of the rest, and the plan says why it was dropped."""
-    predicted = _plan()
-    monkeypatch.setattr(_Logged, "log", [])
-    monkeypatch.setattr(_Logged, "slow", predicted.schedule)
-    monkeypatch.setattr(pipeline.pipe, "Pipe", _OutOfMemory)
-    p = _plan(trials=3, trial_rounds=3, trial_steps=1, trial_warmup=1)
+    predicted, p = _trials_slowing_the_predicted_fastest(monkeypatch, _OutOfMemory)
     assert p.trials is not None
     ((lost, why),) = p.trials.failed
     assert lost.schedule == predicted.schedule and "OutOfMemoryError: CUDA out of memory" in why
