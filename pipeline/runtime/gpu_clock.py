@@ -21,8 +21,6 @@ from schedules import Event
 __all__ = ["GpuClock"]
 
 
-
-
 class GpuClock:
     """Marks one rank's actions on its current CUDA stream: `begin` at the run's start,
     `ready` when an action has its inputs, `done` after its handler; `timed` turns the run's

@@ -153,7 +153,7 @@ class StageRuntime:
         for action in actions:
             self.current = action
             self._ready = clock()
-            if gpu is not None:
+            if gpu is not None and action.op not in COMM_OPS:  # a message's time is the host's
                 gpu.ready()
             self._handlers[action.op](action, step, result)
             if action.op not in COMM_OPS:
@@ -165,7 +165,7 @@ class StageRuntime:
             else:
                 comm.append(Event(self.rank, action, self._ready - t0, clock() - t0))
         if gpu is not None:
-            self.events = events = gpu.timed(events)
+            self.events = gpu.timed(events)
         self.span = (first - t0, clock() - t0)
         self.current = None
         if self._stash or self._outbox:  # internal invariant: a validated schedule frees all
