@@ -19,8 +19,8 @@ from benchmarks.planning.space import Config
 from benchmarks.stats import RawEvent, merge_events
 from pipeline import Pipe
 from pipeline.launch import spawn
-from schedules import Action, Timeline
-from schedules.ir import COMPUTE_OPS
+from pipeline.planner.time_model import compute_spans
+from schedules import Timeline
 
 __all__ = ["Measured", "Turn", "measure", "merge", "orders", "run_rounds", "steps_of"]
 
@@ -217,9 +217,9 @@ def merge(per_process: Sequence[Sequence[Sequence[Turn]]], configs: Sequence[Con
                 events = [e for t in first for e in t.events[k]]
                 start = min((e[2] for e in events), default=0.0)
                 # The other replicas' compute on this clock: it slows the first's alike.
-                beside = [(s - start, e - start) for t in turns if t.dp_rank != 0
-                          for _, a, s, e in t.events[k] if Action.parse(a).op in COMPUTE_OPS]
-                timelines.append(merge_events(c.pp, events, start, {"beside": beside}))
+                beside = compute_spans((e for t in turns if t.dp_rank != 0
+                                        for e in t.events[k]), start)
+                timelines.append(merge_events(c.pp, events, start, {"beside": list(beside)}))
             peaks: dict[int, int] = {}
             for t in turns:
                 for rank, b in zip(t.pp_ranks, t.peaks, strict=False):

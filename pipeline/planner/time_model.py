@@ -26,10 +26,11 @@ import numpy as np
 
 from pipeline.errors import PipeConfigError
 from schedules import Action, Costs, Event, Op, Timeline
+from schedules.ir import COMPUTE_OPS
 from schedules.lower import consumed, source_stage
 
-__all__ = ["Sample", "TimeModel", "fit_time_model", "machine", "message_waits", "producer",
-           "reduce_tails"]
+__all__ = ["Sample", "TimeModel", "compute_spans", "fit_time_model", "machine", "message_waits",
+           "producer", "reduce_tails"]
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
 
@@ -146,6 +147,14 @@ class Sample:
 
 
 Key = tuple[int, Op, int]
+
+
+def compute_spans(events: Iterable[tuple[int, str, float, float]], start: float
+                  ) -> tuple[tuple[float, float], ...]:
+    """The compute actions among raw events (rank, action, start, end) as (start, end) from
+    `start`: for another replica's events, a `Sample`'s `beside`."""
+    return tuple((s - start, e - start) for _, a, s, e in events
+                 if Action.parse(a).op in COMPUTE_OPS)
 
 
 def _index(t: Timeline) -> dict[Key, Event]:

@@ -20,9 +20,9 @@ from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import LossFn
 from pipeline.planner.result import Plan
 from pipeline.planner.space import Candidate
+from pipeline.planner.time_model import compute_spans
 from pipeline.planner.trials import chosen_as
 from schedules import Action, Event, Timeline
-from schedules.ir import COMPUTE_OPS
 
 __all__ = ["Runner", "check_launch", "rows_of"]
 
@@ -140,11 +140,12 @@ class Runner:
         extra: dict[str, Any] = {}
         x, y = self.sample, self.target
         mesh = self.meshes.get((c.dp, c.pp, c.tp))
+        replica = 0  # this process's replica under dp
         if mesh is not None:
             extra["mesh"] = mesh
             if c.dp > 1:
-                batch, d = self.p.profile.batch_rows, mesh.get_local_rank("dp")
-                x, y = (rows_of(v, batch, d, c.dp) for v in (x, y))
+                batch, replica = self.p.profile.batch_rows, mesh.get_local_rank("dp")
+                x, y = (rows_of(v, batch, replica, c.dp) for v in (x, y))
         kwargs = chosen_as(self.p, c).pipe_kwargs(**extra)
         model = copy.deepcopy(self.model)  # the caller's weights and gradients stay untouched
         model.zero_grad(set_to_none=True)
@@ -171,7 +172,6 @@ class Runner:
                     if c.tp == 1:
                         timeline = pipe.last_timeline()
                         t0 = float(timeline.meta["t0"])
-                        replica = mesh.get_local_rank("dp") if mesh is not None and c.dp > 1 else 0
                         self.events.append((c, out[-1], replica, [
                             (e.rank, str(e.action), t0 + e.start, t0 + e.end)
                             for e in timeline.events]))
@@ -206,8 +206,7 @@ class Runner:
             start = min(e[3] for e in events if e[0] == 0)
             laid = tuple(Event(r, Action.parse(a), s - start, e - start)
                          for d, r, a, s, e in events if d == 0)
-            beside = tuple((s - start, e - start) for d, _, a, s, e in events
-                           if d != 0 and Action.parse(a).op in COMPUTE_OPS)
+            beside = compute_spans((e[1:] for e in events if e[0] != 0), start)
             out.append((c, seconds, Timeline(c.pp, laid, "s"), beside))
         return out
 
