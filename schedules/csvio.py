@@ -8,14 +8,16 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
-from schedules.files import write_atomic
+from schedules.files import read_file, write_atomic
 from schedules.ir import SYNC_OPS, Action, Op, Schedule, ScheduleError
 from schedules.program import infer
 
-__all__ = ["DIALECTS", "dump_csv", "dumps_csv", "load_csv", "loads_csv", "torch_incompatibility"]
+__all__ = ["DIALECTS", "MAX_CSV_BYTES", "dump_csv", "dumps_csv", "load_csv", "loads_csv",
+           "torch_incompatibility"]
 
 _PLACEMENTS = ("loop", "v")
 DIALECTS = ("torch", "ours")
+MAX_CSV_BYTES = 64 << 20  # a schedule of millions of actions; a larger file is no schedule
 _PLURAL = {"stage": "stages", "micro-batch": "micro-batches", "batch": "batches"}
 
 # Cells torch writes that carry nothing our runtime needs (see `loads_csv`), and DualPipeV's
@@ -175,16 +177,18 @@ def loads_csv(text: str, *, num_microbatches: int | None = None, name: str = "cs
 
 
 def load_csv(path: str | os.PathLike[str], **kwargs: object) -> Schedule:
-    """Read a schedule CSV written by `dump_csv` or by torch's `_dump_csv` (see `loads_csv`)."""
-    with open(path, newline="", encoding="utf-8") as f:
-        try:
-            text = f.read()
-        except UnicodeDecodeError as exc:
-            raise ScheduleError(
-                f"{os.fspath(path)} is not a text CSV: byte {exc.start} is not UTF-8 "
-                f"({exc.reason}); a schedule CSV is UTF-8 text with one row per rank and cells "
-                f"like 0F1 (written by dump_csv or torch's _dump_csv)"
-            ) from None
+    """Read a schedule CSV written by `dump_csv` or by torch's `_dump_csv` (see `loads_csv`),
+    through the file gate (`schedules.files`: a regular file, no link another user planted,
+    at most `MAX_CSV_BYTES`)."""
+    data = read_file(path, limit=MAX_CSV_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScheduleError(
+            f"{os.fspath(path)} is not a text CSV: byte {exc.start} is not UTF-8 "
+            f"({exc.reason}); a schedule CSV is UTF-8 text with one row per rank and cells "
+            f"like 0F1 (written by dump_csv or torch's _dump_csv)"
+        ) from None
     return loads_csv(text, **kwargs)  # type: ignore[arg-type]
 
 

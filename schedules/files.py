@@ -1,15 +1,261 @@
-"""Files written whole or not at all: a temporary sibling, fsync, then one atomic rename."""
+"""The gate for files: every file the project reads or writes outside its own process passes here.
+
+A path is walked one component at a time from directory descriptors the gate holds, never by
+name from the top again, so what it checked is what it opens. Three rules, for every reader
+and writer alike (checkpoints, time models, schedule CSVs, pipeviz and benchmark outputs):
+
+- **No link it did not make.** A symbolic link is followed only where nobody else could have
+  put it: in a directory no other user may write (mode without group or others' write), or
+  owned by this user, root, or the directory's owner (the kernel's `protected_symlinks` rule,
+  applied to every directory, not only sticky ones). Its target is walked by the same rules.
+- **Nothing planted.** In a directory others may write, an entry (file or directory) of
+  another user than this one, root or the directory's owner is refused: it may have been put
+  there in place of one of ours.
+- **Regular files only, bounded.** A file is opened without following a link and without
+  blocking (a FIFO never stalls a reader), then checked to be a regular file, and read up to
+  a size the caller bounds. A write goes to a fresh temporary sibling (`O_EXCL`, the final
+  mode from the first byte), is fsynced and renamed into place from the same directory
+  descriptor, and the directory is fsynced: the file holds its old content or the new, whole.
+
+What stays beyond it: root, and the owner of a directory on the path, can change anything
+under it; the gate trusts them, as the kernel does.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
 import os
 import secrets
 import stat
 
-__all__ = ["fsync_directory", "write_atomic"]
+__all__ = ["FileRefused", "fsync_directory", "held_directory", "open_directory", "open_file",
+           "open_in", "read_bytes", "read_file", "shared", "write_atomic"]
 
 Path = str | os.PathLike[str]
+
+_MAX_LINKS = 40  # links met in one walk, as the kernel's ELOOP limit
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFLNK: "a symbolic link"}
+
+
+class FileRefused(ValueError):
+    """A file the gate will not read or write; the message names the path, the rule and the
+    way out."""
+
+
+def shared(info: os.stat_result) -> bool:
+    """Whether users other than a directory's owner may create or rename entries in it."""
+    return bool(stat.S_IMODE(info.st_mode) & 0o022)
+
+
+def _trusted(entry: os.stat_result, directory: os.stat_result) -> bool:
+    """Whether an entry of `directory` was put there by someone this user already trusts."""
+    return (not shared(directory) or entry.st_uid in (os.geteuid(), 0, directory.st_uid))
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "no regular file")
+
+
+def _refuse_planted(entry: os.stat_result, directory: os.stat_result, shown: str) -> None:
+    if not _trusted(entry, directory):
+        raise FileRefused(
+            f"{shown!r} belongs to another user (uid {entry.st_uid}) and lies in a directory "
+            f"others may write (mode {stat.S_IMODE(directory.st_mode):#o}): it may have been "
+            f"put there in place of yours; use a copy you made, or keep such files in a "
+            f"directory only you (or its owner) can write")
+
+
+class _Walk:
+    """One walk of a path: the directory it stands in, and the links met so far."""
+
+    def __init__(self, path: Path, *, create: bool) -> None:
+        self.shown = os.fspath(path)
+        if not self.shown or "\x00" in self.shown:
+            raise FileRefused(f"{self.shown!r} is no path (empty, or holds a NUL byte)")
+        self.create, self.links = create, 0
+        self.fd = os.open("/" if self.shown.startswith("/") else ".", _DIRECTORY)
+        self.info = os.fstat(self.fd)
+        self.parts = collections.deque(self.shown.split("/"))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _move(self, fd: int) -> None:
+        os.close(self.fd)
+        self.fd, self.info = fd, os.fstat(fd)
+
+    def _link(self, name: str, entry: os.stat_result) -> None:
+        """Put the link's target in the walk's way, if the link may be followed."""
+        if not _trusted(entry, self.info):
+            raise FileRefused(
+                f"{self.shown!r}: {name!r} is a symbolic link of another user (uid "
+                f"{entry.st_uid}) in a directory others may write (mode "
+                f"{stat.S_IMODE(self.info.st_mode):#o}): it is not followed (it may point "
+                f"anywhere, our own files included); remove it or give the real path")
+        self.links += 1
+        if self.links > _MAX_LINKS:
+            raise FileRefused(f"{self.shown!r}: more than {_MAX_LINKS} symbolic links on the "
+                              f"way (a loop?): give the real path")
+        target = os.readlink(name, dir_fd=self.fd)
+        if target.startswith("/"):
+            self._move(os.open("/", _DIRECTORY))
+        self.parts.extendleft(reversed(target.split("/")))
+
+    def step(self, name: str) -> None:
+        """Enter directory `name` of the current one (`..` included)."""
+        if name == "..":
+            self._move(os.open("..", _DIRECTORY, dir_fd=self.fd))
+            return
+        entry = self.entry(name)
+        if entry is None:
+            if not self.create:
+                raise FileNotFoundError(errno.ENOENT, f"no directory {name!r} on the way to "
+                                        f"{self.shown!r}", self.shown)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o777, dir_fd=self.fd)
+            self.parts.appendleft(name)  # look again: what is there now is checked as any
+            return
+        if stat.S_ISLNK(entry.st_mode):
+            self._link(name, entry)
+            return
+        if not stat.S_ISDIR(entry.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, f"{name!r} on the way to {self.shown!r} "
+                                     f"is {_kind(entry.st_mode)}", self.shown)
+        _refuse_planted(entry, self.info, self.shown)
+        fd = os.open(name, _DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (entry.st_dev, entry.st_ino):
+            os.close(fd)
+            self.parts.appendleft(name)  # replaced between the look and the open: look again
+            return
+        self._move(fd)
+
+    def entry(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def last(self) -> str:
+        """Walk to the directory holding the path's last entry, following links to it; its
+        name there ('.' when the path names a directory by `.` or `..`)."""
+        while True:
+            while self.parts and self.parts[0] in ("", "."):
+                self.parts.popleft()
+            if not self.parts:
+                return "."
+            name = self.parts.popleft()
+            if any(p not in ("", ".") for p in self.parts):
+                self.step(name)
+                continue
+            if name == "..":
+                self.step(name)
+                return "."
+            entry = self.entry(name)
+            if entry is not None and stat.S_ISLNK(entry.st_mode):
+                self._link(name, entry)
+                continue
+            return name
+
+
+def held_directory(path: Path, *, create: bool = False) -> tuple[int, str]:
+    """The directory holding `path`'s last entry, opened (the caller closes it), and that
+    entry's name in it: links on the way followed by the gate's rules, `create` making
+    missing directories. The entry itself is not checked (it may be missing)."""
+    walk = _Walk(path, create=create)
+    try:
+        name = walk.last()
+    except BaseException:
+        walk.close()
+        raise
+    return walk.fd, name
+
+
+def open_directory(path: Path, *, create: bool = False) -> int:
+    """Directory `path` itself, opened by the gate's rules (the caller closes it);
+    FileNotFoundError or NotADirectoryError if there is none, `create` making it."""
+    walk = _Walk(path, create=create)
+    try:
+        while (name := walk.last()) != ".":
+            walk.step(name)  # enters it, or puts it back to be looked at again
+    except BaseException:
+        walk.close()
+        raise
+    return walk.fd
+
+
+def open_in(directory: int, name: str, *, shown: str, create: int | None = None) -> int:
+    """Open `name` in the held `directory` as a regular file (read-only; read-write, made
+    with mode `create` if absent, when that is given): never through a link, never
+    blocking, never another user's file where others may write. FileNotFoundError if
+    absent; FileRefused naming its kind else."""
+    if name == ".":
+        raise FileRefused(f"{shown!r} is a directory, not a regular file")
+    flags = _READ if create is None else (_READ | os.O_RDWR | os.O_CREAT)
+    try:
+        fd = os.open(name, flags, 0o600 if create is None else create, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a link (EMLINK: BSD)
+            raise FileRefused(f"{shown!r} is a symbolic link, not a regular file (refused: "
+                              f"it may point anywhere)") from None
+        if exc.errno == errno.ENXIO:  # a socket, or a FIFO nobody reads
+            raise FileRefused(f"{shown!r} is a socket or FIFO, not a regular file") from None
+        if exc.errno == errno.EISDIR:
+            raise FileRefused(f"{shown!r} is a directory, not a regular file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        _refuse_planted(info, os.fstat(directory), shown)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileRefused(f"{shown!r} is {_kind(info.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file(path: Path) -> int:
+    """`path` opened read-only as a regular file, by the gate's rules (see `open_in`)."""
+    directory, name = held_directory(path)
+    try:
+        return open_in(directory, name, shown=os.fspath(path))
+    finally:
+        os.close(directory)
+
+
+def read_bytes(fd: int, *, limit: int, shown: str) -> bytes:
+    """All of the open regular file `fd` (from its start), refused if it holds more than
+    `limit` bytes (judged by its size first: a sparse 64 GiB file is never read)."""
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise FileRefused(f"{shown!r} holds {size} bytes, more than the {limit} such a file "
+                          f"may hold: it is no file of this kind, or damaged")
+    chunks: list[bytes] = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, min(1 << 20, limit + 1 - offset), offset)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        offset += len(chunk)
+        if offset > limit:  # it grew while being read
+            raise FileRefused(f"{shown!r} grew past {limit} bytes while being read")
+
+
+def read_file(path: Path, *, limit: int) -> bytes:
+    """The bytes of regular file `path`, by the gate's rules, at most `limit` of them."""
+    fd = open_file(path)
+    try:
+        return read_bytes(fd, limit=limit, shown=os.fspath(path))
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -> None:
@@ -17,51 +263,84 @@ def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -
     if the process is killed or the machine loses power part-way.
 
     The bytes go to a temporary file beside `path` (same directory, so the same filesystem),
-    are flushed and fsynced, and `os.replace` renames it onto `path` (atomic on POSIX and
-    Windows within one filesystem); the directory is then fsynced so the rename itself lasts.
-    Text is written as `encoding` with no newline translation. A symbolic link is followed (its
-    target is replaced); a path that exists but is no regular file (a device, a pipe such as
-    /dev/stdout) is written directly, as nothing can be renamed onto it. A process killed
-    part-way may leave a hidden `.<name>.<hex>.tmp` beside `path`; `path` is never touched.
+    created with the final mode (an existing file's, else 0o666 less the umask: no other user
+    can open it when the final file would refuse them), flushed and fsynced, and renamed onto
+    `path` from the same directory descriptor; the directory is then fsynced. Text is written
+    as `encoding`, no newline translation. Links are followed by the gate's rules (one of
+    yours, in your own directory, is; one another user planted is refused). A character
+    device or a FIFO of yours or root's (`/dev/null`, a pipe being read) is written directly,
+    as nothing can be renamed onto it; a FIFO nobody reads is refused, never waited on. A
+    process killed part-way may leave a hidden `.<name>.<hex>.tmp` beside `path`.
     """
     data = content.encode(encoding) if isinstance(content, str) else content
-    target = os.path.realpath(path)
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISREG(os.stat(target).st_mode):
-            with open(target, "wb") as f:
-                f.write(data)
-            return
-    directory, name = os.path.split(target)
-    temp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
-    # An existing file keeps its mode; a new one gets 0o666 less the umask, as open() would
-    # create it. The temporary file is created with that mode (the umask can only narrow it),
-    # so no other user can open it at any moment when the final file would refuse them; the
-    # exact mode is set once the bytes are in.
-    final = None
-    with contextlib.suppress(FileNotFoundError):
-        final = stat.S_IMODE(os.stat(target).st_mode)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    fd = os.open(temp, flags, 0o666 if final is None else final)
+    shown = os.fspath(path)
+    directory, name = held_directory(path)
+    try:
+        _write_in(directory, name, data, shown)
+    finally:
+        os.close(directory)
+
+
+def _write_in(directory: int, name: str, data: bytes, shown: str) -> None:
+    try:
+        old: os.stat_result | None = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        old = None
+    if name == "." or (old is not None and not stat.S_ISREG(old.st_mode)):
+        kind = "a directory" if name == "." or old is None else _kind(old.st_mode)
+        if old is None or not (stat.S_ISCHR(old.st_mode) or stat.S_ISFIFO(old.st_mode)):
+            raise FileRefused(f"{shown!r} is {kind}: write to a regular file's path")
+        _refuse_planted(old, os.fstat(directory), shown)
+        _write_special(directory, name, old, data, shown)
+        return
+    if old is not None:
+        _refuse_planted(old, os.fstat(directory), shown)
+    final = stat.S_IMODE(old.st_mode) if old is not None else None
+    temp = f".{name}.{secrets.token_hex(4)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+    fd = os.open(temp, flags, 0o666 if final is None else final, dir_fd=directory)
     try:
         with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            if final is not None and hasattr(os, "fchmod"):
+            if final is not None:
                 os.fchmod(f.fileno(), final)
-        os.replace(temp, target)
+        os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temp)
+            os.unlink(temp, dir_fd=directory)
         raise
-    fsync_directory(directory)
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+        os.fsync(directory)
 
 
-def fsync_directory(path: Path) -> None:
-    """Make the entries of directory `path` (files created, renamed or removed in it) durable.
-    A no-op where directories cannot be opened for it (Windows)."""
+def _write_special(directory: int, name: str, old: os.stat_result, data: bytes,
+                   shown: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC,
+                     dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise FileRefused(f"{shown!r} is a FIFO nobody reads: it is not waited on") from None
+        raise
+    with open(fd, "wb") as f:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (old.st_dev, old.st_ino):
+            raise FileRefused(f"{shown!r} was replaced while it was opened: write again")
+        os.set_blocking(fd, True)  # a reader is there: let it take the bytes at its pace
+        f.write(data)
+
+
+def fsync_directory(path: Path | int) -> None:
+    """Make the entries of directory `path` (or the held descriptor) durable: files created,
+    renamed or removed in it. A no-op where directories cannot be opened for it (Windows)."""
+    if isinstance(path, int):
+        with contextlib.suppress(OSError):
+            os.fsync(path)
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC)
     except OSError:
         return
     try:

@@ -57,7 +57,7 @@ def test_a_writer_that_fails_before_its_rename_leaves_the_old_file(
     target.write_text("old")
     renamed: list[str] = []
 
-    def refused(source: str, destination: str) -> None:  # the last step of an atomic write
+    def refused(source: str, destination: str, **_: object) -> None:  # an atomic write's last step
         renamed.append(os.path.basename(destination))
         raise OSError(5, "Input/output error")
 

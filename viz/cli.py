@@ -13,7 +13,8 @@ from typing import NoReturn
 
 import schedules
 from schedules import Costs, Schedule, ScheduleError, Syncs, Timeline
-from schedules.files import write_atomic
+from schedules.csvio import MAX_CSV_BYTES
+from schedules.files import FileRefused, read_file, write_atomic
 from viz.compare import Comparison, compare
 from viz.layout import Layout, format_costs, layout
 from viz.limits import (
@@ -271,9 +272,9 @@ def _load(source: str, args: argparse.Namespace, *, lenient: bool,
         raise _UsageError(f"unknown schedule {source!r}; known: "
                           f"{', '.join(schedules.available())} (or give a .csv schedule or a "
                           f".json timeline)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    try:  # through the file gate: a regular file, no planted link, bounded
+        text = read_file(path, limit=MAX_CSV_BYTES).decode("utf-8")
+    except (OSError, FileRefused, UnicodeDecodeError) as exc:
         raise _UsageError(f"cannot read {source}: {exc}") from None
     is_timeline = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
     given = [flag for attr, flag in _NAMED_ONLY if getattr(args, attr) is not None]
@@ -403,5 +404,7 @@ def _write(args: argparse.Namespace, content: str | bytes, *, path: Path | None 
         return
     try:
         write_atomic(target, content)
+    except FileRefused as exc:
+        raise _UsageError(f"cannot write {target}: {exc}") from None
     except OSError as exc:
         raise _UsageError(f"cannot write {target}: {exc.strerror or exc}") from None

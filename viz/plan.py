@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from schedules.files import write_atomic
+from schedules.files import FileRefused, write_atomic
 
 __all__ = ["main", "parse_bytes", "parse_tp_plan", "resolve_model"]
 
@@ -209,6 +209,8 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     try:
         write_atomic(args.output, content)
+    except FileRefused as exc:
+        raise _UsageError(f"cannot write {args.output}: {exc}") from None
     except OSError as exc:
         raise _UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from schedules.files import write_atomic
+from schedules.files import FileRefused, read_file, write_atomic
 from tests.other_user import other_user, run_as_other
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,3 +141,81 @@ def test_a_new_files_mode_is_the_umasks_from_its_first_byte(
         os.umask(old)
     assert modes and set(modes) == {0o600}, modes
     assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o600
+
+
+# What another user does in a shared directory, before one of our writes or reads.
+_PLANT_LINK = "import os, sys; os.symlink(sys.argv[1], sys.argv[2])"
+_PLANT_FIFO = "import os, sys; os.mkfifo(sys.argv[1], 0o666)"
+
+
+@other_user
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pointed", ["ours", os.devnull])
+def test_a_link_another_user_planted_is_never_written_through(shared_dir: str,
+                                                               pointed: str) -> None:
+    """A link planted in place of the file used to be followed: our 0600 file replaced by
+    the new content, or a device written to."""
+    mine = Path(shared_dir) / "mine.json"
+    mine.write_bytes(b"secret")
+    mine.chmod(0o600)
+    out = Path(shared_dir) / "model.json"
+    done = run_as_other(_PLANT_LINK, str(mine) if pointed == "ours" else pointed, str(out))
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(FileRefused, match=r"symbolic link of another user \(uid 65534\)"):
+        write_atomic(out, "{}")
+    with pytest.raises(FileRefused, match="symbolic link of another user"):
+        read_file(out, limit=100)
+    assert mine.read_bytes() == b"secret" and out.is_symlink()
+    assert sorted(os.listdir(shared_dir)) == ["mine.json", "model.json"]
+
+
+@other_user
+@pytest.mark.timeout(30)
+def test_a_link_another_user_planted_above_the_file_is_not_followed(
+        tmp_path: Path, shared_dir: str) -> None:
+    (tmp_path / "ours").mkdir()
+    done = run_as_other(_PLANT_LINK, str(tmp_path / "ours"), f"{shared_dir}/runs")
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(FileRefused, match=r"'runs' is a symbolic link of another user"):
+        write_atomic(Path(shared_dir) / "runs" / "out.csv", "a\n")
+    assert os.listdir(tmp_path / "ours") == []
+
+
+@other_user
+@pytest.mark.timeout(30)
+def test_a_fifo_another_user_planted_is_refused_without_waiting(shared_dir: str) -> None:
+    out = Path(shared_dir) / "model.json"
+    done = run_as_other(_PLANT_FIFO, str(out))
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(FileRefused, match=r"belongs to another user \(uid 65534\)"):
+        write_atomic(out, "{}")
+    with pytest.raises(FileRefused, match=r"socket or FIFO|belongs to another user"):
+        read_file(out, limit=100)
+
+
+@pytest.mark.timeout(30)
+def test_special_files_are_refused_without_waiting(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FileRefused, match="FIFO nobody reads"):
+        write_atomic(fifo, "x")
+    with pytest.raises(FileRefused, match=r"socket or FIFO|a FIFO"):
+        read_file(fifo, limit=100)
+    with pytest.raises(FileRefused, match="a character device"):
+        read_file("/dev/zero", limit=100)
+    with pytest.raises(FileRefused, match="is a directory"):
+        write_atomic(tmp_path, "x")
+    (tmp_path / "big").write_bytes(b"x" * 101)
+    with pytest.raises(FileRefused, match="holds 101 bytes, more than the 100"):
+        read_file(tmp_path / "big", limit=100)
+    assert read_file(tmp_path / "big", limit=101) == b"x" * 101
+
+
+def test_links_of_ours_are_followed_and_loops_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "up").symlink_to("real/../real")  # relative, through `..`
+    write_atomic(tmp_path / "up" / "a.csv", "x")
+    assert read_file(tmp_path / "real" / "a.csv", limit=10) == b"x"
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(FileRefused, match="more than 40 symbolic links"):
+        read_file(tmp_path / "loop", limit=10)
