@@ -1,5 +1,5 @@
-"""Unmodified models to split from their graphs, from small random configs: GPT-2, Llama, BERT
-and a U-Net, each with its inputs, padded labels and a loss as its users write it."""
+"""Unmodified models to split from their graphs, from small random configs: GPT-2, Llama, BERT,
+BART, T5 and a U-Net, each with its inputs, padded labels and a loss as its users write it."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from torch.utils import _pytree as pytree
 
 from pipeline.splitting import trace
 
-__all__ = ["STEPS", "Case", "Record", "UNet", "assert_same_training", "bert_case",
+__all__ = ["STEPS", "Case", "Record", "UNet", "assert_same_training", "bart_case", "bert_case",
            "exports_reused", "gpt2_case", "llama_case", "pad_labels", "pipe_steps",
-           "reference_steps", "token_count", "token_loss", "unet_case"]
+           "reference_steps", "t5_case", "token_count", "token_loss", "unet_case"]
 
 VOCAB, CONTEXT, ROWS = 64, 12, 8
 
@@ -131,6 +131,59 @@ def bert_case() -> Case:
     return Case("bert", build, {"input_ids": ids, "token_type_ids": segments,
                                 "attention_mask": mask},
                 labels, [f"bert.encoder.layer.{i}" for i in range(4)], token_loss)
+
+
+def _seq2seq_inputs(seed: int) -> tuple[dict[str, Any], torch.Tensor]:
+    """Encoder ids with a padded tail, decoder ids and their labels (another length than the
+    encoder's), as a seq2seq collator gives them."""
+    ids = _ids(seed)
+    mask = torch.ones_like(ids)
+    mask[2:5, 7:] = 0
+    targets = torch.randint(0, VOCAB, (ROWS, CONTEXT - 4),
+                            generator=torch.Generator().manual_seed(seed + 100))
+    decoder_ids = torch.cat([torch.zeros_like(targets[:, :1]), targets[:, :-1]], dim=1)
+    labels = pad_labels(targets, [8, 7, 3, 0, 0, 0, 8, 8])
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids,
+            "use_cache": False}, labels
+
+
+def bart_case() -> Case:
+    """BART: an encoder and a decoder sharing the token embedding (tied to the head too),
+    learned positions and embedding LayerNorms on both sides, 2 + 2 layers. Its split points
+    put the encoder's output and the decoder's embeddings in one stage, on separate branches."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    def build(dropout: float) -> nn.Module:
+        torch.manual_seed(0)
+        return BartForConditionalGeneration(BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, max_position_embeddings=CONTEXT, dropout=dropout,
+            attention_dropout=dropout, activation_dropout=dropout, pad_token_id=1,
+            bos_token_id=0, eos_token_id=2, decoder_start_token_id=0, forced_eos_token_id=None))
+    inputs, labels = _seq2seq_inputs(5)
+    return Case("bart", build, inputs, labels,
+                ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0",
+                 "model.decoder.layers.1"], token_loss)
+
+
+def t5_case() -> Case:
+    """T5: relative position biases made in each stack's first block and handed to the others
+    (a value that depends on no activation, crossing stages), the shared embedding tied to
+    the head, 2 + 2 blocks."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    def build(dropout: float) -> nn.Module:
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+            dropout_rate=dropout, decoder_start_token_id=0, pad_token_id=0,
+            tie_word_embeddings=True))
+    inputs, labels = _seq2seq_inputs(6)
+    return Case("t5", build, inputs, labels,
+                ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"],
+                token_loss)
 
 
 def _conv(cin: int, cout: int) -> nn.Sequential:

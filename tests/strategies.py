@@ -21,6 +21,7 @@ __all__ = [
     "schedule_args",
     "schedules_any",
     "sequential_specs",
+    "stage_graphs",
     "sync_programs",
     "synthetic_profile",
     "traced_pipes",
@@ -132,6 +133,34 @@ def sequential_specs(draw: st.DrawFn, *, dropout: bool = True) -> dict[str, Any]
     chunks = draw(st.integers(1, 8))
     batch = draw(st.integers(chunks, 3 * chunks + 2))  # often not a multiple: uneven chunks
     return {"in": width, "layers": layers, "chunks": chunks, "batch": batch,
+            "seed": draw(st.integers(0, 2**16))}
+
+
+@st.composite
+def stage_graphs(draw: st.DrawFn) -> dict[str, Any]:
+    """A random graph of values flowing through a stack of layers (tests/models_graphs.py
+    builds it): each layer rewrites some of a few slots from others, from the batch's integer
+    ids (a side input, as token ids), from its parameters alone (a branch that never meets the
+    layer's incoming activations, as a position embedding or an encoder's output crossing to a
+    decoder), or by copying a slot (one value returned twice). Parameters come from a small
+    shared pool, so one may serve several layers (tied across stages) or one layer twice. Slots a
+    layer leaves alone cross it unchanged, so a value can cross several stages."""
+    slots = draw(st.integers(1, 3))
+    pool = draw(st.integers(1, 4))
+    slot, param = st.integers(0, slots - 1), st.integers(0, pool - 1)
+    op = st.one_of(
+        st.tuples(st.just("linear"), slot, slot, param),  # dst = tanh(src @ W)
+        st.tuples(st.just("embed"), slot, param),  # dst += W[ids]: a side input's branch
+        st.tuples(st.just("fresh"), slot, param),  # dst = W's rows summed: parameters alone
+        st.tuples(st.just("mul"), slot, slot, slot),  # dst = a * b
+        st.tuples(st.just("add"), slot, slot, slot),  # dst = a + b
+        st.tuples(st.just("copy"), slot, slot),  # dst = src, the same tensor
+    )
+    layers = draw(st.lists(st.lists(op, max_size=4), min_size=2, max_size=6))
+    layers[-1].append(("linear", 0, 0, draw(param)))  # the loss depends on some parameter
+    chunks = draw(st.integers(1, 4))
+    return {"slots": slots, "pool": pool, "width": draw(st.integers(1, 4)), "layers": layers,
+            "chunks": chunks, "rows": draw(st.integers(chunks, 2 * chunks + 1)),
             "seed": draw(st.integers(0, 2**16))}
 
 

@@ -5,6 +5,13 @@ kernel. On the way it records the gradient arriving at each node where a paramet
 joins the input-to-output path; the W pass restarts autograd from exactly those nodes with the
 recorded gradients and asks only for the parameters. Together they run the kernels of one fused
 backward. (Same idea as torch.distributed.pipelining's stage_backward_input/weight.)
+
+A branch may also reach an output without ever meeting that path: a position embedding or an
+encoder's output handed on beside the decoder's, a bias made from parameters alone. The I pass
+never runs such a branch (nothing in it leads to an input), so the W pass starts it from the
+output itself, with the output's gradient: every path from a parameter to an output is then
+walked exactly once, by one pass or the other. Nothing off the path can lead back onto it (a
+node that depends on no input has no input below it), so the two starts never overlap.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightGrad", "backward_input", "backward_weight", "release", "run_backward"]
 
@@ -63,6 +70,8 @@ class WeightGrad:
     params: list[torch.Tensor]
     groups: list[tuple[list[Node], list[torch.Tensor]]] = field(default_factory=list)
     grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    # Outputs off the input-to-output path, by node: (output number, the output's gradient).
+    seeds: dict[Node, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     fallback: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (outputs, grads)
 
 
@@ -82,10 +91,11 @@ def _consumers(roots: list[Node]) -> dict[Node, list[Node]]:
     return reverse
 
 
-def _upward(starts: list[Node], reverse: dict[Node, list[Node]],
-            stop: set[Node]) -> tuple[set[Node], set[Node]]:
-    """Nodes reachable from `starts` towards the outputs; stops at (and reports) `stop` nodes."""
-    seen, hit = set(starts), set()
+def _upward(starts: list[Node], reverse: dict[Node, list[Node]], stop: set[Node],
+            report: frozenset[Node] = frozenset()) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from `starts` towards the outputs; stops at (and reports) `stop` nodes,
+    and reports the `report` nodes it passes."""
+    seen, hit = set(starts), set(report.intersection(starts))
     queue = deque(starts)
     while queue:
         for up in reverse.get(queue.popleft(), ()):
@@ -94,6 +104,8 @@ def _upward(starts: list[Node], reverse: dict[Node, list[Node]],
             elif up not in seen:
                 seen.add(up)
                 queue.append(up)
+                if up in report:
+                    hit.add(up)
     return seen, hit
 
 
@@ -107,10 +119,13 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch
         # Nothing flows to the previous stage: the whole backward is weight work, done in W.
         state.fallback = (list(outputs), list(grad_outputs))
         return [None] * len(inputs), state
-    roots = [n for n in map(_node, outputs) if n is not None]
-    reverse = _consumers(roots)
+    edges = [(get_gradient_edge(o), g) for o, g in zip(outputs, grad_outputs, strict=True)]
+    reverse = _consumers([edge.node for edge, _ in edges])
     on_path, _ = _upward([n for n in map(_node, wanted) if n is not None], reverse, set())
-    state.groups = _group(state.params, reverse, on_path)
+    for edge, g in edges:
+        if edge.node not in on_path:
+            state.seeds.setdefault(edge.node, []).append((edge.output_nr, g))
+    state.groups = _group(state.params, reverse, on_path, frozenset(state.seeds))
     handles = []
     for join in (j for joins, _ in state.groups for j in joins):
         def record(grads: tuple[torch.Tensor | None, ...], join: Node = join) -> None:
@@ -126,9 +141,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch
     return [by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs], state
 
 
-def _group(params: list[torch.Tensor], reverse: dict[Node, list[Node]],
-           on_path: set[Node]) -> list[tuple[list[Node], list[torch.Tensor]]]:
-    """Parameters grouped by the join nodes they reach (a parameter used twice joins twice).
+def _group(params: list[torch.Tensor], reverse: dict[Node, list[Node]], on_path: set[Node],
+           seeded: frozenset[Node]) -> list[tuple[list[Node], list[torch.Tensor]]]:
+    """Parameters grouped by the nodes the W pass starts from to reach them: the join nodes
+    on the input-to-output path, and the `seeded` outputs off it (a parameter used twice joins
+    twice).
 
     The W pass runs one autograd call per group asking for that group's parameters only, so
     autograd never walks the input-gradient chain between joins again.
@@ -138,7 +155,7 @@ def _group(params: list[torch.Tensor], reverse: dict[Node, list[Node]],
         node = _node(p)
         if node is None:
             continue
-        _, joins = _upward([node], reverse, on_path)
+        _, joins = _upward([node], reverse, on_path, seeded)
         merged = (set(joins), [p])
         for g in [g for g in groups if g[0] & joins]:
             merged[0].update(g[0])
@@ -157,6 +174,9 @@ def backward_weight(state: WeightGrad) -> None:
     for joins, params in state.groups:
         edges, grads_out, pinned = [], [], []
         for join in joins:
+            for nr, seed in state.seeds.get(join, ()):
+                edges.append(GradientEdge(join, nr))
+                grads_out.append(seed)
             recorded = state.grads.get(join)
             if recorded is None:
                 continue
@@ -177,7 +197,11 @@ def backward_weight(state: WeightGrad) -> None:
                     if dw is None:
                         continue
                     if p.grad is None:
-                        p.grad = dw
+                        # As autograd's accumulation: keep the gradient only if it is laid out
+                        # as the parameter and owns its memory (an expand's gradient is a
+                        # broadcast view, a seed's may be the next stage's own tensor).
+                        p.grad = (dw if dw._base is None and dw.stride() == p.stride()
+                                  else torch.empty_like(p).copy_(dw))
                     else:
                         p.grad.add_(dw)  # in place, as autograd's own accumulation does
         finally:
@@ -185,3 +209,4 @@ def backward_weight(state: WeightGrad) -> None:
                 h.remove()
     state.groups.clear()
     state.grads.clear()
+    state.seeds.clear()

@@ -88,3 +88,49 @@ def test_frozen_parameters_get_no_gradient() -> None:
     _, state = backward_input([model(x)], [torch.ones(4, 2)], [x], list(model.parameters()))
     backward_weight(state)
     assert model[0].weight.grad is None and model[2].weight.grad is not None
+
+
+class _EncoderDecoderStage(nn.Module):
+    """A stage as an encoder-decoder's middle one: the encoder's layer on the incoming
+    activation, and beside it the decoder's embedding of its own ids plus learned positions,
+    a branch that never meets the incoming activation; the embedding is also used on the
+    encoder's side (one weight on both branches), and a position bias made from parameters
+    alone is handed on as a third output (as T5's), broadcast over the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(5, 5)
+        self.embed = nn.Embedding(7, 5)
+        self.positions = nn.Parameter(torch.randn(5))
+        self.bias = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        encoded = torch.tanh(self.layer(h) + self.embed.weight[0])
+        decoded = self.embed(ids) * 2 + self.positions
+        return encoded, decoded, self.bias.sum(0).expand(h.shape[0], -1)
+
+
+def test_branches_that_never_meet_the_input_get_their_weight_gradients() -> None:
+    """Every parameter gets what one fused backward gives it, through the incoming
+    activation's path (I records, W replays) and through outputs off that path (W starts
+    from the outputs): none dropped, none counted twice; over two micro-batches, the second
+    accumulating onto the first (the position bias's first gradient is a broadcast view)."""
+    torch.manual_seed(4)
+    split = _EncoderDecoderStage()
+    fused = copy.deepcopy(split)
+    params = list(split.parameters())
+    for m in range(2):
+        x, ids = torch.randn(4, 5), torch.randint(0, 7, (4,))
+        grads = [torch.randn(4, 5) for _ in range(3)]
+        xf = x.detach().requires_grad_(True)
+        torch.autograd.backward(fused(xf, ids), grads)
+        xi = x.detach().requires_grad_(True)
+        dx, state = backward_input(list(split(xi, ids)), grads, [xi, ids], params)
+        torch.testing.assert_close(dx[0], xf.grad, **TOL)
+        assert dx[1] is None
+        assert all(p.grad is None for p in params) or m == 1  # I computes no weight gradient
+        backward_weight(state)
+        for (name, p), q in zip(split.named_parameters(), fused.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda e, n=name: f"{n}: {e}")
+        assert not state.groups and not state.grads and not state.seeds
