@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +77,9 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
                                               devices)
         self.chunks, self.checkpoint, self.track_memory = chunks, checkpoint, track_memory
         self._schedule_arg, self._tokens = schedule, tokens  # tokens: see runtime/tokens.py
-        self._timeline: Timeline | None = None
+        # The last step's timeline, made when first read: on a GPU that waits for the step's
+        # CUDA events, which a step itself never does (it returns once its work is queued).
+        self._timeline_of: Callable[[], Timeline] | None = None
         self._stats: list[dict[str, int]] = []
         self._warned_padding = False  # once per Pipe (see _context)
         assembly.lay_out(self, model, balance, stages, devices, schedule, sample, group, mesh,
@@ -118,8 +120,8 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         try:
             if self._batch_norm is not None:
                 self._batch_norm.begin()
-            self._timeline, self._stats = self._executor.run(program, step, result,
-                                                             self.checkpoint)
+            self._timeline_of, self._stats = self._executor.run(program, step, result,
+                                                                self.checkpoint)
             if self._tp_plan is not None:
                 tensor_parallel.grads_as_params(self.parameters())
             if self._batch_norm is not None:
@@ -320,6 +322,11 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
                 yield name, p
 
     # -- inspection -------------------------------------------------------------------------------
+    @property
+    def _timeline(self) -> Timeline | None:
+        """The last step's measured timeline, None before any step."""
+        return None if self._timeline_of is None else self._timeline_of()
+
     def last_timeline(self) -> Timeline:
         """The measured timeline of the last step (seconds), in the simulator's format."""
         if self._timeline is None:

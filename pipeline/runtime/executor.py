@@ -78,8 +78,10 @@ class Executor:
         self.transport.close()
 
     def run(self, schedule: Schedule, step: StepInputs, result: StepResult, checkpoint: str
-            ) -> tuple[Timeline, list[dict[str, int]]]:
-        """Execute the lowered `schedule`; return the measured timeline and per-rank memory."""
+            ) -> tuple[Callable[[], Timeline], list[dict[str, int]]]:
+        """Execute the lowered `schedule`; return the measured timeline (a function making it
+        when first called: on a GPU that reads the CUDA events, after the step) and per-rank
+        memory."""
         if self.broken is not None:
             raise PipelineError(self.broken)
         self.transport.check_usable()  # after a failure, messages of it may be in flight
@@ -92,13 +94,24 @@ class Executor:
             with self._phase("begin"):
                 self.transport.begin(schedule)
             self._run_threads(schedule, step, result)
-        timeline = Timeline(
-            schedule.num_ranks, tuple(e for rt in self.runtimes for e in rt.events), "s",
-            {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
-             **({"syncs": str(schedule.syncs)} if schedule.syncs is not None else {}),
-             "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
-             "devices": [str(d) for d in self.devices], "checkpoint": checkpoint,
-             "t0": step.t0})  # time.perf_counter() at the step's start: events count from it
+        meta = {"schedule": schedule.name, "num_ranks": schedule.num_ranks,
+                **({"syncs": str(schedule.syncs)} if schedule.syncs is not None else {}),
+                "num_stages": schedule.num_stages, "num_microbatches": schedule.num_microbatches,
+                "devices": [str(d) for d in self.devices], "checkpoint": checkpoint,
+                "t0": step.t0}  # time.perf_counter() at the step's start: events count from it
+        ran = [(rt, rt.events, rt.pending) for rt in self.runtimes]
+        made: list[Timeline] = []
+
+        def timeline() -> Timeline:
+            if not made:
+                events = []
+                for rt, host, pending in ran:
+                    timed = host if pending is None else pending()
+                    if rt.events is host:  # still the rank's last run: it shows these times
+                        rt.events, rt.pending = timed, None
+                    events.extend(timed)
+                made.append(Timeline(schedule.num_ranks, tuple(events), "s", meta))
+            return made[0]
         stats = [{"peak_stashed_microbatches": rt.peak_stashed,
                   "peak_stashed_bytes": rt.peak_stashed_bytes,
                   "peak_activation_bytes": rt.peak_activation_bytes,

@@ -6,13 +6,15 @@ rank's stream (the start where the action has its inputs, as on the host), and t
 measured timeline takes the GPU's times: a reference event recorded at the run's start is
 placed at its host time, and every action at that time plus its GPU time since the reference.
 Work still queued on the stream at the run's start (an optimizer step launched between two
-steps, say) places every action earlier by what is left of it. The run waits for its last
-mark, so on a GPU each rank ends its step with its work done.
+steps, say) places every action earlier by what is left of it. Nothing waits for the marks
+until the timeline is read: a step returns once its work is launched, so a training loop
+queues the next step's host work under this step's kernels, and a timeline nobody reads costs
+its events alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,8 +25,9 @@ __all__ = ["GpuClock"]
 
 class GpuClock:
     """Marks one rank's actions on its current CUDA stream: `begin` at the run's start,
-    `ready` when an action has its inputs, `done` after its handler; `timed` turns the run's
-    events into the GPU's times (waiting for the last mark)."""
+    `ready` when an action has its inputs, `done` after its handler; `resolver` hands the run's
+    marks to a function that turns its events into the GPU's times when called (waiting for
+    the last mark then, not before)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device  # its current stream, whichever device the thread is on
@@ -52,16 +55,20 @@ class GpuClock:
         mark.record(torch.cuda.current_stream(self._device))
         return mark
 
-    def timed(self, events: Sequence[Event]) -> list[Event]:
-        """`events` with each marked one's start and end as the GPU ran it."""
-        out = list(events)
-        if not self._marks or self._reference is None:
-            return out
-        self._marks[-1][2].synchronize()
-        ref, base = self._reference, self._host
-        for index, start, end in self._marks:
-            e = out[index]
-            out[index] = Event(e.rank, e.action, base + ref.elapsed_time(start) / 1e3,
-                               base + ref.elapsed_time(end) / 1e3)
+    def resolver(self, events: Sequence[Event]) -> Callable[[], list[Event]]:
+        """A function giving `events` with each marked one's start and end as the GPU ran it;
+        the run's marks go with it (the next run marks anew), so it may be called any time."""
+        marks, ref, base = self._marks, self._reference, self._host
         self._marks = []
-        return out
+
+        def timed() -> list[Event]:
+            out = list(events)
+            if not marks or ref is None:
+                return out
+            marks[-1][2].synchronize()
+            for index, start, end in marks:
+                e = out[index]
+                out[index] = Event(e.rank, e.action, base + ref.elapsed_time(start) / 1e3,
+                                   base + ref.elapsed_time(end) / 1e3)
+            return out
+        return timed

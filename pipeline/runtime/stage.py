@@ -96,6 +96,8 @@ class StageRuntime:
         self.rng = RngReplay(device)
         self.buffers = BufferGuard()
         self.events: list[Event] = []
+        # On a GPU, the last run's events as the GPU ran them, computed when first asked for.
+        self.pending: Callable[[], list[Event]] | None = None
         # The rest of a step's time, for its anatomy (benchmarks/anatomy.py), in seconds from
         # the step's t0 as `events`: each wait for a peer's message, each SEND/RECV action,
         # and the run's first and last instants. A clock read and an append per message.
@@ -164,8 +166,8 @@ class StageRuntime:
                     gpu.done(len(events) - 1)
             else:
                 comm.append(Event(self.rank, action, self._ready - t0, clock() - t0))
-        if gpu is not None:
-            self.events = gpu.timed(events)
+        # On a GPU, the events' GPU times are read when the timeline is (see timed_events).
+        self.pending = gpu.resolver(events) if gpu is not None else None
         self.span = (first - t0, clock() - t0)
         self.current = None
         if self._stash or self._outbox:  # internal invariant: a validated schedule frees all

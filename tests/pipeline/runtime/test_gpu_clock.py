@@ -6,7 +6,9 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch import nn
 
+from pipeline import Pipe
 from pipeline.runtime.gpu_clock import GpuClock
 from schedules import Action, Event
 
@@ -58,15 +60,44 @@ def test_actions_take_the_gpus_times_from_the_reference_on(monkeypatch: pytest.M
     clock.ready()
     _FakeEvent.now = 900.0
     clock.done(2)
-    got = clock.timed(host)
+    timed = clock.resolver(host)
+    assert _FakeEvent.synced == []  # nothing waits for the GPU until the times are read
+    clock.begin(1.5)  # the next run marks anew; the last one's times stay readable
+    _FakeEvent.now = 2000.0
+    clock.ready()
+    clock.done(0)
+    got = timed()
     assert [(e.start, e.end) for e in got] == [
         (pytest.approx(0.65), pytest.approx(1.2)), (0.512, 0.513),
         (pytest.approx(1.21), pytest.approx(1.3))]
     assert [str(e.action) for e in got] == ["0F0", "0SEND_F0", "0B0"]
     assert len(_FakeEvent.synced) == 1
-    assert clock.timed(host) == host  # the marks are used once
 
 
 def test_a_run_with_no_mark_is_left_as_the_host_saw_it() -> None:
     host = [Event(0, Action.parse("0F0"), 0.1, 0.2)]
-    assert GpuClock(torch.device("cuda", 0)).timed(host) == host
+    assert GpuClock(torch.device("cuda", 0)).resolver(host)() == host
+
+
+def test_a_step_waits_for_no_gpu_mark_until_its_timeline_is_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank of a Pipe marks its actions on a (faked) GPU: the steps return without
+    waiting for a mark, the timeline read after them waits once per rank for the last step's
+    marks alone, and reading it again waits for nothing more."""
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    _FakeEvent.synced = []
+    pipe = Pipe(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)), [2, 1],
+                devices=["cpu", "cpu"], chunks=2)
+    try:
+        for rt in pipe._executor.runtimes:
+            rt.gpu_clock = GpuClock(torch.device("cuda", 1))
+        for _ in range(3):
+            pipe.step(torch.randn(4, 3), torch.randn(4, 2), nn.MSELoss())
+        assert _FakeEvent.synced == []
+        events = pipe.last_timeline().events
+        assert len(_FakeEvent.synced) == 2  # one per rank
+        assert len(events) == 2 * 2 * 2  # F and B of 2 micro-batches on each of 2 stages
+        assert pipe.last_timeline().events == events and len(_FakeEvent.synced) == 2
+    finally:
+        pipe.close()
