@@ -26,7 +26,8 @@ def share(transport: ProcessTransport, values: torch.Tensor | None, src: int,
                 transport.send_result(values, dst)
         transport.finish()
         return values
-    return transport.recv_result(src, shape)
+    # On this rank's device: results of CUDA ranks over gloo arrive in host memory.
+    return transport.recv_result(src, shape).to(transport.device)
 
 
 def gather_state_dict(full_model: nn.Module, local: dict[str, torch.Tensor],

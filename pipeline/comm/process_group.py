@@ -67,8 +67,11 @@ class ProcessTransport:
         self._watch = Watch(self._store, list(watch) if watch is not None else self._global,
                             rank)
         self.name = names or (lambda r: f"rank {r}")  # a peer in messages (with coordinates)
-        comm_device = device if device.type == "cuda" else torch.device("cpu")
         self._polls = dist.get_backend(group) == "nccl"
+        # Only NCCL takes CUDA tensors point to point: over gloo (CUDA ranks sharing one GPU,
+        # or a job without NCCL) messages are staged through host memory, as CPU ranks' are,
+        # and moved to the receiver's device on arrival.
+        comm_device = device if device.type == "cuda" and self._polls else torch.device("cpu")
         self._waiter = Waiter()
         self._arrived: dict[Message, Received] = {}
         self._broken: str | None = None  # the first failure seen: then every call refuses

@@ -334,12 +334,13 @@ def parts(values: tuple[Any, ...], meta: Meta | None
     when given: the shapes changed) and each tensor's own memory; and the tensors that own
     that memory (aliases: releasing a stage output's `.data` leaves them intact).
     Non-contiguous tensors and conjugate views are copied first (their memory is not the
-    bytes)."""
+    bytes), and so are tensors on another device than the host's (a stream carries host
+    memory: CUDA ranks over gloo)."""
     out = [memoryview(_FLAG_DATA if meta is None else header_bytes(meta))]
     keep = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            t = v.detach()
+            t = v.detach() if v.device.type == "cpu" else v.detach().cpu()
             if not t.is_contiguous() or t.is_conj() or t.is_neg():
                 t = t.resolve_conj().resolve_neg().contiguous()
             keep.append(t)

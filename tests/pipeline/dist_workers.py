@@ -36,7 +36,7 @@ def _local_grads_match(pipe: Pipe, reference: nn.Module, what: str) -> None:
 
 
 def equivalence(rank: int, combos: list[tuple[str, str]], balance_by_schedule: dict[str, list[int]],
-                batches: tuple[int, ...] = (10, 7)) -> int:
+                batches: tuple[int, ...] = (10, 7), devices: list[str] | None = None) -> int:
     """Every (schedule, checkpoint) combo: steps with different batch sizes (uneven chunks),
     loss on every rank and each rank's gradients equal the single-device model's."""
     checked = 0
@@ -44,7 +44,7 @@ def equivalence(rank: int, combos: list[tuple[str, str]], balance_by_schedule: d
         model = _model()
         reference = copy.deepcopy(model)
         pipe = Pipe(model, balance_by_schedule[schedule], chunks=4, schedule=schedule,
-                    checkpoint=checkpoint)
+                    checkpoint=checkpoint, devices=devices)
         # 10, 7: 3,3,2,2 then 2,2,2,1 rows per micro-batch; (10, 7, 10, 12) goes back, then
         # even: shapes change for some messages of a step, while later receives are posted.
         for rows in batches:

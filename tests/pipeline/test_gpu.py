@@ -69,6 +69,17 @@ def test_nccl_two_ranks() -> None:
                  timeout=SPAWN_TIMEOUT) == [6, 6]
 
 
+@pytest.mark.dist
+def test_two_processes_sharing_a_gpu_over_gloo() -> None:
+    """gloo sends no CUDA tensor point to point: two ranks on one GPU stage their messages
+    (activations, gradients, the loss, the configuration exchange) through host memory."""
+    _gpus(1)
+    combos = [("1f1b", "never"), ("zb-h1", "always")]
+    balances = {"1f1b": [4, 4], "zb-h1": [4, 4]}
+    assert spawn(dist_workers.equivalence, 2, combos, balances, (10, 7), ["cuda:0", "cuda:0"],
+                 backend="gloo", timeout=SPAWN_TIMEOUT) == [4, 4]
+
+
 def _shared_gpu_pipe(model: nn.Module, **kwargs: object) -> Pipe:
     n = min(2, torch.cuda.device_count())
     return Pipe(model, [2, 1], devices=[f"cuda:{i % n}" for i in range(2)], chunks=3,
