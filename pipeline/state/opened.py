@@ -1,186 +1,169 @@
-"""A checkpoint directory opened once: `.metadata` and every shard file held open before reading.
+"""A checkpoint directory opened once, through the file gate, and its files read from it.
 
-A load resolves the directory (`staging.resolve`), opens it, and opens `.metadata` and each
-shard file the metadata names relative to that directory descriptor, never following a link
-and without blocking (a FIFO named `.metadata` is refused, not waited on); only regular files
-count. DCP then reads from those descriptors (`shard_reader.Reader`). A save that swaps a new
-checkpoint in meanwhile renames the directory away and its clean-up unlinks the files: files
-already open stay readable, so the load sees the checkpoint it opened, whole. A file that
-vanished before it was opened means the directory was replaced: the load resolves again and
-retries (`_ATTEMPTS` times; a save that keeps winning that race is reported, never mixed in).
+A load resolves the directory (`staging.resolve`), opens it through the gate
+(`schedules.files`: no link another user planted, no directory of another user where anyone
+may create one, none that others may write), holds that descriptor, and opens `.metadata` and
+each shard file relative to it, as regular files only, never blocking, and checks each shard's
+kind and length. As many shard files as the open-file limit comfortably allows (`_budget`) stay
+open; the others are closed again and reopened from the same held directory when DCP reads
+them (`shard_reader.Reader`), one at a time: a checkpoint of any number of files loads under
+any open-file limit.
+
+Why that is one checkpoint: a save never writes into a checkpoint directory; it swaps a new
+one in by renaming, then removes the old one's files. Every file opened from the held
+descriptor is therefore of the checkpoint whose metadata was read, or gone. A load that holds
+every file open reads the checkpoint it opened whatever saves do meanwhile; a file that
+vanished before it was opened means the directory was replaced, and the load starts again from
+the new one (`ATTEMPTS` times; a save that keeps winning that race is reported, never mixed
+in).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import stat
+import resource
 from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pipeline.errors import PipeConfigError
 from pipeline.state import shard_reader, staging
+from schedules import files
 
-__all__ = ["Opened", "open_checkpoint"]
+__all__ = ["ATTEMPTS", "MAX_METADATA_BYTES", "Opened", "open_checkpoint"]
 
-_ATTEMPTS = 8
-_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
-          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFLNK: "a symbolic link"}
-
-
-class _Replaced(Exception):
-    """A file vanished because a save replaced the directory while it was being opened."""
+ATTEMPTS = 8
+# DCP's metadata holds a few hundred bytes per tensor chunk: a gibibyte is millions of
+# tensors. A larger `.metadata` (or a sparse one of 64 GiB) is refused before it is read.
+MAX_METADATA_BYTES = 1 << 30
 
 
 @dataclass
 class Opened:
-    """An opened checkpoint: the directory read (`path`), its checked metadata, the shard files
-    by name (descriptors), what identifies this very checkpoint (its token, or its metadata
-    file's identity), and `damage`: shard files missing, of another kind, or cut short."""
+    """An opened checkpoint: the directory read (`path`) and its held descriptor, its checked
+    metadata, what identifies this very checkpoint (its token, or its metadata file's
+    identity), and `damage`: shard files missing, of another kind, or cut short."""
 
     path: str
+    directory: int
     metadata: Metadata
-    files: dict[str, int]
     identity: str
     damage: list[str] = field(default_factory=list)
+    held: dict[str, int] = field(default_factory=dict)  # shard files kept open, by name
 
     def close(self) -> None:
-        for fd in self.files.values():
+        for fd in self.held.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.files = {}
+        self.held = {}
+        if self.directory >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.directory)
+            self.directory = -1
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
     """Open the checkpoint a load of `path` reads. Raises FileNotFoundError or
     NotADirectoryError when there is none, ValueError when it is damaged (the message names
-    the file and field), PipeConfigError when it may not be read (other users may write it)."""
-    for _ in range(_ATTEMPTS):
+    the file and field), PipeConfigError when it may not be read (the gate refused it)."""
+    for _ in range(ATTEMPTS):
         source = staging.resolve(path)
         try:
             return _open(source, path)
-        except _Replaced:
+        except shard_reader.Replaced:
             continue
-    raise PipeConfigError(f"{os.fspath(path)!r} was replaced {_ATTEMPTS} times while "
+        except files.FileRefused as exc:
+            raise PipeConfigError(str(exc)) from None
+    raise PipeConfigError(f"{os.fspath(path)!r} was replaced {ATTEMPTS} times while "
                           f"its files were being opened (saves in a tight loop?): load again")
 
 
 def _open(source: str, path: str | os.PathLike[str]) -> Opened:
     try:
-        directory = os.open(source, _FLAGS | getattr(os, "O_DIRECTORY", 0))
+        directory = files.open_directory(source, private=True)
     except FileNotFoundError:
         if staging.resolve(path) != source:
-            raise _Replaced from None
+            raise shard_reader.Replaced(source) from None
         raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a link put there after it was resolved
-            raise _Replaced from None
-        raise
+    opened = Opened(source, directory, Metadata({}), "")
     try:
-        _check_directory(source, os.fstat(directory))
-        data = _read_whole(_open_file(directory, shard_reader.METADATA, source, path))
-        metadata = shard_reader.unpickle_metadata(data)
-        identity = staging.read_marker(source, dir_fd=directory) or _identity(
-            directory, shard_reader.METADATA)
-        opened = Opened(source, metadata, {}, identity)
+        fd = _open_file(opened, shard_reader.METADATA, path)
         try:
-            for name, end in sorted(shard_reader.shard_ends(metadata).items()):
-                _open_shard(opened, directory, name, end, path)
-        except BaseException:
-            opened.close()
-            raise
-        return opened
-    finally:
-        os.close(directory)
+            data = files.read_bytes(fd, limit=MAX_METADATA_BYTES, shown=shard_reader.METADATA)
+        finally:
+            os.close(fd)
+        opened.metadata = shard_reader.unpickle_metadata(data)
+        opened.identity = staging.read_marker(source, dir_fd=directory) or _identity(
+            directory, shard_reader.METADATA)
+        budget = _budget()
+        for name, end in sorted(shard_reader.shard_ends(opened.metadata).items()):
+            _check_shard(opened, name, end, path, keep=len(opened.held) < budget)
+    except files.FileRefused as exc:  # `.metadata` of another kind, or too large
+        opened.close()
+        raise ValueError(f"its {exc}") from None
+    except BaseException:
+        opened.close()
+        raise
+    return opened
 
 
-def _check_directory(source: str, info: os.stat_result) -> None:
-    """Refuse a directory others may write to (they could swap its files while it loads), and
-    another user's in a directory where anyone may create one (it may be planted)."""
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022:
-        raise PipeConfigError(
-            f"the checkpoint directory {source!r} is writable by other users (mode "
-            f"{mode:#o}): they could replace its files as it loads; if you trust them, "
-            f"chmod go-w {source!r} (a save never makes one so)")
-    parent = os.path.dirname(source)
-    if info.st_uid != os.geteuid() and os.stat(parent).st_mode & 0o002:
-        raise PipeConfigError(
-            f"the checkpoint directory {source!r} belongs to another user (uid {info.st_uid}) "
-            f"and lies in {parent!r}, where anyone may create it: it may be planted; load a "
-            f"copy you made, or one from a directory only its owner can write")
-
-
-def _open_file(directory: int, name: str, source: str, path: str | os.PathLike[str]) -> int:
-    """`name` in the directory, opened read-only without following a link or blocking, if it
-    is a regular file. FileNotFoundError if absent (_Replaced if the directory was replaced),
-    ValueError naming its kind otherwise."""
+def _open_file(opened: Opened, name: str, path: str | os.PathLike[str]) -> int:
+    """`name` in the held directory as a regular file (the gate's `open_in`);
+    `shard_reader.Replaced` if it vanished because the directory was replaced."""
     try:
-        fd = os.open(name, _FLAGS, dir_fd=directory)
+        return files.open_in(opened.directory, name, shown=name)
     except FileNotFoundError:
-        if _was_replaced(source, directory, path):
-            raise _Replaced from None
+        if _was_replaced(opened, path):
+            raise shard_reader.Replaced(opened.path) from None
         raise
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a link (EMLINK: BSD)
-            raise ValueError(f"its {name} is a symbolic link, not a regular file (refused: "
-                             f"a checkpoint's files lie in its directory)") from exc
-        if exc.errno == errno.ENXIO:  # a socket, or a FIFO on some systems
-            raise ValueError(f"its {name} is a socket or FIFO, not a regular file") from exc
-        raise ValueError(f"its {name} cannot be opened ({exc.strerror})") from exc
-    kind = stat.S_IFMT(os.fstat(fd).st_mode)
-    if kind != stat.S_IFREG:
-        os.close(fd)
-        raise ValueError(f"its {name} is {_KINDS.get(kind, 'no regular file')}, not a "
-                         f"regular file")
-    return fd
+        raise files.FileRefused(f"{name!r} cannot be opened ({exc.strerror})") from None
 
 
-def _open_shard(opened: Opened, directory: int, name: str, end: int,
-                path: str | os.PathLike[str]) -> None:
+def _budget() -> int:
+    """How many shard files a load keeps open: half of what the open-file limit leaves free
+    (DCP, torch and the job's sockets need the rest), less a margin."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft > 1 << 16:
+        soft = 1 << 16
     try:
-        fd = _open_file(directory, name, opened.path, path)
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: assume a busy process
+        in_use = soft // 4
+    return max(0, (soft - in_use) // 2 - 16)
+
+
+def _check_shard(opened: Opened, name: str, end: int, path: str | os.PathLike[str], *,
+                 keep: bool) -> None:
+    try:
+        fd = _open_file(opened, name, path)
     except FileNotFoundError:
         opened.damage.append(f"shard file {name!r} is missing")
         return
-    except ValueError as exc:
-        opened.damage.append(str(exc).replace(f"its {name}", f"shard file {name!r}", 1))
+    except files.FileRefused as exc:
+        opened.damage.append(f"shard file {exc}")
         return
-    opened.files[name] = fd
     size = os.fstat(fd).st_size
+    if keep:
+        opened.held[name] = fd
+    else:
+        os.close(fd)
     if size < end:
         opened.damage.append(f"shard file {name!r} is cut short ({size} bytes; its entries "
                              f"need {end})")
 
 
-def _was_replaced(source: str, directory: int, path: str | os.PathLike[str]) -> bool:
+def _was_replaced(opened: Opened, path: str | os.PathLike[str]) -> bool:
     """Whether the directory opened is no longer what a load of `path` reads."""
-    if staging.resolve(path) != source:
-        return True
     try:
-        now = os.stat(source, follow_symlinks=False)
-    except OSError:
+        if staging.resolve(path) != opened.path:
+            return True
+        now = os.stat(opened.path, follow_symlinks=False)
+    except (OSError, PipeConfigError):
         return True
-    was = os.fstat(directory)
+    was = os.fstat(opened.directory)
     return (now.st_dev, now.st_ino) != (was.st_dev, was.st_ino)
-
-
-def _read_whole(fd: int) -> bytes:
-    try:
-        chunks: list[bytes] = []
-        offset = 0
-        while True:
-            chunk = os.pread(fd, 1 << 20, offset)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-            offset += len(chunk)
-    finally:
-        os.close(fd)
 
 
 def _identity(directory: int, name: str) -> str:

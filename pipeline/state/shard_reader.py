@@ -5,8 +5,8 @@ with `torch.load(weights_only=False)`: a crafted checkpoint could run code on lo
 metadata is unpickled with only DCP's metadata classes (and torch's sizes, dtypes and layouts)
 allowed, every field DCP and `sharded.load` use is checked for its type and range (a crafted
 file then raises an error naming the field, never some exception from deep inside DCP), saved
-objects are read with `weights_only=True`, and DCP reads the shard files from descriptors
-`pipeline.state.opened` holds, never by name.
+objects are read with `weights_only=True`, and DCP reads the shard files from the directory
+descriptor `pipeline.state.opened` holds, never by a path from the top.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-__all__ = ["METADATA", "Planner", "Reader", "check_metadata", "shard_ends", "unpickle_metadata"]
+from schedules import files
+
+__all__ = ["METADATA", "Planner", "Reader", "Replaced", "check_metadata", "shard_ends",
+           "unpickle_metadata"]
 
 METADATA = ".metadata"
 _ALLOWED = {
@@ -207,30 +210,50 @@ class _HeldFile(io.RawIOBase):
         return self._position
 
 
-class _HeldFiles(FileSystem):
-    """DCP's file system, opening only the shard files held open, by their names: what is at
-    those names now (a save may have replaced the directory) is never read."""
+class Replaced(Exception):
+    """A file of the checkpoint being loaded vanished: a save replaced its directory (and
+    removed the old files) meanwhile. The load starts again from the new one."""
 
-    def __init__(self, files: dict[str, int]) -> None:
+
+class _HeldFiles(FileSystem):
+    """DCP's file system over the shard files the metadata names: those held open, else
+    opened one at a time from the held checkpoint directory through the file gate (never by
+    a path from the top: what is at the checkpoint's path now is never read)."""
+
+    def __init__(self, directory: int, names: set[str], held: dict[str, int]) -> None:
         super().__init__()
-        self._files = files
+        self._directory, self._names, self._held = directory, names, held
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         name = os.path.basename(os.fspath(path))
-        if mode != "rb" or name not in self._files:
-            raise PermissionError(f"{name!r} ({mode}): a load reads only the files it opened")
-        with io.BufferedReader(_HeldFile(self._files[name])) as stream:
-            yield stream
+        if mode != "rb" or name not in self._names:
+            raise PermissionError(f"{name!r} ({mode}): a load reads only the checkpoint's "
+                                  f"shard files")
+        if name in self._held:
+            with io.BufferedReader(_HeldFile(self._held[name])) as stream:
+                yield stream
+            return
+        try:
+            fd = files.open_in(self._directory, name, shown=name)
+        except FileNotFoundError:
+            raise Replaced(name) from None
+        try:
+            with io.BufferedReader(_HeldFile(fd)) as stream:
+                yield stream
+        finally:
+            os.close(fd)
 
 
 class Reader(FileSystemReader):
-    """DCP's file-system reader over a checkpoint opened once: its checked metadata, and shard
-    files read from descriptors (`files`: name -> descriptor, owned by the caller)."""
+    """DCP's file-system reader over a checkpoint opened once: its checked metadata, and the
+    shard files it names: those in `held` (name -> descriptor), else opened from the held
+    `directory` (descriptors the caller owns)."""
 
-    def __init__(self, path: str, metadata: Metadata, files: dict[str, int]) -> None:
+    def __init__(self, path: str, metadata: Metadata, directory: int,
+                 held: dict[str, int]) -> None:
         super().__init__(path)
-        self.fs = _HeldFiles(files)
+        self.fs = _HeldFiles(directory, set(shard_ends(metadata)), held)
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

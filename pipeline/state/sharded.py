@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.state import shard_reader, staging
-from pipeline.state.opened import Opened, open_checkpoint
+from pipeline.state.opened import ATTEMPTS, Opened, open_checkpoint
 from schedules.files import fsync_directory
 
 __all__ = ["load", "save"]
@@ -132,13 +132,23 @@ def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     this load the checkpoint it opened, whole; every rank loads the same one.
     """
     group, distributed = _group(module)
-    problems = _foreign_parameters(module, optimizer)
-    opened = _open_agreed(path, problems, group, distributed)
-    try:
-        _load_opened(module, path, optimizer, opened, problems, group, distributed)
-    finally:
-        if opened is not None:
-            opened.close()
+    for _ in range(ATTEMPTS):
+        problems = _foreign_parameters(module, optimizer)
+        opened = _open_agreed(path, problems, group, distributed)
+        try:
+            _load_opened(module, path, optimizer, opened, problems, group, distributed)
+            return
+        except _ReplacedWhileRead:  # on every rank alike: DCP gathers every rank's failure
+            continue
+        finally:
+            if opened is not None:
+                opened.close()
+    raise PipeConfigError(f"load: {os.fspath(path)!r} was replaced {ATTEMPTS} times while it "
+                          f"was being read (saves in a tight loop?): load again")
+
+
+class _ReplacedWhileRead(Exception):
+    """A save replaced the checkpoint while DCP read it: read the new one from the start."""
 
 
 def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None,
@@ -159,7 +169,7 @@ def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer
                 problems += _stranded(state[_OPTIM], saved, module)
     _raise_unless_fits(path, opened, _everyone(problems, set(own), group, distributed))
     assert opened is not None  # _raise_unless_fits raised otherwise
-    if opened.path != os.path.realpath(path):
+    if opened.path != staging.normal(path):
         warnings.warn(f"{os.fspath(path)!r} is missing (a save of it was cut short between its "
                       f"two renames): loading the complete new checkpoint {opened.path!r}; the "
                       f"next save of {os.fspath(path)!r} tidies up", stacklevel=3)
@@ -167,6 +177,8 @@ def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer
         _run(dcp_load, state, group, distributed, storage_reader=_reader(opened),
              planner=shard_reader.Planner())
     except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
+        if _replaced(exc):
+            raise _ReplacedWhileRead from exc
         raise PipeConfigError(f"load: {_describe(path, opened)} is damaged: reading it "
                               f"failed ({_reason(exc)}). Load another checkpoint, or save this "
                               f"one again") from exc
@@ -176,7 +188,15 @@ def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer
 
 
 def _reader(opened: Opened) -> shard_reader.Reader:
-    return shard_reader.Reader(opened.path, opened.metadata, opened.files)
+    return shard_reader.Reader(opened.path, opened.metadata, opened.directory, opened.held)
+
+
+def _replaced(exc: BaseException) -> bool:
+    """Whether DCP failed because a shard file vanished (a save replaced the directory), on
+    any rank."""
+    if isinstance(exc, CheckpointException):
+        return any(_replaced(e) for e, _ in exc.failures.values())
+    return isinstance(exc, shard_reader.Replaced)
 
 
 def _open_agreed(path: Path, problems: list[str], group: Any, distributed: bool
@@ -262,8 +282,9 @@ def _open(path: Path, problems: list[str]) -> Opened | None:
                         f"again")
         return None
     if opened.damage:
-        problems.append("; ".join(opened.damage) + ": the checkpoint is damaged (a copy or a "
-                        "save cut short?); load another, or save it again")
+        more = f"; and {len(opened.damage) - 5} more" if len(opened.damage) > 5 else ""
+        problems.append("; ".join(opened.damage[:5]) + more + ": the checkpoint is damaged (a "
+                        "copy or a save cut short?); load another, or save it again")
         opened.close()
         return None
     return opened

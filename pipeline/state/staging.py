@@ -36,10 +36,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeline.errors import PipeConfigError
+from schedules import files
 from schedules.files import fsync_directory, write_atomic
 
-__all__ = ["MARKER", "Modes", "clean", "mark_complete", "modes_for", "new_token", "prepare",
-           "resolve", "save_lock", "seal", "staged_path", "swap_in", "target_problem"]
+__all__ = ["MARKER", "Modes", "clean", "mark_complete", "modes_for", "new_token", "normal",
+           "prepare", "resolve", "save_lock", "seal", "staged_path", "swap_in", "target_problem"]
 
 MARKER = ".complete"
 _LOCK = ".lock"
@@ -49,7 +50,6 @@ _PATTERN = r"\.(tmp|old)-" + _TOKEN
 # of these names (or nothing) is a checkpoint that a save may replace.
 _CHECKPOINT_FILE = re.compile(r"(\.metadata|\.metadata\.tmp|__\d+\.metadata|.*\.distcp|"
                               + re.escape(MARKER) + ")")
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _NO_WRITE_FOR_OTHERS = ~0o022
 
 Path = str | os.PathLike[str]
@@ -68,7 +68,7 @@ class Modes:
 def new_token(path: Path) -> str:
     """The next generation of checkpoint `path` (one more than its own and its siblings'), then
     randomness. Call while holding `save_lock(path)`."""
-    target = _normal(path)
+    target = normal(path)
     seen = [int(m.group(2), 16) for _, m in _own_siblings(target)]
     marker = read_marker(target)
     if marker is not None:
@@ -83,20 +83,19 @@ def new_token(path: Path) -> str:
 
 def staged_path(path: Path, token: str, kind: str = "tmp") -> str:
     """The sibling `<path>.tmp-<token>` (or `.old-<token>`) of checkpoint directory `path`."""
-    return f"{_normal(path)}.{kind}-{token}"
+    return f"{normal(path)}.{kind}-{token}"
 
 
 def read_marker(directory: Path, dir_fd: int | None = None) -> str | None:
     """The token in `directory`'s `.complete` (relative to `dir_fd` if given), if it is a
-    regular file holding one; else None. Never follows a link, never blocks."""
+    regular file holding one; else None. Through the file gate: never follows a link another
+    user planted, never blocks."""
     try:
-        fd = os.open(MARKER if dir_fd is not None else os.path.join(directory, MARKER), _READ,
-                     dir_fd=dir_fd)
-    except OSError:
+        fd = (files.open_in(dir_fd, MARKER, shown=MARKER) if dir_fd is not None
+              else files.open_file(os.path.join(directory, MARKER)))
+    except (OSError, files.FileRefused):
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         text = os.read(fd, 64).decode("ascii", "replace").strip()
     finally:
         os.close(fd)
@@ -106,7 +105,7 @@ def read_marker(directory: Path, dir_fd: int | None = None) -> str | None:
 def target_problem(path: Path) -> str | None:
     """Why a save may not replace `path` (it holds something other than a checkpoint), or
     None: absent, or a directory holding nothing but a checkpoint's regular files."""
-    target = _normal(path)
+    target = normal(path)
     if not os.path.lexists(target):
         return None
     if not os.path.isdir(target):
@@ -128,46 +127,61 @@ def save_lock(path: Path) -> Iterator[None]:
     """Hold `<path>.lock` for one save of `path`: a second save at the same time (another
     process or thread) is refused with PipeConfigError, not queued (see docs/checkpoints.md)."""
     try:
-        import fcntl
+        import fcntl  # noqa: F401
     except ImportError:  # no flock (Windows): one save at a time is the caller's to ensure
         yield
         return
-    lock = _normal(path) + _LOCK
-    os.makedirs(os.path.dirname(lock), exist_ok=True)  # as DCP would: `runs/step-1000`
+    lock = normal(path) + _LOCK
+    try:  # its directory made as DCP would: `runs/step-1000`
+        directory, name = files.held_directory(lock, create=True)
+    except files.FileRefused as exc:
+        raise PipeConfigError(str(exc)) from None
+    try:
+        fd = _locked(directory, name, lock, normal(path))
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=directory)  # before unlocking: a waiter locks a new file
+            os.close(fd)
+    finally:
+        os.close(directory)
+
+
+def _locked(directory: int, name: str, lock: str, target: str) -> int:
+    """The lock file `name` in the held `directory`, created if absent, flock-ed."""
+    import fcntl
+
     while True:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as exc:
-            raise PipeConfigError(f"cannot open the lock file {lock!r} ({exc}): it must "
-                                  f"be a regular file of yours; remove it") from exc
+            fd = files.open_in(directory, name, shown=lock, create=0o600)
+        except (OSError, files.FileRefused) as exc:
+            raise PipeConfigError(
+                f"a save of {target!r} takes {lock!r} as its lock file, and {exc}; it is left "
+                f"alone: move it, or save under another name") from None
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        if info.st_uid != os.geteuid():
             os.close(fd)
-            raise PipeConfigError(f"the lock file {lock!r} is not a regular file of "
-                                  f"yours (owner uid {info.st_uid}): remove it")
+            raise PipeConfigError(
+                f"a save of {target!r} takes {lock!r} as its lock file, and that file "
+                f"belongs to another user (uid {info.st_uid}); it is left alone: save under "
+                f"another name, or in a directory only you can write")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-            raise PipeConfigError(f"another save of {_normal(path)!r} is running (it "
-                                  f"holds {lock!r}); two at once would replace each other's "
+            raise PipeConfigError(f"another save of {target!r} is running (it holds "
+                                  f"{lock!r}); two at once would replace each other's "
                                   f"checkpoint: wait for it, or save to another path") from exc
         try:  # a save that just finished removed the file we locked: lock the new one
-            current = os.lstat(lock)
+            current = os.stat(name, dir_fd=directory, follow_symlinks=False)
         except FileNotFoundError:
             os.close(fd)
             continue
         if (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino):
-            break
-        os.close(fd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)  # before unlocking: whoever waits then locks a new file
+            return fd
         os.close(fd)
 
 
@@ -175,7 +189,7 @@ def modes_for(path: Path) -> Modes:
     """The modes of the checkpoint at `path` (its directory, and the narrowest of its files),
     or from the umask if there is none; never write for group or others on the directory
     (a load refuses such a directory)."""
-    target = _normal(path)
+    target = normal(path)
     try:
         old = os.lstat(target)
     except FileNotFoundError:
@@ -231,7 +245,7 @@ def mark_complete(staged: Path, token: str) -> None:
 def swap_in(staged: Path, path: Path, token: str) -> None:
     """Replace checkpoint directory `path` by the complete `staged` one, then remove the old
     one and what earlier, interrupted saves of `path` left."""
-    target = _normal(path)
+    target = normal(path)
     parent = os.path.dirname(target)
     if os.path.lexists(target):
         os.rename(target, staged_path(target, token, "old"))
@@ -245,7 +259,7 @@ def clean(path: Path) -> None:
     """Remove this user's `<path>.tmp-<token>` and `<path>.old-<token>` siblings (only names
     of exactly that form; call only once `path` holds a complete checkpoint). Another user's
     are left alone: they never count (see `resolve`)."""
-    target = _normal(path)
+    target = normal(path)
     for name, _ in _own_siblings(target):
         shutil.rmtree(os.path.join(os.path.dirname(target), name), ignore_errors=True)
 
@@ -254,7 +268,7 @@ def resolve(path: Path) -> str:
     """The directory a load of `path` reads: `path` if it exists, else this user's complete
     staged sibling that the module's rule picks (a save died between its renames), else
     `path`."""
-    target = _normal(path)
+    target = normal(path)
     if os.path.lexists(target):
         return target
     parent = os.path.dirname(target)
@@ -310,7 +324,11 @@ def _umask() -> int:
     return mask
 
 
-def _normal(path: Path) -> str:
+def normal(path: Path) -> str:
     """`path` absolute, without trailing separators (`ckpt/` has the sibling `ckpt.tmp-*`) and
-    with symbolic links resolved (a link to a checkpoint keeps pointing at the new one)."""
-    return os.path.realpath(path)
+    with links resolved by the file gate's rules (one of yours keeps pointing at the new
+    checkpoint; one another user planted is refused, PipeConfigError)."""
+    try:
+        return files.resolve(path)
+    except files.FileRefused as exc:
+        raise PipeConfigError(str(exc)) from None

@@ -67,7 +67,7 @@ def test_a_metadata_file_of_another_kind_is_refused_without_reading(tmp_path: Pa
     else:
         (path / ".metadata").symlink_to(tmp_path / "elsewhere")
     what = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symbolic link"}[kind]
-    with pytest.raises(PipeConfigError, match=rf"\.metadata is {what}, not a regular file"):
+    with pytest.raises(PipeConfigError, match=rf"\.metadata' is {what}, not a regular file"):
         load_fresh(path)
 
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import pickle
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import spawn
-from pipeline.state import sharded
+from pipeline.state import opened, sharded
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline.sharded_workers import (
     adam,
@@ -276,10 +277,12 @@ def test_a_shard_named_outside_the_directory_is_refused(tmp_path: Path) -> None:
         sharded.load(model(1), path)
 
 
-def test_a_load_reads_the_checkpoint_it_opened_while_a_save_replaces_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A save swaps B in after the load has looked at A and before it reads the shards: the load
-    returns A whole (it holds A's files open), and the next load B."""
+@pytest.mark.parametrize("held", ["every file", "none"])
+def test_a_load_reads_one_checkpoint_whole_while_a_save_replaces_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: str) -> None:
+    """A save swaps B in after the load has looked at A and before it reads the shards. A load
+    holding A's files open returns A whole; one that could hold none (a low open-file limit)
+    finds A's files gone, starts again and returns B whole. The next load returns B."""
     path = tmp_path / "ckpt"
     plain = _saved_plain(path)
     first = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -295,10 +298,45 @@ def test_a_load_reads_the_checkpoint_it_opened_while_a_save_replaces_it(
         return dcp_load(*args, **kwargs)
 
     monkeypatch.setattr(sharded, "dcp_load", save_meanwhile)
+    if held == "none":
+        monkeypatch.setattr(opened, "_budget", lambda: 0)
     target = model(9)
     sharded.load(target, path)
     assert saves
-    assert_same(dict(target.state_dict()), first, "the checkpoint the load began with")
+    expected = first if held == "every file" else dict(other.state_dict())
+    assert_same(dict(target.state_dict()), expected, f"one checkpoint, holding {held}")
     monkeypatch.undo()
     sharded.load(target, path)
     assert_same(dict(target.state_dict()), dict(other.state_dict()), "the new checkpoint")
+
+
+def _one_file_per_entry(path: Path) -> int:
+    """Rewrite checkpoint `path` so that each of its entries lies in a shard file of its own
+    (as a save by that many ranks would); the number of files."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    shards = {p.name: p.read_bytes() for p in path.glob("*.distcp")}
+    for p in path.glob("*.distcp"):
+        p.unlink()
+    for i, info in enumerate(metadata.storage_data.values()):
+        data = shards[info.relative_path][info.offset:info.offset + info.length]
+        info.relative_path, info.offset = f"__{i}_0.distcp", 0
+        (path / info.relative_path).write_bytes(data)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    return len(metadata.storage_data)
+
+
+def test_a_checkpoint_of_more_files_than_the_open_file_limit_loads(tmp_path: Path) -> None:
+    """A load opened every shard file at once: 601 files under a soft limit of 512 was
+    'damaged (a copy or a save cut short?)'; DCP's own reader loads it."""
+    path = tmp_path / "ckpt"
+    wide = nn.Sequential(*[nn.Linear(1, 1) for _ in range(300)])
+    sharded.save(wide, path)
+    assert _one_file_per_entry(path) == 601  # 300 weights, 300 biases, the layout record
+    target = nn.Sequential(*[nn.Linear(1, 1) for _ in range(300)])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    try:
+        sharded.load(target, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert_same(dict(target.state_dict()), dict(wide.state_dict()), "601 shard files")

@@ -330,5 +330,53 @@ def test_a_checkpoint_another_user_planted_at_the_path_is_refused(tmp_path: Path
     done = run_as_other(_PLANT_TARGET, str(theirs), str(path))
     assert done.returncode == 0, done.stderr
     with pytest.raises(PipeConfigError, match=r"belongs to another user \(uid 65534\) and lies "
-                                              r"in .*where anyone may create it"):
+                                              r"in a directory others may write"):
         load_fresh(path)
+
+
+# The other user keeps a checkpoint of theirs in a directory of their own (not one anyone may
+# write: a load would refuse it there), then links the path we load and save to it.
+_PLANT_LINK = """
+import os, shutil, sys
+source, home, link = sys.argv[1], sys.argv[2], sys.argv[3]
+os.mkdir(home, 0o755)
+shutil.copytree(source, os.path.join(home, "ckpt"))
+os.chmod(os.path.join(home, "ckpt"), 0o755)
+os.symlink(os.path.join(home, "ckpt") if sys.argv[4] == "theirs" else sys.argv[4], link)
+"""
+
+
+@other_user
+@pytest.mark.parametrize("pointed", ["theirs", "our older checkpoint"])
+def test_a_link_another_user_planted_at_the_path_is_neither_loaded_nor_saved_through(
+        tmp_path: Path, shared_dir: str, pointed: str) -> None:
+    """On a first start, or between a save's renames, `ckpt` may be missing: another user
+    links it to their checkpoint (their weights, loaded without a word; a save wrote into
+    their directory) or to an older one of ours (a silent rollback)."""
+    save_trained(tmp_path / "theirs", seed=5)
+    theirs = _readable_copy(tmp_path / "theirs", Path(shared_dir) / "theirs-src")
+    older = tmp_path / "older"
+    save_trained(older, seed=1)
+    home, path = Path(shared_dir) / "home", Path(shared_dir) / "ckpt"
+    target = "theirs" if pointed == "theirs" else str(older)
+    done = run_as_other(_PLANT_LINK, str(theirs), str(home), str(path), target)
+    assert done.returncode == 0, done.stderr
+    before = sorted(os.listdir(home / "ckpt"))
+    with pytest.raises(PipeConfigError, match=r"'ckpt' is a symbolic link of another user "
+                                              r"\(uid 65534\).*not followed"):
+        load_fresh(path)
+    with pytest.raises(PipeConfigError, match=r"symbolic link of another user"):
+        save_trained(path, seed=0)
+    assert sorted(os.listdir(home / "ckpt")) == before and path.is_symlink()
+    assert not [n for n in os.listdir(shared_dir) if ".tmp-" in n or n.endswith(".lock")]
+
+
+def test_a_checkpoint_named_like_the_lock_file_is_kept_and_named(tmp_path: Path) -> None:
+    """A checkpoint of ours named `h.lock` blocked saving `h`, and the error said to remove
+    it."""
+    save_trained(tmp_path / "h.lock", seed=0)
+    with pytest.raises(PipeConfigError, match=r"h\.lock' is a directory.*it is left alone: "
+                                              r"move it, or save under another name") as err:
+        save_trained(tmp_path / "h", seed=1)
+    assert "remove it" not in str(err.value)
+    assert sorted(os.listdir(tmp_path)) == ["h.lock"]
