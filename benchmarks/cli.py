@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import data_parallel, lengths
+from benchmarks import data_parallel, lengths, one_gpu
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.gate import StartGate
@@ -40,11 +40,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Measure ours against torch.distributed.pipelining, the plain model and "
                     "the hardware bound, side by side, and check the simulator.")
-    p.add_argument("--suite", choices=[*sorted(SUITES), "dp", "lengths"], default="quick",
+    p.add_argument("--suite", choices=[*sorted(SUITES), "dp", "gpu", "lengths"],
+                   default="quick",
                    help="quick: a tiny model for CI (about a minute); full: the README's "
                         "numbers; dp: pipeline x data parallelism on 4 processes (2x2, 1x4 "
-                        "and DDP 4x1); lengths: counted tokens/s on speeches of natural "
-                        "length, padded to the corpus, to the batch, or cut to their tokens")
+                        "and DDP 4x1); gpu: one device, one process: the plain model, ours "
+                        "(1, 2, 4 stages) and torch's, at a launch-bound and a compute-bound "
+                        "size; lengths: counted tokens/s on speeches of natural length, "
+                        "padded to the corpus, to the batch, or cut to their tokens")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="directory for results.jsonl, report.md, timelines/ and plots/")
     p.add_argument("--models", help="comma-separated: mlp, transformer, unbalanced, tiny")
@@ -196,6 +199,23 @@ def run_lengths(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def run_one_device(args: argparse.Namespace, device: str, command: str) -> int:
+    """The gpu suite (benchmarks/one_gpu.py): one table, in report.md and results.json."""
+    chosen = {k: v for k, v in (("warmup", args.warmup), ("repeats", args.repeats))
+              if v is not None}
+    if args.microbatches:
+        chosen["microbatches"] = [int(m) for m in args.microbatches.split(",")]
+    result = one_gpu.run_suite(torch.device(device), **chosen)
+    env = environment(device)
+    where = ", ".join(env["gpu"]) if env.get("gpu") else env.get("cpu", device)
+    table = one_gpu.render(result, command, f"{where}, torch {torch.__version__}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "report.md", table)
+    write_atomic(args.out / "results.json", json.dumps({**result, "environment": env}) + "\n")
+    print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.verbose:  # the library logs but configures nothing; the command line may
@@ -209,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _device(args.device)
         if args.suite == "lengths":
             return run_lengths(args, command)
+        if args.suite == "gpu":
+            return run_one_device(args, device, command)
         if args.suite == "dp":
             dp_suite = _dp_suite(args, device)
         else:
