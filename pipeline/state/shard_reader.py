@@ -16,6 +16,7 @@ import enum
 import io
 import os
 import pickle
+import reprlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,12 +35,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from pipeline.state import coverage
 from schedules import files
 
-__all__ = ["METADATA", "Planner", "Reader", "Replaced", "check_metadata", "shard_ends",
+__all__ = ["MAX_KEY", "METADATA", "Planner", "Reader", "Replaced", "check_metadata", "shard_ends",
            "unpickle_metadata"]
 
 METADATA = ".metadata"
+MAX_KEY = 4096  # characters in a key: a module path, never a page of dots
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -88,8 +91,14 @@ def unpickle_metadata(data: bytes) -> Metadata:
     return metadata  # type: ignore[no-any-return]
 
 
+# A crafted field may nest 100,000 lists deep or hold millions of items: shown bounded.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 4, 4, 4
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 60, 60, 40
+
+
 def _bad(field: str, value: Any, expected: str) -> ValueError:
-    seen = repr(value)
+    seen = _SHOWN.repr(value)
     seen = seen if len(seen) <= 80 else seen[:77] + "..."
     if value is not None and type(value) not in (str, int):
         seen = f"a {type(value).__name__} {seen}"
@@ -123,7 +132,10 @@ def check_metadata(metadata: Any) -> None:
         raise _bad("version", metadata.version, "a str or None")
     for key, entry in entries.items():
         if not isinstance(key, str):
-            raise _bad(f"state_dict_metadata key {key!r}", key, "a str")
+            raise _bad(f"state_dict_metadata key {_SHOWN.repr(key)}", key, "a str")
+        if len(key) > MAX_KEY:
+            raise _bad(f"a state_dict_metadata key of {len(key)} characters", key[:40],
+                       f"keys of at most {MAX_KEY} characters (a module path)")
         _check_entry(entry, f"state_dict_metadata[{key!r}]")
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
@@ -145,6 +157,21 @@ def check_metadata(metadata: Any) -> None:
         if transforms is not None and not (isinstance(transforms, list | tuple)
                                            and all(isinstance(t, str) for t in transforms)):
             raise _bad(f"{field}.transform_descriptors", transforms, "a list of str or None")
+    _check_stored(entries, storage)
+
+
+def _check_stored(entries: dict[str, Any], storage: dict[MetadataIndex, Any]) -> None:
+    """Every chunk (and every saved object) has its bytes somewhere: DCP would raise a
+    KeyError for one that has none, part-way through a load."""
+    for key, entry in entries.items():
+        places = ([MetadataIndex(key, c.offsets) for c in entry.chunks]
+                  if isinstance(entry, TensorStorageMetadata) else [MetadataIndex(key)])
+        for i, place in enumerate(places):
+            if place not in storage:
+                what = f".chunks[{i}]" if isinstance(entry, TensorStorageMetadata) else ""
+                raise ValueError(f"its {METADATA}: state_dict_metadata[{key!r}]{what} has no "
+                                 f"entry in storage_data (where its bytes are): the file was "
+                                 f"altered or damaged")
 
 
 def _check_entry(entry: Any, field: str) -> None:
@@ -168,6 +195,12 @@ def _check_entry(entry: Any, field: str) -> None:
                 o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size,
                                              strict=True)):
             raise _bad(where, chunk, f"a chunk within the tensor's size {tuple(entry.size)}")
+    gap = coverage.uncovered(entry.size, [(c.offsets, c.sizes) for c in entry.chunks])
+    if gap is not None:
+        raise ValueError(f"its {METADATA}: {field}.chunks do not describe the whole tensor "
+                         f"(size {tuple(entry.size)}): {gap}, where DCP writes chunks that "
+                         f"cover each element once; the file was altered or damaged, and "
+                         f"nothing is loaded")
 
 
 def shard_ends(metadata: Metadata) -> dict[str, int]:

@@ -302,8 +302,8 @@ def _misfits(own: dict[str, Any], saved: Metadata, prefix: str) -> list[str]:
                 not isinstance(entry, TensorStorageMetadata) or entry.size != v.shape):
             seen = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "no tensor"
             shapes.append(f"{k!r}: checkpoint {seen}, here {tuple(v.shape)}")
-    return ([f"{what} keys missing {missing}"] if missing else []) + (
-        [f"{what} shape mismatches " + "; ".join(shapes)] if shapes else [])
+    return ([f"{what} keys missing {_few(missing)}"] if missing else []) + (
+        [f"{what} shape mismatches " + _few(shapes, "; ")] if shapes else [])
 
 
 def _stranded(template: dict[str, Any], saved: Metadata, module: nn.Module) -> list[str]:
@@ -382,12 +382,20 @@ def _raise_unless_fits(path: Path, opened: Opened | None,
     unexpected = sorted(k[len(_MODEL) + 1:] for k in opened.metadata.state_dict_metadata
                         if k.startswith(_MODEL + ".") and k not in union)
     if unexpected:
-        lines.append(f"model keys unexpected {unexpected} (no layer here has them)")
+        lines.append(f"model keys unexpected {_few(unexpected)} (no layer here has them)")
     if lines:
         raise PipeConfigError(
             f"load: {_describe(path, opened)} does not fit this model: " + "; ".join(lines)
             + ". Load a checkpoint of the same model (balance, number of ranks, threads or "
             "processes may differ)")
+
+
+def _few(items: list[str], sep: str | None = None, shown: int = 4) -> str:
+    """The first `shown` of `items` (a list's text, or joined by `sep`) and how many more: a
+    checkpoint of 200,000 unexpected keys is named in a line, not in megabytes."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    head = items[:shown]
+    return (str(head) if sep is None else sep.join(head)) + more
 
 
 def _reason(exc: BaseException) -> str:

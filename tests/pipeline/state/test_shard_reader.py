@@ -10,18 +10,22 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
 from pipeline import PipeConfigError
+from pipeline.state import sharded
 from tests.pipeline.sharded_workers import (
     assert_same,
     load_fresh,
+    model,
     save_trained,
 )
 from tests.strategies import crafted_checkpoints
@@ -181,6 +185,109 @@ def test_crafted_checkpoints_raise_only_pipe_config_error(template: Path,
               template / shard.name)
         with contextlib.suppress(PipeConfigError):  # loading, or this: nothing else
             load_fresh(path)
+
+
+# -- metadata that must describe the whole ------------------------------------------------------
+def _set_chunks(metadata: Metadata, key: str, chunks: list[tuple[int, int]]) -> None:
+    """Give tensor `key` (16 x 16) chunks of these (first row, rows) each; each chunk's bytes
+    where the first chunk's were (its storage entry copied)."""
+    entry = metadata.state_dict_metadata[key]
+    first = entry.chunks[0]  # type: ignore[union-attr]
+    stored = metadata.storage_data[MetadataIndex(key, first.offsets)]
+    entry.chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([rows, 16]))  # type: ignore[union-attr]
+                    for row, rows in chunks]
+    for c in entry.chunks:  # type: ignore[union-attr]
+        metadata.storage_data[MetadataIndex(key, c.offsets)] = stored
+
+
+@pytest.mark.parametrize(("chunks", "gap"), [
+    ([(0, 8)], r"its part \[8:16, 0:16\] is in no chunk"),
+    ([], r"its part \[0:16, 0:16\] is in no chunk"),
+    ([(0, 16), (4, 4)], r"its part \[4:8, 0:16\] is in more than one chunk"),
+])
+def test_chunks_that_do_not_cover_a_tensor_once_are_refused_and_nothing_loads(
+        tmp_path: Path, chunks: list[tuple[int, int]], gap: str) -> None:
+    """Chunks covering half of `3.weight` left its other half at the model's own values, and
+    an empty chunk list all of it: no error."""
+    path = tmp_path / "ckpt"
+    save_trained(path)
+    _rewrite(path, lambda m: _set_chunks(m, "model.3.weight", chunks))
+    target = model(9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(PipeConfigError, match=r"\['model\.3\.weight'\]\.chunks do not describe "
+                                              r"the whole tensor \(size \(16, 16\)\): " + gap):
+        sharded.load(target, path)
+    assert_same(dict(target.state_dict()), before, "the model, unchanged")
+
+
+def test_a_chunk_with_no_bytes_stored_is_refused_before_loading(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    save_trained(path)
+    _rewrite(path, lambda m: m.storage_data.pop(MetadataIndex("model.3.weight",
+                                                              torch.Size([0, 0]))))
+    with pytest.raises(PipeConfigError, match=r"\['model\.3\.weight'\]\.chunks\[0\] has no "
+                                              r"entry in storage_data"):
+        load_fresh(path)
+
+
+# -- metadata of any size, depth and number of keys ----------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_key_of_many_dots_is_refused_at_once(tmp_path: Path) -> None:
+    """An optimizer key of n dots made a load quadratic (400k dots: 35 s)."""
+    path = tmp_path / "ckpt"
+    save_trained(path)
+    key = "optim.state.3.weight" + "." * 400_000 + "x"
+    _rewrite(path, lambda m: m.state_dict_metadata.update(
+        {key: m.state_dict_metadata["optim.state.3.weight.exp_avg"]}))
+    started = time.monotonic()
+    with pytest.raises(PipeConfigError, match=r"a state_dict_metadata key of 400021 characters"):
+        load_fresh(path)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_sparse_metadata_file_is_refused_without_reading(tmp_path: Path) -> None:
+    """A 64 GiB sparse `.metadata` was read whole (MemoryError after 40 s under a 6 GiB cap)."""
+    path = tmp_path / "ckpt"
+    save_trained(path)
+    with open(path / ".metadata", "r+b") as f:
+        f.truncate(64 << 30)
+    with pytest.raises(PipeConfigError, match=r"'\.metadata' holds 68719476736 bytes, more "
+                                              r"than the 1073741824"):
+        load_fresh(path)
+
+
+@pytest.mark.timeout(60)
+def test_a_field_nested_100k_deep_is_named(tmp_path: Path) -> None:
+    """A 100k-deep field in `.metadata` (200 kB) raised RecursionError."""
+    path = tmp_path / "ckpt"
+    save_trained(path)
+    metadata = _metadata(path)
+    metadata.version = "DEEPDEEP"
+    # [[[...]]] 100,000 deep, as pickle opcodes: that many empty lists, each appended to the
+    # one below (pickling such a list here would overflow the C stack).
+    deep = b"]" * 100_000 + b"a" * 99_999
+    (path / ".metadata").write_bytes(pickle.dumps(metadata).replace(b"\x8c\x08DEEPDEEP", deep))
+    with pytest.raises(PipeConfigError, match=r"version is a list \[+\.\.\.\]+, where DCP"):
+        load_fresh(path)
+
+
+def test_many_unexpected_keys_make_a_short_message(tmp_path: Path) -> None:
+    """200k unexpected keys made a 2.1 MB error message."""
+    path = tmp_path / "ckpt"
+    save_trained(path)
+
+    def extra(m: Metadata) -> None:
+        stored = m.storage_data[MetadataIndex("model.0.bias", torch.Size([0]))]
+        for i in range(200_000):
+            m.state_dict_metadata[f"model.extra.{i}"] = m.state_dict_metadata["model.0.bias"]
+            m.storage_data[MetadataIndex(f"model.extra.{i}", torch.Size([0]))] = stored
+
+    _rewrite(path, extra)
+    with pytest.raises(PipeConfigError, match=r"model keys unexpected \['model\.extra|"
+                                              r"model keys unexpected \['extra") as err:
+        load_fresh(path)
+    assert len(str(err.value)) < 2000 and "and 199996 more" in str(err.value)
 
 
 # -- pickles of older Pythons ---------------------------------------------------------------------
