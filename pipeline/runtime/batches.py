@@ -50,7 +50,7 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
                                   f"pass target (only other ranks may pass None)")
         device = pipe.devices[pipe._probe.rank_of(last)]
         parts = ([(None,)] * chunks if target is None else
-                 scatter(target, chunks) if cut is None else cut.apply(target))
+                 scatter(target, chunks) if cut is None else cut.target(target))
         values = [from_tuple(p) for p in parts]  # as loss_fn receives them
         measures = how.measures(values, parts_x if counted else ())
         total, scale = (pipe._replicas.weighting(sum(measures)) if pipe._replicas

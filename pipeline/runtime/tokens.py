@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
-from pipeline.runtime.microbatch import as_tuple, like
+from pipeline.runtime import token_outputs
+from pipeline.runtime.microbatch import MicroBatchError, as_tuple, like
 from pipeline.runtime.token_costs import TokenCosts
+from pipeline.splitting.positions import Layout, Positions, paths
 from schedules import Costs, Op, Schedule, simulate
 
 __all__ = ["Cut", "cut_batch", "cuts", "group", "order", "padded", "plan", "restored"]
@@ -42,12 +42,16 @@ LABEL_NAMES = ("labels",)  # inputs whose padding must not be counted
 @dataclass(frozen=True)
 class Cut:
     """How one batch of `rows` rows padded to `length` runs: the rows of each micro-batch (in
-    run order) and the length each is trimmed to."""
+    run order) and the length each is trimmed to; `trim`, the entries of the input that run
+    along the positions (None: every one whose dim 1 is the padded length), and `layouts`, how
+    each output is put back together (pipeline/splitting/positions.py; None: by its sizes)."""
 
     rows: int
     length: int
     groups: tuple[tuple[int, ...], ...]
     lengths: tuple[int, ...]
+    trim: frozenset[int] | None = None
+    layouts: tuple[Layout, ...] | None = None
 
     @property
     def costs(self) -> tuple[float, ...]:
@@ -55,51 +59,48 @@ class Cut:
         return tuple(float(len(g) * n) for g, n in zip(self.groups, self.lengths, strict=True))
 
     def apply(self, value: Any) -> list[tuple[Any, ...]]:
-        """`value` (a tensor or a tuple, as `scatter` takes) as the micro-batches: rows of
-        each group, dim 1 trimmed where it is the padded length."""
+        """The input `value` (a tensor or a tuple, as `scatter` takes) as the micro-batches:
+        rows of each group, dim 1 trimmed in the entries that run along the positions."""
+        return self._apply(value, self.trim)
+
+    def target(self, value: Any) -> list[tuple[Any, ...]]:
+        """The target as the micro-batches: dim 1 trimmed where it is the padded length (no
+        graph says what a target is)."""
+        return self._apply(value, None)
+
+    def _apply(self, value: Any, trim: frozenset[int] | None) -> list[tuple[Any, ...]]:
         values = as_tuple(value)
         parts = []
         for g, n in zip(self.groups, self.lengths, strict=True):
             index = torch.tensor(g, dtype=torch.long)
-            parts.append(like(values, (self._part(v, index, n) for v in values)))
+            parts.append(like(values, (self._part(v, index, n, trim is None or i in trim)
+                                       for i, v in enumerate(values))))
         return parts
 
-    def _part(self, v: Any, index: torch.Tensor, n: int) -> Any:
+    def _part(self, v: Any, index: torch.Tensor, n: int, positions: bool) -> Any:
         if not isinstance(v, torch.Tensor) or v.dim() == 0:
             return v
         if v.shape[0] == self.rows:
             v = v.index_select(0, index.to(v.device))
         elif v.shape[0] != 1:  # `batch_size` has refused it before
             return v
-        # A tensor of one row beside the batch (position_ids of shape (1, T)) is trimmed too.
-        return v[:, :n] if v.dim() >= 2 and v.shape[1] == self.length else v
+        # A tensor of one row beside the batch (position_ids of shape (1, T)) is trimmed too;
+        # contiguous, as the caller's was: a model may `view` it (RoBERTa's loss views its
+        # labels).
+        if positions and v.dim() >= 2 and v.shape[1] == self.length:
+            return v[:, :n].contiguous()
+        return v
 
     def pad(self, outputs: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Each micro-batch's outputs padded back to the batch's length in dim 1 (zeros where
-        the batch had padding: the model's values there depend on nothing counted)."""
-        padded = []
-        for out, g, n in zip(outputs, self.groups, self.lengths, strict=True):
-            padded.append(like(out, (
-                _pad_dim1(v, self.length - n) if isinstance(v, torch.Tensor) and v.dim() >= 2
-                and v.shape[0] == len(g) and v.shape[1] == n and n < self.length else v
-                for v in out)))
-        return padded
+        """Each micro-batch's outputs, those along the positions padded back to the batch's
+        length (see pipeline/runtime/token_outputs.py)."""
+        return token_outputs.pad(outputs, self.groups, self.lengths, self.length, self.layouts)
 
     def restore(self, value: Any) -> Any:
         """`value` (the batch's output, rows in run order) with its rows in the caller's order."""
         inverse = torch.empty(self.rows, dtype=torch.long)
         inverse[torch.tensor([r for g in self.groups for r in g])] = torch.arange(self.rows)
-
-        def back(v: Any) -> Any:
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == self.rows:
-                return v.index_select(0, inverse.to(v.device))
-            return v
-        return pytree.tree_map(back, value)
-
-
-def _pad_dim1(v: torch.Tensor, extra: int) -> torch.Tensor:
-    # F.pad counts dims from the last: (0, 0) for each dim after dim 1, then dim 1's.
-    return F.pad(v, (0, 0) * (v.dim() - 2) + (0, extra))
+        return token_outputs.reorder(value, inverse, self.layouts)
 
 
 def group(lengths: Sequence[int], chunks: int) -> list[list[int]]:
@@ -162,12 +163,15 @@ def order(costs: Sequence[float], program: Schedule | None) -> list[int]:
 
 
 def plan(x: Any, chunks: int, tokens: Any, names: Sequence[str] | None = None,
-         program: Schedule | None = None, measured: TokenCosts | None = None) -> Cut:
+         program: Schedule | None = None, measured: TokenCosts | None = None,
+         positions: Positions | None = None, outputs: Sequence[str] = ()) -> Cut:
     """The cut of batch `x` (a flattened tuple; `names` name its entries for a model split from
-    its graph) into `chunks` token micro-batches: from its attention mask, or from `tokens`
+    its graph, `positions` says which run along the positions and `outputs` names its
+    outputs) into `chunks` token micro-batches: from its attention mask, or from `tokens`
     given as the rows' lengths (checked against the mask where there is one)."""
     values = as_tuple(x)
-    mask = _find_mask(values, names)
+    at = _find_mask(values, names)
+    mask = values[at] if at is not None else None
     given = None if tokens is True else torch.as_tensor(tokens).reshape(-1)
     if mask is None and given is None:
         raise PipeConfigError(
@@ -179,22 +183,37 @@ def plan(x: Any, chunks: int, tokens: Any, names: Sequence[str] | None = None,
         length = int(mask.shape[1])
     else:
         assert given is not None
-        first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
-        if first is None:
+        at = next((i for i, v in enumerate(values)
+                   if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+        if at is None:
             raise PipeConfigError("tokens=lengths trims dim 1 of the input, but no input tensor "
                                   "has a dim 1: token micro-batches need (rows, length) inputs")
-        length, lengths = int(first.shape[1]), given.tolist()
+        length, lengths = int(values[at].shape[1]), given.tolist()
     if given is not None:
         _agree(given, lengths, length, mask is not None)
+    if len(lengths) < chunks:
+        raise MicroBatchError(
+            f"cannot split a batch of {len(lengths)} rows into {chunks} micro-batches: use "
+            f"chunks <= {len(lengths)} (for inference on a small batch, pipe(x, "
+            f"chunks={len(lengths)})) or a larger batch")
+    assert at is not None
+    trim = positions.trimmed(at) if positions is not None else None
+    layouts = positions.layouts(at, outputs) if positions is not None and trim else None
     groups = group(lengths, chunks)
     # Trim to at least 2 (or the whole length): an exported graph's symbolic sizes start at 2.
-    shapes = [(len(g), min(length, max(2, max(lengths[r] for r in g)))) for g in groups]
+    trimmed = [min(length, max(2, max(lengths[r] for r in g))) for g in groups]
+    if layouts is None and len(set(trimmed)) == 1 and trimmed[0] < length:
+        # No graph says which outputs run along the positions: their sizes will, if the
+        # micro-batches have two lengths at least (token_outputs.py). One more position in
+        # the last group (or none trimmed, for one group) costs little and changes no value.
+        trimmed[-1] = trimmed[-1] + 1 if len(groups) > 1 else length
+    shapes = [(len(g), n) for g, n in zip(groups, trimmed, strict=True)]
     train = program is None or any(a.op in (Op.B, Op.I, Op.W) for a in program.actions[0])
     costs = ((measured.predict(shapes, train) if measured is not None else None)
              or [float(rows * max(n, 1)) for rows, n in shapes])  # before any measurement
     ordered = order(costs, program)
     return Cut(len(lengths), length, tuple(tuple(groups[k]) for k in ordered),
-               tuple(shapes[k][1] for k in ordered))
+               tuple(shapes[k][1] for k in ordered), trim, layouts)
 
 
 def check_model(modules: Sequence[nn.Module]) -> None:
@@ -228,16 +247,19 @@ def check_labels(cut: Cut, value: Any, what: str) -> None:
 
 def cut_batch(x: Any, target: Any, chunks: int, tokens: Any,
               names: Sequence[str] | None = None, program: Schedule | None = None,
-              measured: TokenCosts | None = None) -> Cut:
-    """`plan`, with the labels (a model's `labels` input, and the target) checked."""
+              measured: TokenCosts | None = None, positions: Positions | None = None,
+              outputs: Sequence[str] = ()) -> Cut:
+    """`plan`, with the labels (a model's `labels` input where it is trimmed, and the
+    target) checked."""
     if any(isinstance(v, torch.Tensor) and v.requires_grad for v in as_tuple(x)):
         raise PipeConfigError("tokens= trims the inputs, so their gradients could not be "
                               "handed back row for row: pass inputs that do not require grad, "
                               "or train without tokens=")
-    cut = plan(x, chunks, tokens, names, program, measured)
+    cut = plan(x, chunks, tokens, names, program, measured, positions, outputs)
     if names is not None:
-        for name, v in zip(names, as_tuple(x), strict=False):
-            if name in LABEL_NAMES:
+        for i, (name, v) in enumerate(zip(names, as_tuple(x), strict=False)):
+            # A seq2seq model's labels have the decoder's length: not trimmed, not checked.
+            if name in LABEL_NAMES and (cut.trim is None or i in cut.trim):
                 check_labels(cut, v, f"input {name!r}")
     if target is not None:
         check_labels(cut, target, "target")
@@ -255,7 +277,12 @@ def cuts(pipe: Any, pairs: Sequence[tuple[Any, Any]], tokens: Any, chunks: int
         return [None] * len(pairs)
     check_model([pipe, *([pipe._io] if pipe._io is not None else [])])
     last = len(pipe.balance) - 1
-    names = list(pipe._io.input_names) if pipe._io is not None else None
+    io = pipe._io
+    names = list(io.input_names) if io is not None else None
+    # A model split from its graph: which inputs and outputs run along the positions.
+    positions = io.positions.get(io.mode) if io is not None else None
+    outputs = (paths(io.out_specs[io.mode], io.scalars[io.mode].num_leaves)
+               if positions is not None else ())
     program = pipe.program(chunks)
     out: list[Cut | None] = []
     for x, target in pairs:
@@ -270,7 +297,8 @@ def cuts(pipe: Any, pairs: Sequence[tuple[Any, Any]], tokens: Any, chunks: int
         # Over processes the ranks add their fits only when the Pipe cuts every step (built
         # with tokens=): else each rank's own fit could order the micro-batches its own way.
         out.append(cut_batch(x, target, chunks, tokens, names, program,
-                             measured if not pipe.world or pipe._tokens else None))
+                             measured if not pipe.world or pipe._tokens else None,
+                             positions, outputs))
     pipe.__dict__["_token_step"] = (pipe._timeline, [
         (len(g), n) for c in out if c is not None for g, n in zip(c.groups, c.lengths,
                                                                    strict=True)], chunks)
@@ -302,15 +330,17 @@ def restored(cut: Cut | None, value: Any) -> Any:
     return value if cut is None else cut.restore(value)
 
 
-def _find_mask(values: Sequence[Any], names: Sequence[str] | None) -> torch.Tensor | None:
+def _find_mask(values: Sequence[Any], names: Sequence[str] | None) -> int | None:
+    """Which entry of `values` is the attention mask, if any."""
     if names is not None:
-        found = dict(zip(names, values, strict=False)).get(MASK_NAME)
-        return found if isinstance(found, torch.Tensor) else None
+        at = list(names).index(MASK_NAME) if MASK_NAME in names else None
+        return at if at is not None and at < len(values) and isinstance(
+            values[at], torch.Tensor) else None
     if len(values) >= 2 and all(isinstance(v, torch.Tensor) for v in values[:2]):
         ids, mask = values[0], values[1]
         assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
         if mask.dim() == 2 and mask.shape == ids.shape[:2]:
-            return mask  # an (ids, mask) tuple
+            return 1  # an (ids, mask) tuple
     return None
 
 

@@ -13,6 +13,7 @@ from pipeline.splitting import cut as cutting
 from pipeline.splitting import lengths, trace
 from pipeline.splitting.outline import outline
 from pipeline.splitting.placing import place_tensors
+from pipeline.splitting.positions import Positions
 from pipeline.splitting.scalars import Scalars, plan
 from pipeline.splitting.traced import MODES, SplitModel, TracedStage
 
@@ -82,6 +83,7 @@ def _build(model: nn.Module, programs: dict[str, Any], split_points: Sequence[st
                  if not tensor}
     split = SplitModel(stages, in_spec, {m: programs[m].call_spec.out_spec for m in MODES},
                        constants, split_points, scalars)
+    split.positions = {m: Positions.of(programs[m], scalars[m].num_leaves) for m in MODES}
     tensors = [node for node, _, tensor in cutting.user_inputs(train) if tensor]
     split.input_names = [node.name for node in tensors]
     # Export fixes a dim 0 of 1 (broadcast over the batch: position_ids (1, T)): such an

@@ -174,6 +174,8 @@ class SplitModel(nn.Sequential):
         self.input_names: list[str] = []  # of the tensor inputs, in flattening order
         self.broadcast: frozenset[int] = frozenset()  # those captured with one row
         self.whole: tuple[str, ...] = ()  # modules run whole (pipeline/splitting/outline.py)
+        # Per mode, which inputs and outputs run along the positions (positions.py)
+        self.positions: dict[str, Any] = {}
         # The captures' limits; more captures for shapes they do not take (lengths.py)
         self.lengths: Any = None
         # Its state_dict speaks the model's keys: `split.load_state_dict(model.state_dict())`.
