@@ -26,12 +26,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import json
 import os
+import re
 import secrets
 import stat
+from typing import Any
 
 __all__ = ["FileRefused", "fsync_directory", "held_directory", "open_directory", "open_file",
-           "open_in", "read_bytes", "read_file", "shared", "write_atomic"]
+           "open_in", "read_bytes", "read_file", "read_json", "resolve", "shared", "write_atomic"]
 
 Path = str | os.PathLike[str]
 
@@ -80,6 +83,8 @@ class _Walk:
         if not self.shown or "\x00" in self.shown:
             raise FileRefused(f"{self.shown!r} is no path (empty, or holds a NUL byte)")
         self.create, self.links = create, 0
+        # Where the walk stands, as a path without links (what `resolve` returns).
+        self.where = "/" if self.shown.startswith("/") else os.getcwd()
         self.fd = os.open("/" if self.shown.startswith("/") else ".", _DIRECTORY)
         self.info = os.fstat(self.fd)
         self.parts = collections.deque(self.shown.split("/"))
@@ -106,12 +111,14 @@ class _Walk:
         target = os.readlink(name, dir_fd=self.fd)
         if target.startswith("/"):
             self._move(os.open("/", _DIRECTORY))
+            self.where = "/"
         self.parts.extendleft(reversed(target.split("/")))
 
     def step(self, name: str) -> None:
         """Enter directory `name` of the current one (`..` included)."""
         if name == "..":
             self._move(os.open("..", _DIRECTORY, dir_fd=self.fd))
+            self.where = os.path.dirname(self.where)
             return
         entry = self.entry(name)
         if entry is None:
@@ -136,6 +143,7 @@ class _Walk:
             self.parts.appendleft(name)  # replaced between the look and the open: look again
             return
         self._move(fd)
+        self.where = os.path.join(self.where, name)
 
     def entry(self, name: str) -> os.stat_result | None:
         try:
@@ -178,13 +186,33 @@ def held_directory(path: Path, *, create: bool = False) -> tuple[int, str]:
     return walk.fd, name
 
 
-def open_directory(path: Path, *, create: bool = False) -> int:
+def resolve(path: Path) -> str:
+    """`path` absolute and without links, each followed by the gate's rules (FileRefused for
+    one it may not follow); its last entry need not exist. For callers that then work by
+    name in directories only trusted users can change (`pipeline.state.staging`)."""
+    walk = _Walk(path, create=False)
+    try:
+        name = walk.last()
+        return walk.where if name == "." else os.path.join(walk.where, name)
+    finally:
+        walk.close()
+
+
+def open_directory(path: Path, *, create: bool = False, private: bool = False) -> int:
     """Directory `path` itself, opened by the gate's rules (the caller closes it);
-    FileNotFoundError or NotADirectoryError if there is none, `create` making it."""
+    FileNotFoundError or NotADirectoryError if there is none, `create` making it. With
+    `private`, one that others may write is refused: its files could be swapped while it is
+    read as a whole (a checkpoint)."""
     walk = _Walk(path, create=create)
     try:
         while (name := walk.last()) != ".":
             walk.step(name)  # enters it, or puts it back to be looked at again
+        mode = stat.S_IMODE(walk.info.st_mode)
+        if private and shared(walk.info):
+            raise FileRefused(
+                f"{walk.where!r} is writable by other users (mode {mode:#o}): they could "
+                f"replace its files as it is read; if you trust them, chmod go-w "
+                f"{walk.where!r}")
     except BaseException:
         walk.close()
         raise
@@ -256,6 +284,39 @@ def read_file(path: Path, *, limit: int) -> bytes:
         return read_bytes(fd, limit=limit, shown=os.fspath(path))
     finally:
         os.close(fd)
+
+
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def read_json(path: Path, *, limit: int, max_depth: int = 32) -> Any:
+    """The JSON value in regular file `path` (`read_file`'s rules), refused (FileRefused) if it
+    is not UTF-8, nests arrays and objects deeper than `max_depth` (judged before parsing:
+    Python's parser would raise RecursionError), or holds NaN or Infinity. A number too large
+    for a float still reads as `inf`: the caller checks its ranges."""
+    shown = os.fspath(path)
+    try:
+        text = read_file(path, limit=limit).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileRefused(f"{shown!r} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+                          ) from None
+    depth = 0
+    for token in _JSON_TOKENS.finditer(text):
+        mark = token.group()
+        if mark[0] != '"':
+            depth += 1 if mark in "[{" else -1
+            if depth > max_depth:
+                raise FileRefused(f"{shown!r} nests more than {max_depth} arrays or objects "
+                                  f"deep (at character {token.start()}): it is no file of this "
+                                  f"kind")
+
+    def constant(name: str) -> None:
+        raise FileRefused(f"{shown!r} holds {name}, where a number must be finite")
+
+    try:
+        return json.loads(text, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise FileRefused(f"{shown!r} is not JSON ({exc})") from None
 
 
 def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -> None:

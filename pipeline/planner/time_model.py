@@ -15,6 +15,7 @@ the machine it was measured on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -26,13 +27,15 @@ import numpy as np
 
 from pipeline.errors import PipeConfigError
 from schedules import Action, Costs, Event, Op, Timeline
+from schedules.files import read_json
 from schedules.ir import COMPUTE_OPS
 from schedules.lower import consumed, source_stage
 
-__all__ = ["Sample", "TimeModel", "compute_spans", "fit_time_model", "machine", "message_waits",
-           "producer", "reduce_tails"]
+__all__ = ["MAX_FILE_BYTES", "Sample", "TimeModel", "compute_spans", "fit_time_model",
+           "machine", "message_waits", "producer", "reduce_tails"]
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W)
+MAX_FILE_BYTES = 1 << 20  # a saved model is a few hundred bytes, a term per micro-batch size
 
 
 def machine() -> dict[str, str]:
@@ -67,6 +70,13 @@ class TimeModel:
     rows: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        terms = [(n, getattr(self, n)) for n in ("compute", "contention", "action", "message",
+                                                  "step", "allreduce")]
+        for name, value in terms + [(f"rows[{k}]", v) for k, v in self.rows.items()]:
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value)):
+                raise PipeConfigError(f"TimeModel.{name} must be a finite number (got "
+                                      f"{value!r})")
         for name in ("compute", "allreduce"):
             if not getattr(self, name) > 0:
                 raise PipeConfigError(f"TimeModel.{name} must be > 0 (got {getattr(self, name)})")
@@ -78,6 +88,10 @@ class TimeModel:
                                       f"{getattr(self, name)})")
         if not all(v > 0 for v in self.rows.values()):
             raise PipeConfigError(f"TimeModel.rows' scales must be > 0 (got {dict(self.rows)})")
+        if (not isinstance(self.samples, int) or isinstance(self.samples, bool)
+                or self.samples < 0):
+            raise PipeConfigError(f"TimeModel.samples must be a whole number >= 0 (got "
+                                  f"{self.samples!r})")
 
     def costs(self, costs: Costs, rows: int | None = None) -> Costs:
         """`costs` (from a profile and a link, for micro-batches of `rows` rows) as this
@@ -110,9 +124,13 @@ class TimeModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, any_machine: bool = False) -> TimeModel:
-        """Read a saved model; one fitted on another machine is refused unless `any_machine`."""
+        """Read a saved model; one fitted on another machine is refused unless `any_machine`.
+        Through the file gate (`schedules.files`): a regular file of at most
+        `MAX_FILE_BYTES`, no link another user planted, nothing nested deep."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = read_json(path, limit=MAX_FILE_BYTES, max_depth=4)
+            if not isinstance(data, dict) or not isinstance(data.get("machine"), dict):
+                raise TypeError("it holds no object with a machine")
             model = cls(**{k: data[k] for k in ("compute", "contention", "action", "message",
                                                "step", "allreduce", "samples")},
                         machine={str(k): str(v) for k, v in data["machine"].items()},
