@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV
+from pipeline import settings
+from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV, MAX_INIT_TIMEOUT
 
 __all__ = ["ALLOCATOR", "INIT_TIMEOUT_ENV", "RankFailed", "free_port", "host_store", "main",
            "rank_env", "spawn"]
@@ -194,9 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start (>= 1)")
-    parser.add_argument("--grace", type=float, default=10.0,
+    parser.add_argument("--grace", type=settings.flag("--grace", low=0, high=86400,
+                                                      unit=" seconds"), default=10.0,
                         help="seconds the other ranks get to exit after one fails")
-    parser.add_argument("--init-timeout", type=float, default=300.0,
+    parser.add_argument("--init-timeout", default=300.0,
+                        type=settings.flag("--init-timeout", low=0.001, high=MAX_INIT_TIMEOUT,
+                                           unit=" seconds"),
                         help=f"seconds a rank waits for the others to join the process group "
                              f"(sets {INIT_TIMEOUT_ENV}; Pipe reads it)")
     parser.add_argument("--replicas", type=int, default=None,
@@ -204,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "[ft] extra; the script builds Pipe(..., fault_tolerance=True))")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --replicas: restarts allowed per replica group")
-    parser.add_argument("--heartbeat-timeout", type=float, default=None,
+    parser.add_argument("--heartbeat-timeout", default=None,
+                        type=settings.flag("--heartbeat-timeout", low=0.001, high=86400,
+                                           unit=" seconds"),
                         help="with --replicas: seconds without a heartbeat after which the "
                              "lighthouse drops a replica group (default 1; longer on a loaded "
                              "host, where a live group's heartbeats may stall)")
@@ -213,10 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
-    if not ns.init_timeout > 0:
-        parser.error(f"--init-timeout must be > 0 seconds (got {ns.init_timeout})")
-    if ns.heartbeat_timeout is not None and not ns.heartbeat_timeout > 0:
-        parser.error(f"--heartbeat-timeout must be > 0 seconds (got {ns.heartbeat_timeout})")
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     if ns.replicas is not None:
         from pipeline.errors import PipeConfigError

@@ -14,17 +14,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline import settings
 from pipeline.errors import PipeConfigError
 
-__all__ = ["INIT_TIMEOUT_ENV", "PARAM_INITS", "ParamInit", "from_first_rank", "indexed",
-           "materialize", "rank_devices", "world"]
+__all__ = ["INIT_TIMEOUT_ENV", "MAX_INIT_TIMEOUT", "PARAM_INITS", "ParamInit", "from_first_rank",
+           "indexed", "init_timeout", "materialize", "rank_devices", "world"]
 
 # Here, not in pipeline.launch (which sets it): importing `pipeline` must not import the
 # launcher, or `python -m pipeline.launch` finds it already imported and runpy warns.
 INIT_TIMEOUT_ENV = "PIPELINE_INIT_TIMEOUT"  # seconds ranks wait for each other to join
+# Longer than any job waits for its ranks (115 days), short of what timedelta and torch's
+# millisecond counts hold: `inf` passed the launcher's check, then every rank overflowed.
+MAX_INIT_TIMEOUT = 1e7
 
 _shared = itertools.count()  # values shared so far, in order: the same on every rank
 
+
+
+def init_timeout(raw: str | None = None, name: str = INIT_TIMEOUT_ENV) -> float:
+    """Seconds the ranks wait for each other to join: `raw` (the launcher's flag) or
+    `PIPELINE_INIT_TIMEOUT`, by the settings' rule (`pipeline.settings`); default 300."""
+    if raw is not None:
+        return settings.parse_number(name, raw, low=0.001, high=MAX_INIT_TIMEOUT,
+                                     unit=" seconds")
+    return settings.number(INIT_TIMEOUT_ENV, default=300.0, low=0.001, high=MAX_INIT_TIMEOUT,
+                           unit=" seconds")
 
 def world(group: Any = None) -> tuple[int, int] | None:
     """(rank, world size) when running as one of several processes, else None.
@@ -40,7 +54,7 @@ def world(group: Any = None) -> tuple[int, int] | None:
             return None
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         # How long to wait for every rank to join: a rank that never comes is noticed then.
-        seconds = float(os.environ.get(INIT_TIMEOUT_ENV, "300"))
+        seconds = init_timeout()
         dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     size = dist.get_world_size(group)
     if size == 1 and group is None:

@@ -25,6 +25,8 @@ import sys
 from types import TracebackType
 from typing import Any
 
+from pipeline import settings
+
 __all__ = ["ENV", "arm", "record"]
 
 ENV = "PIPELINE_QUIET_EXIT"
@@ -33,7 +35,8 @@ _state: dict[str, Any] = {"armed": False, "code": 0}
 
 def arm() -> None:
     """From now on, exit quietly (once per process; no-op with PIPELINE_QUIET_EXIT=0)."""
-    if _state["armed"] or os.environ.get(ENV, "1") == "0":
+    if _state["armed"] or settings.choice(
+            ENV, {"1": "exit quietly", "0": "torch's own exit"}, default="1") == "0":
         return
     _state["armed"] = True
     hook, exit_ = sys.excepthook, sys.exit

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from pipeline import settings
 from pipeline.comm import link_auth
 from pipeline.comm.listener import Listener
 from pipeline.comm.socket_link import (
@@ -34,7 +35,7 @@ from pipeline.comm.socket_link import (
     spin_setting,
     spin_time,
 )
-from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.errors import PipelineError
 
 __all__ = ["ENV", "MODES", "SPIN", "SPIN_ENV", "WAKE", "LinkBroken", "LinkFallbackWarning",
            "LinkSend", "SocketLink", "connect", "host_key", "local_p2p", "spin_setting",
@@ -56,13 +57,10 @@ class LinkFallbackWarning(RuntimeWarning):
 
 def local_p2p() -> str:
     """`PIPELINE_LOCAL_P2P`, checked: one of `MODES`."""
-    raw = os.environ.get(ENV, "1")
-    if raw not in MODES:
-        raise PipeConfigError(
-            f"{ENV} must be 1 (same-host links, falling back to the backend with a warning), "
-            f"0 (no links) or require (a pair on one host that cannot link is an error); got "
-            f"{raw!r}: set one of these or unset it")
-    return raw
+    return settings.choice(ENV, {
+        "1": "same-host links, falling back to the backend with a warning",
+        "0": "no links",
+        "require": "a pair on one host that cannot link is an error"}, default="1")
 
 
 def host_key() -> str:

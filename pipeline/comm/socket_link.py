@@ -22,8 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from pipeline import settings
 from pipeline.comm.transport import Broken
-from pipeline.errors import PipeConfigError
 
 __all__ = ["SPIN", "SPIN_ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "spin_setting",
            "spin_time"]
@@ -217,17 +217,9 @@ class SocketLink:
 
 def spin_setting() -> float | None:
     """`PIPELINE_SPIN_US` in seconds, checked, or None when it is not set."""
-    raw = os.environ.get(SPIN_ENV)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e6:
-        raise PipeConfigError(f"{SPIN_ENV} must be a number of microseconds from 0 to 999999 "
-                              f"(got {raw!r}); 0 turns spinning off")
-    return value * 1e-6
+    value = settings.number(SPIN_ENV, default=None, low=0, high=999_999,
+                            unit=" microseconds (0 turns spinning off)")
+    return None if value is None else value * 1e-6
 
 
 def spin_time(processes: int, setting: float | None) -> float:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline import settings
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.runtime.microbatch import Packed
 
@@ -77,21 +78,12 @@ _MIN_LIMIT, _MAX_LIMIT = 1024, 1 << 62  # above 2**62, byte counts near int64's 
 def message_limit(raw: str | None) -> int:
     """The bound `PIPELINE_MAX_MESSAGE_BYTES` = `raw` sets (None or empty: this machine's
     memory). A whole number of bytes, written as an integer or in float notation (`1e9`,
-    `2.5e9`: what people write for large numbers, and exact there); raises PipeConfigError
-    for anything else."""
-    if not raw:
-        return _memory_bytes()
-    try:
-        value = float(raw.strip())
-        whole = value.is_integer()
-    except (ValueError, OverflowError):
-        whole = False
-    if not whole or not _MIN_LIMIT <= value <= _MAX_LIMIT:
-        raise PipeConfigError(
-            f"{LIMIT_ENV} must be a whole number of bytes from {_MIN_LIMIT} to 2**62 (an "
-            f"integer or float notation such as 1e9); got {raw!r}: set such a number, or "
-            f"unset it to bound messages by this machine's memory")
-    return int(raw) if raw.strip().isdigit() else int(value)
+    `2.5e9`: what people write for large numbers, and exact there), by the settings' rule
+    (`pipeline.settings`); raises PipeConfigError for anything else."""
+    limit = settings.whole_number(LIMIT_ENV, default=None, low=_MIN_LIMIT, high=_MAX_LIMIT,
+                                  of="bytes", high_text="2**62",
+                                  environ={LIMIT_ENV: raw} if raw is not None else {})
+    return _memory_bytes() if limit is None else limit
 
 
 def _initial_limit() -> tuple[int, PipeConfigError | None]:
