@@ -12,9 +12,12 @@ from schedules import Action, Op, Schedule
 
 __all__ = [
     "FILE_KINDS",
+    "GATE_FILE_KINDS",
+    "GATE_READERS",
     "METADATA_FIELDS",
     "balances",
     "crafted_checkpoints",
+    "gate_inputs",
     "model_profiles",
     "mutated_schedules",
     "padded_labels",
@@ -357,3 +360,22 @@ def crafted_checkpoints(draw: st.DrawFn) -> dict[str, Any]:
         "metadata": draw(st.sampled_from(FILE_KINDS)),
         "shard": draw(st.sampled_from(FILE_KINDS)),
     }
+
+
+# What a reader behind the file gate may find at its path (tests/test_file_gate.py builds it):
+# text of any script, bytes, nesting far past any parser's recursion, a size past the
+# reader's bound, special files, links that dangle or loop, and a link (of ours) at a
+# component of the path.
+GATE_READERS = ("checkpoint metadata", "time model", "schedule csv")
+GATE_FILE_KINDS = ("text", "bytes", "deep", "large", "fifo", "directory", "device link",
+                   "dangling link", "link loop", "linked component")
+
+
+@st.composite
+def gate_inputs(draw: st.DrawFn) -> dict[str, Any]:
+    """A `reader` (one of GATE_READERS) and what it finds: `kind` (GATE_FILE_KINDS), `text` or
+    `data` for the content kinds, `depth` for 'deep', `component` (0 or 1) for a link."""
+    return {"reader": draw(st.sampled_from(GATE_READERS)),
+            "kind": draw(st.sampled_from(GATE_FILE_KINDS)),
+            "text": draw(st.text(max_size=64)), "data": draw(st.binary(max_size=64)),
+            "depth": draw(st.integers(1, 200_000)), "component": draw(st.integers(0, 1))}
