@@ -126,8 +126,7 @@ class TieLink:
             owner = self.owners.get(id(tie))
             for copy in tie.copies:
                 if owner is not None and copy.param is not None:
-                    with torch.no_grad():
-                        copy.param.copy_(owner)
+                    _take(copy.param, owner)
 
     def _link(self, owner: int, copy: int) -> list[tuple[Tie, Copy]]:
         return [(t, c) for t in self.ties if t.stage == owner for c in t.copies
@@ -143,8 +142,7 @@ class TieLink:
         for (_, c), value in zip(self._link(owner, copy), values, strict=True):
             assert c.param is not None, f"stage {copy} is not held here"
             c.param.grad = None
-            with torch.no_grad():
-                c.param.copy_(value)
+            _take(c.param, value)
 
     def take_grads(self, copy: int, owner: int) -> tuple[torch.Tensor | None, ...]:
         """Stage `copy`'s gradients of the weights it shares with stage `owner`, cleared."""
@@ -222,3 +220,13 @@ def register_hooks(tie_link: TieLink) -> None:
             for module in {id(m): m for m, _ in copy.places}.values():
                 module.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
                     lambda *_: tie_link.refresh_local())
+
+
+def _take(copy: nn.Parameter, value: torch.Tensor) -> None:
+    """`copy` takes the owner's `value`, in the owner's dtype: the copy is no child of the
+    Pipe's tree (the owner is, under the same name), so `pipe.to(dtype)` converts only the
+    owner, and the copy follows it here (same Parameter object, optimizers keep it)."""
+    with torch.no_grad():
+        if copy.dtype != value.dtype:
+            copy.data = torch.empty_like(copy, dtype=value.dtype)
+        copy.copy_(value)

@@ -139,6 +139,12 @@ def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any) -
     leaf = scalars.returned(loss_fn, model.out_specs[mode])
     if leaf is None:
         return how
+    if leaf not in scalars.combine:
+        # No weighting of micro-batches reproduces it; but a model captured with one row of
+        # every input (a collator's single packed row) runs each batch as one micro-batch,
+        # whose loss is the batch's: weight 1.
+        whole = len(model.broadcast) == len(model.input_names)
+        return Weighting(False, how.measure, False, model_loss=True) if whole else how
     kind = scalars.combine[leaf][0]
     if kind == "sum":
         return Weighting(False, how.measure, False, model_loss=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import operator
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,23 @@ def user_inputs(ep: torch.export.ExportedProgram) -> list[tuple[fx.Node, Any, bo
 
 
 def _stack(node: fx.Node) -> list[str]:
-    return [v[0] for v in (node.meta.get("nn_module_stack") or {}).values()]
+    return [_module_name(v[0]) for v in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+# A block reached through a slice of its ModuleList (`self.layers[:n]`, as Qwen3 under PEFT's
+# prefix tuning runs them) is recorded as `layers.slice(None, 4, None).0`.
+_SLICED = re.compile(r"\.slice\((None|-?\d+), (None|-?\d+), (None|-?\d+)\)\.(\d+)")
+
+
+def _module_name(path: str) -> str:
+    """The module's name in the model for a path export recorded (its slices resolved)."""
+    def index(match: re.Match[str]) -> str:
+        start, step = match[1], match[3]
+        first = 0 if start == "None" else int(start)
+        if first < 0:  # counted from the end: the list's length is not known here
+            return match[0]
+        return f".{first + int(match[4]) * (1 if step == 'None' else int(step))}"
+    return _SLICED.sub(index, path)
 
 
 def module_order(ep: torch.export.ExportedProgram) -> list[str]:

@@ -161,7 +161,10 @@ class Lengths:
             pieces = {m: cutting.cut(ep, model, split.split_points)
                       for m, ep in programs.items()}
         for s, stage in enumerate(stages):
-            have = {n for n, _ in [*stage.named_parameters(), *stage.named_buffers()]}
+            # Every name a stage holds a tensor by: a tied weight is held under each of its
+            # names (OPT's embedding is `lm_head.weight` too), and a capture may read either.
+            have = {n for n, _ in [*stage.named_parameters(remove_duplicate=False),
+                                   *stage.named_buffers(remove_duplicate=False)]}
             missing = [n for m in MODES for n in pieces[m][s].tensors if n not in have]
             if missing:
                 raise _refusal(reason, f"captured again, stage {s} would read {missing[:3]}, "

@@ -39,6 +39,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
+from pipeline.splitting.positions import paths as output_paths
 
 __all__ = ["Counter", "Scalars", "plan"]
 
@@ -110,9 +111,10 @@ class Scalars:
     def returned(self, loss_fn: Callable[[Any, Any], Any], spec: pytree.TreeSpec
                  ) -> int | None:
         """The 0-dim output `loss_fn` returns as it is (`lambda out, y: out.loss`), found by
-        calling it once on stand-ins of the outputs (meta tensors, no data, target None);
-        None if it returns anything else or fails on them (it computes a loss of its own)."""
-        if not self.combine:
+        calling it once on stand-ins of the outputs (meta tensors, no data, target None),
+        whether it combines or not; None if it returns anything else or fails on them (it
+        computes a loss of its own)."""
+        if not self.combine and not self.refused:
             return None
         leaves = [torch.empty((1,) * self.dims.get(i, 1), device="meta")
                   for i in range(self.num_leaves)]
@@ -122,14 +124,14 @@ class Scalars:
                 got = loss_fn(pytree.tree_unflatten(leaves, spec), None)
         except Exception:  # a loss of its own: it reads the target or computes on the logits
             return None
-        found = [i for i in self.combine if got is leaves[i]]
+        found = [i for i in [*self.combine, *self.refused] if got is leaves[i]]
         return found[0] if found else None
 
     def check(self, chunks: int, spec: pytree.TreeSpec) -> None:
         """Refuse, before any work, a 0-dim output that micro-batches cannot reproduce."""
         if chunks <= 1 or not self.refused:
             return
-        paths = _paths(spec, self.num_leaves)
+        paths = output_paths(spec, self.num_leaves)
         i, why = next(iter(self.refused.items()))
         names = ", ".join(f"output{paths[k]}" for k in self.refused)
         raise PipeConfigError(
@@ -172,16 +174,6 @@ def _combine(kind: str, values: list[torch.Tensor], weights: list[torch.Tensor]
     # its tokens add nothing to the batch's mean (all of them nothing: 0/0, as the model).
     total = torch.where(w > 0, v * w, torch.zeros_like(v)).sum() / w.sum()
     return total.to(dtype)
-
-
-def _paths(spec: pytree.TreeSpec, num: int) -> list[str]:
-    try:
-        tree = pytree.tree_unflatten(list(range(num)), spec)
-        found = dict((leaf, pytree.keystr(path)) for path, leaf in
-                     pytree.tree_flatten_with_path(tree)[0])
-        return [found.get(i, f"[{i}]") for i in range(num)]
-    except Exception:  # a type registered without keys: the leaf's index says enough
-        return [f"[{i}]" for i in range(num)]
 
 
 def _tokens(target: torch.Tensor, weight: torch.Tensor | None, ignore: int) -> torch.Tensor:

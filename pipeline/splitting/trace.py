@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import os
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,20 +37,23 @@ class ExportError(PipeConfigError):
 
 
 def check_example(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """`example_inputs` as (args, kwargs): a tensor, a tuple of positional arguments, or a
-    pair (args tuple, kwargs dict), as torch.export takes them."""
+    """`example_inputs` as (args, kwargs): a tensor, a tuple of positional arguments, a
+    mapping of keyword arguments, or a pair (args tuple, kwargs mapping), as torch.export
+    takes them. Any mapping is keywords: a Hugging Face collator's `BatchEncoding` is one."""
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if (isinstance(example_inputs, tuple) and len(example_inputs) == 2
-            and isinstance(example_inputs[0], tuple) and isinstance(example_inputs[1], dict)):
+            and isinstance(example_inputs[0], tuple)
+            and isinstance(example_inputs[1], Mapping)):
         return example_inputs[0], dict(example_inputs[1])
-    if isinstance(example_inputs, dict):
+    if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
     if isinstance(example_inputs, tuple):
         return example_inputs, {}
     raise ExportError(
-        f"example_inputs must be a tensor, a tuple of positional arguments, a dict of keyword "
-        f"arguments or a pair (args, kwargs) (got {type(example_inputs).__name__}); e.g. "
+        f"example_inputs must be a tensor, a tuple of positional arguments, a mapping of "
+        f"keyword arguments (a dict, a BatchEncoding) or a pair (args, kwargs) (got "
+        f"{type(example_inputs).__name__}); e.g. "
         f"example_inputs=((), {{'input_ids': ids}}) for model(input_ids=ids)")
 
 
@@ -70,7 +73,7 @@ def export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     except ExportError:
         raise
     except Exception as exc:  # export raises many types; each becomes one clear refusal
-        raise _refusal(model, stack, exc) from exc
+        raise _refusal(model, stack, exc, kwargs.get("use_cache") is False) from exc
     finally:
         model.train(was_training)
     _check_batch_dim(ep, args, kwargs)
@@ -193,7 +196,8 @@ _NOT_USER_CODE = (os.path.dirname(torch.__file__) + os.sep,
                   os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, "<")
 
 
-def _refusal(model: nn.Module, stack: list[str], exc: Exception) -> ExportError:
+def _refusal(model: nn.Module, stack: list[str], exc: Exception, no_cache: bool = False
+             ) -> ExportError:
     """The error a user sees: which module, which line of their code, what torch said, and
     the two ways forward."""
     where = stack[-1] if stack else type(model).__name__
@@ -202,8 +206,11 @@ def _refusal(model: nn.Module, stack: list[str], exc: Exception) -> ExportError:
     line = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "Cache" in said and "not a known type" in said:  # a Hugging Face KV cache as output
-        said = (f"{said.split(', which')[0]}, which export cannot flatten (the model returns "
-                f"its key/value cache: pass use_cache=False in example_inputs)")
+        said = f"{said.split(', which')[0]}, which export cannot flatten " + (
+            "(the model returns its key/value cache although use_cache=False: a cache passed "
+            "in, as PEFT's prefix tuning passes its prefixes in past_key_values, comes back "
+            "out; tune with an adapter that passes no cache, such as LoRA)" if no_cache else
+            "(the model returns its key/value cache: pass use_cache=False in example_inputs)")
     return ExportError(
         f"torch.export could not capture {type(model).__name__}: in module {where!r}{line}: "
         f"{type(exc).__name__}: {said}. Pipe splits a model from its exported graph, so every "
