@@ -123,6 +123,7 @@ class _Walk:
         entry = self.entry(name)
         if entry is None:
             if not self.create:
+                self.parts.appendleft(name)  # where the walk stopped: `resolve` goes on by name
                 raise FileNotFoundError(errno.ENOENT, f"no directory {name!r} on the way to "
                                         f"{self.shown!r}", self.shown)
             with contextlib.suppress(FileExistsError):
@@ -192,7 +193,11 @@ def resolve(path: Path) -> str:
     name in directories only trusted users can change (`pipeline.state.staging`)."""
     walk = _Walk(path, create=False)
     try:
-        name = walk.last()
+        try:
+            name = walk.last()
+        except FileNotFoundError:  # a directory on the way is missing: so is all below it
+            rest = [p for p in walk.parts if p not in ("", ".")]
+            return os.path.normpath(os.path.join(walk.where, *rest))
         return walk.where if name == "." else os.path.join(walk.where, name)
     finally:
         walk.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from schedules.files import FileRefused, read_file, write_atomic
+from schedules.files import FileRefused, read_file, resolve, write_atomic
 from tests.other_user import other_user, run_as_other
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,6 +216,8 @@ def test_links_of_ours_are_followed_and_loops_refused(tmp_path: Path) -> None:
     (tmp_path / "up").symlink_to("real/../real")  # relative, through `..`
     write_atomic(tmp_path / "up" / "a.csv", "x")
     assert read_file(tmp_path / "real" / "a.csv", limit=10) == b"x"
+    # Nothing below a missing directory exists, so no link either: the rest is taken by name.
+    assert resolve(tmp_path / "up" / "new" / ".." / "x") == str(tmp_path / "real" / "x")
     (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(FileRefused, match="more than 40 symbolic links"):
         read_file(tmp_path / "loop", limit=10)
