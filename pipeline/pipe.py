@@ -15,7 +15,8 @@ from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel import tensor_parallel
 from pipeline.parallel.clipping import clip_grad_norm
-from pipeline.parallel.fault_tolerance import FaultTolerance, FaultTolerantPipe
+from pipeline.parallel.fault_tolerance import FaultTolerance
+from pipeline.parallel.ft_pipe import FaultTolerantPipe
 from pipeline.parallel.scaling import agree_on_overflow
 from pipeline.runtime import batches, weighting
 from pipeline.runtime.batches import one_at_a_time
@@ -226,7 +227,7 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         ranks is an action of the program (schedules/program.py)."""
         checks.check_loss_fn(loss_fn)
         if self._ft is not None:  # the quorum (and a heal) before anything is computed
-            self._ft.before_step()
+            self._ft.before_step(scaler)
         how = weighting.resolve(loss_fn, loss_reduction, loss_weight, self._io)
         if self._io is not None:  # the model's inputs flattened, its outputs rebuilt
             # None: a rank without the first stage (multi-process), as for nn.Sequential

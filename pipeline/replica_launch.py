@@ -4,10 +4,13 @@
 
 Each group has its own rendezvous store (a fresh one per start, so no failure report of a
 lost incarnation reaches the next) and the environment `Pipe(..., fault_tolerance=True)`
-reads: TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS. When a rank of a group exits
+reads: TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, and the port of the job's
+record (ft_record), which this process keeps for the whole job. When a rank of a group exits
 non-zero or dies, the rest of that group is killed at once (its ranks cannot finish a step
 without it; the survivors of other groups see a broken collective, not a hang) and the group
-starts again, at most `max_restarts` times per group; the other groups keep training.
+starts again, at most `max_restarts` times per group, if a live group still holds the job's
+history to heal it from; the other groups keep training. When none does, the job ends with an
+error: a group started again from its initial weights would silently begin another history.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from typing import Any
 from pipeline.errors import PipeConfigError
 from pipeline.parallel.fault_tolerance import (
     LIGHTHOUSE_ENV,
+    LOG_ENV,
     NUM_REPLICAS_ENV,
     REPLICA_ID_ENV,
     check_installed,
 )
+from pipeline.parallel.ft_record import RECORD_ENV, group_key, read_record
 
 __all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RUST_LOG_DEFAULT", "ReplicaGroup",
            "run_replicas"]
@@ -36,12 +41,16 @@ __all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RUST_LOG_DEFAULT", "Repli
 _log = logging.getLogger("pipeline.launch")
 
 # The lighthouse drops a replica whose heartbeats stop for this long, and only then forms a
-# quorum without it: the bound on a survivor's wait after a SIGKILL (torchft's default, 5 s,
-# would take the whole budget the docs promise). A live group whose heartbeats stall this long
-# (a loaded host) is dropped too and may commit a step alone that another also committed
-# alone: each step's average then finds their lineages differ and the later group restarts
-# and heals (ft_lineage); `--heartbeat-timeout` trades detection time for fewer of those.
-HEARTBEAT_TIMEOUT_MS = 1000
+# quorum without it: the bound on a survivor's wait after a SIGKILL. torchft's default. At 1 s
+# a loaded host stalled live groups' heartbeats often enough that two groups formed quorums
+# alone, step after step, and never met again to heal (the job's record keeps them from
+# committing two histories, but the lagging one then waits); `--heartbeat-timeout` trades
+# that for a faster detection on a quiet host.
+HEARTBEAT_TIMEOUT_MS = 5000
+# After a group is lost, how long the live groups get to show (in the record) that one of
+# them holds the job's history, before the job is declared unable to heal: a group writes
+# its count just after its commit, and the lost one may have written first.
+HISTORY_GRACE_S = 10.0
 # How long a quorum waits for a replica that is alive (heartbeating) but has not asked to join
 # yet: one still in its step, or starting. Short, two replicas each alone in a quorum at the
 # same step would both commit it and from then on train apart (torchft 0.2's lighthouse has no
@@ -105,6 +114,8 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                  max_restarts: int, init_timeout_env: dict[str, str],
                  heartbeat_timeout: float | None = None) -> int:
     """Run `script args` as `replicas` groups of `nproc` ranks; return the exit code."""
+    from pipeline.launch import host_store
+
     check_installed("python -m pipeline.launch --replicas")
     if replicas < 1 or max_restarts < 0:
         raise PipeConfigError(f"--replicas must be >= 1 and --max-restarts >= 0; got "
@@ -114,16 +125,26 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
              else max(1, round(heartbeat_timeout * 1e3)))
     lighthouse = _lighthouse(rust_log, beats)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas),
-           RUST_LOG_ENV: rust_log, **init_timeout_env}
+    record, record_port = host_store()  # the job's history outlives every group
+    env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas), RUST_LOG_ENV: rust_log,
+           RECORD_ENV: str(record_port), LOG_ENV: "1", **init_timeout_env}
     argv = [sys.executable, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
+    stopping: list[int] = []  # a signal the launcher was sent: passed on to every rank
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     for g in groups:
         g.start(argv, nproc, env)
     print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
           f"{address}", file=sys.stderr)
+    stuck = _Stuck(record, groups)
     try:
         while not all(g.done for g in groups):
+            if stopping:
+                return _stopped(groups, stopping[0])
+            why = stuck.check()
+            if why is not None:
+                return _end(groups, why)
             for g in groups:
                 if g.done:
                     continue
@@ -134,18 +155,110 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                     g.failures.append(f"rank {rank} {_describe(code)}")
                     if len(g.failures) > max_restarts:
                         return _give_up(groups, g, max_restarts)
+                    unhealable = _history_lost(record, groups, g)
+                    if unhealable is not None:
+                        return _end(groups, f"replica group {g.replica_id} lost rank {rank} "
+                                            f"({_describe(code)}); {unhealable}")
                     print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
                           f"({_describe(code)}); restarting it (restart "
                           f"{len(g.failures)} of at most {max_restarts})", file=sys.stderr)
+                    record.set(group_key(g.replica_id), "0 0")  # it holds no history now
                     g.start(argv, nproc, env)
                 elif all(p.poll() == 0 for p in g.procs):
                     g.done = True
             time.sleep(0.05)
-        return 0
+        return _compare_ends(record, groups)
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         for g in groups:
-            g.stop()
+            g.stop(signal.SIGTERM if stopping else signal.SIGKILL)
         lighthouse.shutdown()
+
+
+class _Stuck:
+    """Live groups that can never reach the job's history: every group holding it finished,
+    so none is left in a quorum to heal them (they would retry their step forever)."""
+
+    def __init__(self, record: Any, groups: list[ReplicaGroup]) -> None:
+        self.record, self.groups = record, groups
+        self.next_look = 0.0
+        self.since: float | None = None
+
+    def check(self) -> str | None:
+        now = time.monotonic()
+        if now < self.next_look:
+            return None
+        self.next_look = now + 0.5
+        counts = {g: entry[0] for g, entry in read_record(self.record, len(self.groups)).items()}
+        latest = max(counts.values(), default=0)
+        live = [g for g in self.groups if not g.done]
+        behind = [g.replica_id for g in live if counts.get(g.replica_id, 0) < latest]
+        if not (behind and any(g.done for g in self.groups)
+                and all(counts.get(g.replica_id, 0) < latest for g in live)):
+            self.since = None
+            return None
+        self.since = now if self.since is None else self.since
+        if now - self.since < HISTORY_GRACE_S:
+            return None
+        done = [g.replica_id for g in self.groups if g.done]
+        return (f"replica group(s) {behind} never reached the job's history: the groups that "
+                f"hold it ({done}) finished at {latest} committed steps, and no live group "
+                f"holds it to heal them from (each group's count: {counts}); the finished "
+                f"groups' weights are the job's result")
+
+
+def _history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup) -> str | None:
+    """Why no group can heal `lost` (None if a live group holds the job's history), waiting
+    up to HISTORY_GRACE_S for a live group's count to show it."""
+    deadline = time.monotonic() + HISTORY_GRACE_S
+    while True:
+        counts = {g: entry[0] for g, entry in read_record(record, len(groups)).items()}
+        latest = max(counts.values(), default=0)
+        live = [g for g in groups if g is not lost and not g.done and g.failed_rank() is None]
+        if latest == 0 or any(counts.get(g.replica_id, 0) == latest for g in live):
+            return None
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    finished = [g.replica_id for g in groups if g.done]
+    if finished:
+        return (f"the job's other group(s) {finished} finished at {latest} committed steps "
+                f"and no live group holds that history to heal it from (started again, it "
+                f"would train from its initial weights alone): the finished groups' weights "
+                f"are the job's result")
+    return (f"no live group holds the job's history ({latest} committed steps; each group's "
+            f"count: {counts}), so none can be healed: resume the job from its last sharded "
+            f"checkpoint (pipe.save / pipe.load, docs/checkpoints.md)")
+
+
+def _compare_ends(record: Any, groups: list[ReplicaGroup]) -> int:
+    """0 if every group ended holding the same history (count and lineage), else 1."""
+    ends = read_record(record, len(groups))
+    if len(set(ends.values())) <= 1:
+        return 0
+    print(f"pipeline.launch: the replica groups ended with different histories (committed "
+          f"steps, lineage): {ends}; their weights differ", file=sys.stderr)
+    return 1
+
+
+def _end(groups: list[ReplicaGroup], why: str) -> int:
+    """Stop every group (SIGTERM, then SIGKILL) and say why the job cannot go on."""
+    for g in groups:
+        if not g.done:
+            g.stop(signal.SIGTERM)
+    print(f"pipeline.launch: {why}. The other groups were stopped.", file=sys.stderr)
+    return 1
+
+
+def _stopped(groups: list[ReplicaGroup], signum: int) -> int:
+    """The launcher was sent `signum`: every rank gets it, and is waited for."""
+    for g in groups:
+        if not g.done:
+            g.stop(signum)
+    print(f"pipeline.launch: stopped by {signal.Signals(signum).name}; every rank was sent "
+          f"it and has exited", file=sys.stderr)
+    return 128 + signum
 
 
 def _lighthouse(rust_log: str, heartbeat_timeout_ms: int) -> Any:

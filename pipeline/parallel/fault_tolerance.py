@@ -5,19 +5,21 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
 
-from pipeline.errors import PipeConfigError
+from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel import ft_lineage
+from pipeline.parallel.ft_record import JobRecord, NotLatest
 from pipeline.parallel.tensor_parallel import local_tensor
 
-__all__ = ["LIGHTHOUSE_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
-           "FaultTolerantPipe", "check_installed"]
+__all__ = ["LIGHTHOUSE_ENV", "LOG_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
+           "check_installed"]
 
 _log = logging.getLogger(__name__)
 
@@ -27,6 +29,9 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICAS_ENV = "NUM_REPLICA_GROUPS"
 _INSTALL = "pip install 'pipeline-engine[ft]' (or: pip install 'torchft>=0.2,<0.3')"
+# Set by the launcher: the library's warnings (a step averaged over fewer replicas, a step not
+# committed) reach stderr even where the script configures no logging.
+LOG_ENV = "PIPELINE_FT_LOG"
 
 
 def check_installed(what: str) -> None:
@@ -82,6 +87,18 @@ def _weights_only_transport(timeout: timedelta) -> Any:
     return _WeightsOnly(timeout=timeout, num_chunks=0)
 
 
+def _warnings_to_stderr() -> None:
+    """The library's warnings on stderr, once, where the script set up no logging."""
+    logger = logging.getLogger("pipeline")
+    if not any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            f"%(name)s (replica group {os.environ.get(REPLICA_ID_ENV)}, rank "
+            f"{os.environ.get('RANK')}): %(levelname)s: %(message)s"))
+        handler.setLevel(logging.WARNING)
+        logger.addHandler(handler)
+
+
 class FaultTolerance:
     """One torchft Manager per pipeline rank: rank r of every replica group holds the same
     stage(s), so the Manager's managed process group joins exactly the ranks whose gradients
@@ -116,9 +133,18 @@ class FaultTolerance:
         self._pipe = pipe
         self._optimizer: torch.optim.Optimizer | None = None
         self._quorum_started = False
+        self._stepped = False  # pipe.step ran since the last commit
         self.participants: tuple[int, ...] = ()
+        self.last_committed = False  # whether the last optimizer.step() committed its step
+        self._scaler: Any = None  # the GradScaler given to fault_tolerant, if any
         # The history of committed steps this replica holds (ft_lineage): a heal carries it.
         self.lineage = 0
+        # The job's record of which history each step extends (ft_record), where the
+        # launcher keeps one; group rank 0 writes this group's count there.
+        self.record = JobRecord.from_environment(self.replica_id, timeout)
+        self._writes_count = rank == 0
+        if os.environ.get(LOG_ENV) and not logging.getLogger().handlers:
+            _warnings_to_stderr()
         # Quorum at the start of a step and healing before its forward (use_async_quorum
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
@@ -173,10 +199,12 @@ class FaultTolerance:
                                                          run_check=False)
         self._optimizer.load_state_dict(state)
 
-    def wrap(self, optimizer: torch.optim.Optimizer, scaler: Any = None
-             ) -> torch.optim.Optimizer:
+    def wrap(self, optimizer: torch.optim.Optimizer, scaler: Any = None,
+             state: Mapping[str, Any] | None = None) -> torch.optim.Optimizer:
         """`optimizer`, stepping only when the quorum commits (torchft's OptimizerWrapper);
-        with `scaler`, stepping through it after the average, its state healed too."""
+        with `scaler`, stepping through it after the average, its state healed too; every
+        object of `state` (a learning-rate scheduler, a data loader's position: anything with
+        `state_dict()` and `load_state_dict()`) is carried by a heal under its name."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PipeConfigError(f"pipe.fault_tolerant(optimizer) takes a torch.optim."
                                   f"Optimizer; got {type(optimizer).__name__}")
@@ -194,6 +222,15 @@ class FaultTolerance:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise PipeConfigError(f"pipe.fault_tolerant(optimizer, scaler=...) takes a "
                                   f"torch.amp.GradScaler; got {type(scaler).__name__}")
+        state = dict(state or {})
+        for name, obj in state.items():
+            taken = name in ("pipe", "lineage", "optimizer", "scaler", "torchft")
+            if taken or not callable(getattr(obj, "state_dict", None)) or not callable(
+                    getattr(obj, "load_state_dict", None)):
+                raise PipeConfigError(
+                    f"pipe.fault_tolerant(..., state={{{name!r}: ...}}): each entry must have "
+                    f"state_dict() and load_state_dict() (got {type(obj).__name__}) under a "
+                    f"name other than pipe, lineage, optimizer, scaler and torchft")
         self._optimizer = optimizer
         self.manager.register_state_dict_fn("optimizer", self._load_optimizer,
                                             self._optimizer_state)
@@ -203,22 +240,48 @@ class FaultTolerance:
                                                 scaler.state_dict)
         else:
             scaler = None
+        self._scaler = scaler
+        for name, obj in state.items():  # a scheduler's step count, say: healed with the rest
+            self.manager.register_state_dict_fn(name, obj.load_state_dict, obj.state_dict)
         from pipeline.parallel.ft_optimizer import ReplicaOptimizer
 
         wrapped = ReplicaOptimizer(self.manager, optimizer, self, scaler)
         # The first quorum now: a group that starts late or again heals here, so its
         # committed_steps (and the data the loop picks by it) are its peers' from the start.
-        self.before_step()
+        self._quorum()
         return wrapped
 
     # -- the step protocol ---------------------------------------------------------------------
-    def before_step(self) -> None:
-        """The quorum for this step (healing this rank first if it is behind)."""
+    def before_step(self, scaler: Any = None) -> None:
+        """The quorum for this step (healing this rank first if it is behind), unless the
+        last commit started it already. `scaler`: the one given to this pipe.step."""
         if self._optimizer is None:
             raise PipeConfigError(
                 "Pipe(fault_tolerance=True) commits steps through its optimizer: wrap it "
                 "before the first step, optimizer = pipe.fault_tolerant(torch.optim.AdamW("
                 "pipe.parameters()))")
+        if scaler is not None and scaler.is_enabled() and scaler is not self._scaler:
+            # Stepped by the user, the scaler would skip or grow on this replica's gradients
+            # alone, before the average the other replicas wait in.
+            raise PipeConfigError(
+                "pipe.step(..., scaler=scaler) under fault tolerance: give the same scaler to "
+                "pipe.fault_tolerant(optimizer, scaler=scaler) and call optimizer.step() "
+                "alone (it runs scaler.step and scaler.update after the cross-replica average)")
+        if not self._quorum_started:
+            before = self.committed_steps
+            self._quorum()
+            if self.committed_steps != before:
+                # The loop picked this step's batch for `before`: trained now, the step would
+                # average that batch into another step's gradients, silently.
+                raise PipeConfigError(
+                    f"replica group {self.replica_id} was healed at the start of pipe.step "
+                    f"(from step {before} to {self.committed_steps}), after the loop had "
+                    f"picked its batch for step {before}: loop over pipe.training_steps(total), "
+                    f"which heals before it yields the step to pick the batch by")
+        self._stepped = True
+
+    def _quorum(self) -> None:
+        """Start this step's quorum (and heal) unless it is started."""
         if not self._quorum_started:
             self.manager.start_quorum()
             self._quorum_started = True
@@ -227,7 +290,7 @@ class FaultTolerance:
         """Average this rank's gradients over the same stage of every replica in the quorum
         (one flat buffer; a replica that is not participating contributes zeros, torchft's
         rule). An error is recorded by the Manager, and the step is then not committed."""
-        if not self._quorum_started:
+        if not self._stepped:
             raise PipeConfigError("optimizer.step() before any pipe.step(...) in this step: "
                                   "run pipe.step first, then optimizer.step()")
         # Under tp, this rank's shards: the peers of rank r hold the same ones.
@@ -290,20 +353,64 @@ class FaultTolerance:
                 f"loaded host")
 
     def commit(self, apply: Callable[[], None]) -> bool:
-        """Apply the step when every rank of every replica in the quorum agrees; the next
-        pipe.step then starts a new quorum whatever the outcome."""
+        """Apply the step when every rank of this replica group agrees and it extends the
+        job's history; the next step starts a new quorum whatever the outcome."""
+        step = self.committed_steps
+        after = ft_lineage.next_lineage(self.lineage, step, self.participants)
+        theirs = None
+        if self.record is not None and self.participants:
+            theirs = self.record.conflict(step, after)
+            if theirs is not None:  # this group's ranks all see it: none commits
+                self.manager.report_error(NotLatest(f"step {step} extends another history"))
         try:
             ok = bool(self.manager.should_commit())
         finally:
-            self._quorum_started = False
+            self._quorum_started = self._stepped = False
+        if ok and self.record is not None:
+            lost = self.record.claim(step, after)
+            if lost is not None:
+                # Another quorum committed this step from other weights between the check
+                # and now: this group's count already moved on, so it restarts and heals.
+                raise ft_lineage.ReplicasDiverged(
+                    f"step {step}: replica group {self.replica_id} and another quorum both "
+                    f"committed it from other histories at the same moment; this group stops "
+                    f"so that its launcher restarts it and it heals from the job's history")
+        self.last_committed = ok
         if ok:
             apply()
-            self.lineage = ft_lineage.next_lineage(self.lineage, self.committed_steps - 1,
-                                                   self.participants)
+            self.lineage = after
+            if self.record is not None and self._writes_count:
+                self.record.committed(self.committed_steps, self.lineage)
+        elif theirs is not None:
+            _log.warning("step %d: replica group %d does not hold the job's history (another "
+                         "group committed this step from other weights); not committed, it "
+                         "waits for a quorum with a group that holds it, which heals it",
+                         step, self.replica_id)
         else:
             _log.warning("step %d not committed (a replica failed or the quorum changed); "
-                         "it is taken again", self.committed_steps)
+                         "it is taken again", step)
         return ok
+
+    def training_steps(self, total: int, deadline: float) -> Iterator[int]:
+        """The step to train next, its quorum (and a heal) done first, until `total` steps
+        are committed and the last one held every replica; `deadline` seconds after reaching
+        `total` without such a step, PipelineError."""
+        reached: float | None = None
+        while True:
+            # The quorum here, at the top of the loop: a heal lands after the loop body's own
+            # updates of the last step (a scheduler's step) and before it picks the data.
+            self._quorum()
+            step = self.committed_steps
+            if step >= total:
+                if self.last_committed and len(self.participants) == self.num_replicas:
+                    return
+                reached = time.monotonic() if reached is None else reached
+                if time.monotonic() - reached > deadline:
+                    raise PipelineError(
+                        f"replica group {self.replica_id} reached {total} committed steps, "
+                        f"but no step since held every replica (last: {self.participants}) "
+                        f"within {deadline:g}s: a group did not come back")
+            yield step
 
     @property
     def committed_steps(self) -> int:
@@ -315,50 +422,3 @@ class FaultTolerance:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-class FaultTolerantPipe:
-    """What a Pipe offers its training loop under fault tolerance (a base class of Pipe)."""
-
-    _ft: FaultTolerance | None
-
-    def _require_ft(self, what: str) -> FaultTolerance:
-        if self._ft is None:
-            raise PipeConfigError(f"pipe.{what} needs Pipe(..., fault_tolerance=True); this "
-                                  f"Pipe was built without it")
-        return self._ft
-
-    def fault_tolerant(self, optimizer: torch.optim.Optimizer, *,
-                       scaler: Any = None) -> torch.optim.Optimizer:
-        """`optimizer` (built on pipe.parameters()), applying a step only when torchft's
-        quorum committed it: gradients are first averaged over the replicas present. With a
-        GradScaler (also passed to pipe.step), `optimizer.step()` runs `scaler.step` and
-        `scaler.update` after the average, and a heal carries the scaler's state."""
-        return self._require_ft("fault_tolerant(optimizer)").wrap(optimizer, scaler)
-
-    @property
-    def committed_steps(self) -> int:
-        """Steps committed by the quorum (a healed replica takes the count from its peer)."""
-        return self._require_ft("committed_steps").committed_steps
-
-    @property
-    def num_participants(self) -> int:
-        """Replica groups in the last quorum (0 before the first step): the step's gradients
-        were averaged over this many."""
-        return self._require_ft("num_participants").num_participants
-
-    @property
-    def participants(self) -> tuple[int, ...]:
-        """The replica ids whose gradients the last step's average held (read off the
-        average itself); a step that was then not committed says so in committed_steps."""
-        return self._require_ft("participants").participants
-
-    @property
-    def replica_id(self) -> int:
-        """This replica group's index (0 without fault tolerance), to pick its data."""
-        return self._ft.replica_id if self._ft is not None else 0
-
-    @property
-    def num_replicas(self) -> int:
-        """The number of replica groups of the job (1 without fault tolerance)."""
-        return self._ft.num_replicas if self._ft is not None else 1

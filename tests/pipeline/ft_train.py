@@ -9,7 +9,8 @@ runs at or after committed step `step`. Points: forward, backward (inside the pi
 step (after the backward, before the cross-replica average), allreduce (inside the average's
 collective, once the same rank of another replica is inside it too), optimizer (inside the
 optimizer's step, after the quorum agreed to commit), heal (a group restarted after the
-previous kill, while it fetches its state from its peer). Kills run in the order given, each
+previous kill, while it fetches its state from its peer), end (after the loop, before the final
+state is saved: lost after the job's last commit). Kills run in the order given, each
 once per job (OUT/killed_<i> marks it done, with the time and step), and each only after every
 replica took part in a step after the previous kill: one group is lost at a time.
 
@@ -20,6 +21,9 @@ that step alike.
 --layout tp|replicate|fsdp: each replica group is one stage of tests/models_tp.py's MLP over
 two ranks of the group: tensor-parallel (its plan), or data-parallel (replicated, or sharded by
 FSDP2); the final state saved whole.
+
+--scheduler: a LambdaLR scheduler (lr x 0.9 per step) stepped after each committed step and
+carried by a heal (`pipe.fault_tolerant(..., state={"scheduler": ...})`); its state is saved.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -41,6 +45,7 @@ import os
 import signal
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,7 +60,7 @@ WIDTH = 16
 LR = 0.01
 GROWTH_INTERVAL = 20  # a GradScaler's, with --scaler
 INF_STEP = 1  # replica 1's batch of this step holds an inf, with --scaler
-POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal")
+POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal", "end")
 
 
 def build_model() -> nn.Sequential:
@@ -144,10 +149,12 @@ class Killer:
         return i if mine and kill.point == "heal" else None
 
     def finished(self) -> bool:
-        """Every kill ran, and every replica took part in a step after the last one."""
-        if not self.kills:
+        """Every kill ran, and every replica took part in a step after the last one (an
+        "end" kill comes after the loop: not waited for here)."""
+        during = [i for i, kill in enumerate(self.kills) if kill.point != "end"]
+        if not during:
             return True
-        last = self.done(len(self.kills) - 1)
+        last = self.done(during[-1])
         return last is not None and self.last_everyone > last["step"]
 
     def kill(self, i: int, step: int) -> None:
@@ -251,7 +258,7 @@ def _full(state: Any) -> Any:
 
 
 def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
-          layout: str = "") -> None:
+          layout: str = "", schedule_lr: bool = False) -> None:
     pipe = (_mesh_pipe(layout) if layout else
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
     mlp = bool(layout)  # a mesh layout: the tests' tp MLP and its data
@@ -266,14 +273,17 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     # fp32 under a GradScaler: scales are powers of two, so the scaled gradients round as
     # the plain ones do, and a reference without one gives the same bits.
     scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL) if amp else None
-    optimizer = pipe.fault_tolerant(inner, scaler=scaler)
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 0.9**step)
+                 if schedule_lr else None)
+    optimizer = pipe.fault_tolerant(inner, scaler=scaler, state={"scheduler": scheduler}
+                                    if scheduler is not None else None)
     _log_start(out, pipe.replica_id, rank, started, pipe.committed_steps)
     log = open(os.path.join(out, f"log_{pipe.replica_id}_{rank}.jsonl"), "a")  # noqa: SIM115
-    # Train to `steps`, and on until a step every replica took part in is committed after the
-    # last kill: a restarted group catches up (heals) before the others stop, so all end at
-    # one step.
-    while pipe.committed_steps < steps or not killer.finished():
-        step = pipe.committed_steps
+    # Train to `steps` (the library's loop: each step's quorum and heal before its batch is
+    # picked, the end on a step every replica took), and on until a step every replica took
+    # part in is committed after the last kill: a restarted group catches up (heals) before
+    # the others stop, so all end at one step.
+    for step in _steps(pipe, steps, killer):
         killer.arm(step)
         begun = time.monotonic()
         x, y = (tp_batch if mlp else batch)(pipe.replica_id, step)
@@ -286,7 +296,9 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
         killer.fire("step")
         optimizer.step()
         optimizer.zero_grad()
-        committed = pipe.committed_steps > step
+        committed = pipe.last_step_committed  # (the count may also move by a heal)
+        if committed and scheduler is not None:
+            scheduler.step()
         if committed and len(pipe.participants) == pipe.num_replicas:
             killer.last_everyone = step
         log.write(json.dumps({"t": time.time(), "step": step, "loss": loss.item(),
@@ -294,12 +306,25 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
                               "members": list(pipe.participants)}) + "\n")
         log.flush()
         time.sleep(max(0.0, begun + min_step_s - time.monotonic()))
+    killer.arm(pipe.committed_steps)
+    killer.fire("end")
     torch.save({"model": _full(pipe.state_dict()) if mlp else pipe.state_dict(),
                 "optimizer": _full(optimizer.state_dict()) if mlp else optimizer.state_dict(),
                 "committed_steps": pipe.committed_steps,
-                "scaler": scaler.state_dict() if scaler is not None else None},
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None},
                os.path.join(out, f"final_{pipe.replica_id}_{rank}.pt"))
     pipe.close()
+
+
+def _steps(pipe: Pipe, steps: int, killer: Killer) -> Iterator[int]:
+    """pipe.training_steps(steps), then one step more at a time until every kill ran."""
+    total = steps
+    while True:
+        yield from pipe.training_steps(total)
+        if killer.finished():
+            return
+        total = pipe.committed_steps + 1
 
 
 def train_from_checkpoints(out: str, steps: int, kills: list[Kill], every: int) -> None:
@@ -346,13 +371,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--min-step-ms", type=float, default=0.0)
     parser.add_argument("--scaler", action="store_true")
+    parser.add_argument("--scheduler", action="store_true")
     parser.add_argument("--layout", choices=("tp", "replicate", "fsdp"), default="")
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
-        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout)
+        train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout,
+              ns.scheduler)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,60 @@ def test_replicas_without_a_scaler_equal_the_replay(tmp_path: Path) -> None:
     _assert_equal_to_replay(tmp_path, (0, 1), _logged_members(tmp_path))
 
 
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_heartbeats_that_keep_stalling_never_part_the_replicas(tmp_path: Path) -> None:
+    """A heartbeat timeout far below a step (50 ms) drops live groups all the time, as a
+    loaded host stalls them at 1 s: groups form quorums alone at the same step numbers, and
+    before the job's record each committed its own history (exit 0, replicas apart). Now a
+    step is committed by one history only; a group behind waits until a quorum heals it.
+    The job ends with both replicas equal to the replay of the logged quorums (every log
+    agreeing on each step's members), or exits 1 naming the group that never caught up."""
+    done = _launch(tmp_path, "20", heartbeat_timeout=0.05)
+    if done.returncode != 0:
+        assert done.returncode == 1, done.stderr[-4000:]
+        assert "never reached the job's history" in done.stderr, done.stderr[-4000:]
+        return
+    members = _logged_members(tmp_path)
+    _assert_equal_to_replay(tmp_path, (0, 1), members)
+    if any(len(m) == 1 for m in members):  # the library's warnings reach stderr unasked
+        assert "averaged over 1 of 2 replicas" in done.stderr
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_rank_lost_after_the_last_commit_ends_the_job_with_an_error(tmp_path: Path) -> None:
+    """Replica 1's rank 1 dies after the job's last commit: started again, its group would
+    train from its initial weights alone (it did, and the job exited 0). Nothing holds the
+    history to heal it from once replica 0 finishes: the launcher says so and exits 1."""
+    done = _launch(tmp_path, "4", "--kill", "1:1:4:end")
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "replica group 1 lost rank 1" in done.stderr
+    assert ("the finished groups' weights are the job's result" in done.stderr), \
+        done.stderr[-4000:]
+    assert (tmp_path / "final_0_0.pt").exists() and (tmp_path / "final_0_1.pt").exists()
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_heal_carries_the_learning_rate_scheduler(tmp_path: Path) -> None:
+    """A LambdaLR registered with pipe.fault_tolerant(..., state=...): replica 1 lost at step
+    2 heals with its peer's scheduler too, and both end at the same learning rate and
+    weights (without it, the healed replica's scheduler restarted at step 0)."""
+    done = _launch(tmp_path, "6", "--kill", "1:0:2:forward", "--scheduler")
+    assert done.returncode == 0, done.stderr[-4000:]
+    for k in (0, 1):
+        a, b = (torch.load(tmp_path / f"final_{r}_{k}.pt") for r in (0, 1))
+        assert a["scheduler"] == b["scheduler"] and a["scheduler"]["last_epoch"] >= 6
+        _assert_same_state(a, b, k)
+
+
 def _logged_members(out: Path) -> list[tuple[int, ...]]:
     """The replicas each committed step averaged over, as every rank logged them (they
     agree), in step order."""
@@ -357,7 +411,31 @@ def test_more_failures_than_max_restarts(tmp_path: Path) -> None:
     assert ("replica group 1 failed after 1 restart(s) (--max-restarts 1); failures: group 1: "
             "rank 0 killed by SIGKILL, rank 0 killed by SIGKILL. The other groups were "
             "stopped." in done.stderr), done.stderr[-4000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped_0_0", "stopped_0_1"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("stopped")) == [
+        "stopped_0_0", "stopped_0_1"]
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_sigterm_to_the_launcher_reaches_every_rank_and_is_waited_for(tmp_path: Path) -> None:
+    """The launcher passes SIGTERM on to every rank of every group, waits for them, and
+    exits 128 + 15 (it used to exit at once and leave its ranks running for a minute)."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
+           GIVE_UP, str(tmp_path), "--all-wait"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("up_*"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert "stopped by SIGTERM" in err
+    assert sorted(p.name for p in tmp_path.glob("stopped_*")) == [
+        f"stopped_{r}_{k}" for r in (0, 1) for k in (0, 1)]
 
 
 # -- a heal trusts no code from its peer ------------------------------------------------------

@@ -68,7 +68,8 @@ def _replica(replica: int, lineage: int, peers: list[torch.Tensor]
              ) -> tuple[FaultTolerance, list[torch.nn.Parameter]]:
     ft = FaultTolerance.__new__(FaultTolerance)  # no torchft: the protocol's arithmetic alone
     ft.replica_id, ft.num_replicas, ft.lineage = replica, 2, lineage
-    ft.participants, ft._quorum_started = (), True
+    ft.participants, ft._quorum_started, ft._stepped = (), True, True
+    ft.record, ft._scaler, ft.last_committed = None, None, False  # no launcher's record
     ft.manager = _Manager(peers)  # type: ignore[assignment]
     params = [torch.nn.Parameter(torch.zeros(3))]
     params[0].grad = torch.full((3,), float(replica + 1))

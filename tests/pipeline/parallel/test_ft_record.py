@@ -1,0 +1,121 @@
+"""The job's record of committed steps (pipeline/parallel/ft_record.py) and the launcher's
+decisions on it: which history a step extends, whether a lost group can be healed, whether a
+live group can ever catch up, whether the groups ended alike; the loop's refusals."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline import PipeConfigError
+from pipeline.launch import host_store
+from pipeline.parallel.ft_record import JobRecord, group_key, read_record
+
+pytest.importorskip("torchft")
+
+from pipeline import replica_launch
+from pipeline.parallel.fault_tolerance import FaultTolerance
+
+
+@pytest.fixture
+def store() -> Any:
+    served, _ = host_store()
+    return served
+
+
+def test_one_history_claims_each_step(store: Any) -> None:
+    """The first quorum to commit a step names its history; a group of another history sees
+    the conflict before its commit and loses a race after it; its own history passes."""
+    a, b = JobRecord(store, 0), JobRecord(store, 1)
+    assert a.conflict(0, 111) is None and a.claim(0, 111) is None
+    assert b.claim(0, 111) is None  # the same quorum's other group: the same history
+    assert b.conflict(0, 222) == 111 and b.claim(0, 222) == 111
+    assert b.conflict(1, 222) is None  # a step nobody committed yet
+    a.committed(1, 111)
+    b.committed(0, 0)
+    assert read_record(store, 3) == {0: (1, 111), 1: (0, 0)}
+
+
+def _groups(done: list[bool]) -> list[replica_launch.ReplicaGroup]:
+    groups = [replica_launch.ReplicaGroup(r) for r in range(len(done))]
+    for g, d in zip(groups, done, strict=True):
+        g.done = d  # no processes: a group not done is live
+    return groups
+
+
+def test_a_lost_group_is_restarted_only_while_a_live_group_holds_the_history(
+        store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 0.2)
+    groups = _groups([False, False])
+    assert replica_launch._history_lost(store, groups, groups[1]) is None  # nothing committed
+    store.set(group_key(0), "5 9")
+    store.set(group_key(1), "5 9")
+    assert replica_launch._history_lost(store, groups, groups[1]) is None
+    # The only group holding the 5 steps is lost while the other restarts from nothing.
+    store.set(group_key(1), "0 0")
+    why = replica_launch._history_lost(store, groups, groups[0])
+    assert why is not None and "resume the job from its last sharded checkpoint" in why
+    # Lost after the other finished: no live group holds what it would have to redo.
+    groups = _groups([True, False])
+    store.set(group_key(1), "5 9")
+    why = replica_launch._history_lost(store, groups, groups[1])
+    assert why is not None and "finished groups' weights are the job's result" in why
+
+
+def test_a_live_group_that_can_never_catch_up_ends_the_job(
+        store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 0.05)
+    groups = _groups([True, False])
+    store.set(group_key(0), "20 7")
+    store.set(group_key(1), "20 7")
+    assert replica_launch._Stuck(store, groups).check() is None  # it is finishing alike
+    store.set(group_key(1), "3 5")
+    stuck = replica_launch._Stuck(store, groups)
+    assert stuck.check() is None  # seen once: it may be writing its count
+    time.sleep(0.1)  # past the grace
+    stuck.next_look = 0.0
+    why = stuck.check()
+    assert why is not None and "replica group(s) [1] never reached the job's history" in why
+
+
+def test_groups_that_end_with_other_histories_fail_the_job(
+        store: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    groups = _groups([True, True])
+    store.set(group_key(0), "20 7")
+    store.set(group_key(1), "20 7")
+    assert replica_launch._compare_ends(store, groups) == 0
+    store.set(group_key(1), "20 8")
+    assert replica_launch._compare_ends(store, groups) == 1
+    assert "ended with different histories" in capsys.readouterr().err
+
+
+def _bare_ft(**fields: Any) -> FaultTolerance:
+    """A FaultTolerance without its torchft Manager, for the checks made before it is used."""
+    ft = object.__new__(FaultTolerance)
+    ft.__dict__.update({"_optimizer": object(), "_scaler": None, "_quorum_started": True,
+                        "_stepped": False, **fields})
+    return ft
+
+
+def test_a_scaler_given_to_pipe_step_alone_is_refused() -> None:
+    """Stepped by the user, it would skip or grow on this replica's gradients alone."""
+    ft = _bare_ft()
+    with pytest.raises(PipeConfigError, match=r"give the same scaler to pipe.fault_tolerant"):
+        ft.before_step(torch.amp.GradScaler("cpu"))
+    ft.before_step(None)  # no scaler: fine
+    assert ft._stepped
+
+
+def test_state_for_a_heal_needs_state_dict_and_a_free_name() -> None:
+    model = torch.nn.Linear(2, 2)
+    ft = _bare_ft(_optimizer=None, _pipe=SimpleNamespace(parameters=model.parameters))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PipeConfigError, match=r"state=\{'epoch': \.\.\.\}.*state_dict\(\)"):
+        ft.wrap(optimizer, state={"epoch": 3})
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    with pytest.raises(PipeConfigError, match=r"other than pipe, lineage, optimizer"):
+        ft.wrap(optimizer, state={"optimizer": scheduler})
