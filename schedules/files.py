@@ -169,9 +169,20 @@ class _Walk:
                 return "."
             entry = self.entry(name)
             if entry is not None and stat.S_ISLNK(entry.st_mode):
+                if self._kernel_object(name, entry):
+                    return name  # the caller opens it through the kernel (a write only)
                 self._link(name, entry)
                 continue
             return name
+
+    def _kernel_object(self, name: str, entry: os.stat_result) -> bool:
+        """Whether `name` is one of this process's own descriptors (/proc/self/fd/1, which
+        /dev/stdout names): a link whose target is a kernel object ("pipe:[1234]"), no path
+        to walk, in a directory only its owner can write."""
+        if shared(self.info) or not _trusted(entry, self.info):
+            return False
+        target = os.readlink(name, dir_fd=self.fd)
+        return ":" in target and "/" not in target
 
 
 def held_directory(path: Path, *, create: bool = False) -> tuple[int, str]:
@@ -352,13 +363,20 @@ def _write_in(directory: int, name: str, data: bytes, shown: str) -> None:
         old: os.stat_result | None = os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
         old = None
+    follow = old is not None and stat.S_ISLNK(old.st_mode)  # a descriptor of ours (_Walk.last)
+    if follow:
+        old = os.stat(name, dir_fd=directory)
     if name == "." or (old is not None and not stat.S_ISREG(old.st_mode)):
         kind = "a directory" if name == "." or old is None else _kind(old.st_mode)
         if old is None or not (stat.S_ISCHR(old.st_mode) or stat.S_ISFIFO(old.st_mode)):
             raise FileRefused(f"{shown!r} is {kind}: write to a regular file's path")
-        _refuse_planted(old, os.fstat(directory), shown)
-        _write_special(directory, name, old, data, shown)
+        if not follow:
+            _refuse_planted(old, os.fstat(directory), shown)
+        _write_special(directory, name, old, data, shown, follow=follow)
         return
+    if follow:
+        raise FileRefused(f"{shown!r} is a descriptor of this process on a regular file: "
+                          f"write to that file's path")
     if old is not None:
         _refuse_planted(old, os.fstat(directory), shown)
     final = stat.S_IMODE(old.st_mode) if old is not None else None
@@ -382,9 +400,10 @@ def _write_in(directory: int, name: str, data: bytes, shown: str) -> None:
 
 
 def _write_special(directory: int, name: str, old: os.stat_result, data: bytes,
-                   shown: str) -> None:
+                   shown: str, *, follow: bool = False) -> None:
+    nofollow = 0 if follow else os.O_NOFOLLOW
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC,
+        fd = os.open(name, os.O_WRONLY | nofollow | os.O_NONBLOCK | _CLOEXEC,
                      dir_fd=directory)
     except OSError as exc:
         if exc.errno == errno.ENXIO:

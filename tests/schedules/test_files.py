@@ -221,3 +221,13 @@ def test_links_of_ours_are_followed_and_loops_refused(tmp_path: Path) -> None:
     (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(FileRefused, match="more than 40 symbolic links"):
         read_file(tmp_path / "loop", limit=10)
+
+
+def test_standard_output_is_written_through_the_process_own_descriptor() -> None:
+    """`pipeviz -o /dev/stdout | ...`: /dev/stdout is a link to /proc/self/fd/1, whose target
+    is a pipe ("pipe:[...]"), no path to walk; a descriptor of the process's own, in a
+    directory only it can write, is opened through the kernel and written directly."""
+    code = "from schedules.files import write_atomic; write_atomic('/dev/stdout', 'a,b\\n')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, cwd=Path(__file__).parents[2])
+    assert (done.returncode, done.stdout) == (0, "a,b\n"), done.stderr
