@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint unit random docs bench bench-full clean
+.PHONY: demo test test-busy lint unit random docs bench bench-full clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ random: $(STAMP)
 		tests/test_transparency.py::test_pipe_equals_single_device
 
 test: lint unit random
+
+# `make test` beside one spinning process per core, stopped when the run ends however it ends
+# (tests/busy.py): what must hold on a laptop or a shared runner must hold here too.
+test-busy: $(STAMP)
+	$(PY) -m tests.busy $(MAKE) test
 
 # The documentation's tests alone (`unit` runs them too): every Python block of README.md and
 # docs/*.md runs, shell command lines parse, relative links resolve. Offline, CPU.

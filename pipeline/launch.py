@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -33,8 +34,8 @@ from typing import Any
 from pipeline import settings
 from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV, MAX_INIT_TIMEOUT
 
-__all__ = ["ALLOCATOR", "INIT_TIMEOUT_ENV", "RankFailed", "free_port", "host_store", "main",
-           "rank_env", "spawn"]
+__all__ = ["ALLOCATOR", "INIT_TIMEOUT_ENV", "RankFailed", "describe_exit", "exit_status",
+           "free_port", "host_store", "main", "rank_env", "spawn"]
 
 _log = logging.getLogger(__name__)
 
@@ -46,6 +47,28 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, results: dict[int, Any]) -> None:
         super().__init__(message)
         self.results = results
+
+
+def describe_exit(code: int) -> str:
+    """How a rank ended, from its exit code: "exited with code 3", or the signal that killed
+    it by name ("was killed by SIGABRT (signal 6) ...")."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"was killed by signal {-code}"
+    why = {signal.SIGABRT: ": it aborted (its own last lines above say why, such as "
+                           "'terminate called ...' from a C++ library)",
+           signal.SIGKILL: ": killed from outside (the out-of-memory killer, or a user)",
+           signal.SIGSEGV: ": a crash in native code"}.get(sig, "")
+    return f"was killed by {sig.name} (signal {-code}){why}"
+
+
+def exit_status(code: int) -> int:
+    """A rank's exit code as a process's exit status: a signal N as 128 + N, as shells do
+    (a negative status would wrap around to 256 - N)."""
+    return 128 - code if code < 0 else code
 
 
 def free_port() -> int:
@@ -170,7 +193,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0
             _drain(results, got)
             for r in exited:
                 if r not in got:  # exited without reporting: killed, or crashed hard
-                    got[r] = ("error", f"process died (exit code {procs[r].exitcode})")
+                    code = procs[r].exitcode
+                    assert code is not None
+                    how = f"; it {describe_exit(code)}" if code < 0 else ""
+                    got[r] = ("error", f"process died (exit code {code}){how}")
         failed = [r for r, (status, _) in got.items() if status == "error"]
         if failed and deadline > time.monotonic() + grace:
             _log.info("rank %d failed; the others get %gs to finish", failed[0], grace)
@@ -212,8 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         type=settings.flag("--heartbeat-timeout", low=0.001, high=86400,
                                            unit=" seconds"),
                         help="with --replicas: seconds without a heartbeat after which the "
-                             "lighthouse drops a replica group (default 1; longer on a loaded "
-                             "host, where a live group's heartbeats may stall)")
+                             "lighthouse drops a replica group (default 5, torchft's; shorter "
+                             "detects a lost group sooner on a quiet host)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -241,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r, p in enumerate(procs):
             if p.poll() not in (None, 0) and failed_at is None:
                 failed_at, code = time.monotonic(), p.returncode
-                print(f"pipeline.launch: rank {r} exited with code {p.returncode}; the others "
+                print(f"pipeline.launch: rank {r} {describe_exit(p.returncode)}; the others "
                       f"get {ns.grace:g}s", file=sys.stderr)
         if failed_at is not None and time.monotonic() - failed_at > ns.grace:
             for r, p in enumerate(procs):
@@ -251,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     p.kill()
         time.sleep(0.1)
     del store  # served the ranks until they all exited
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    return exit_status(code or next((p.returncode for p in procs if p.returncode), 0))
 
 
 if __name__ == "__main__":

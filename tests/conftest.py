@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.busy import busy_cores
 from tests.limits import DIST_TEST_TIMEOUT
 from tests.other_user import shared_dir  # noqa: F401  (a fixture: a directory two users share)
 
@@ -20,6 +22,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture
+def busy() -> Iterator[None]:
+    """One spinning process per core while the test runs (tests/busy.py): for tests of what
+    must hold on a loaded machine (exits, kills, waits on other threads)."""
+    with busy_cores():
+        yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -44,6 +44,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.limits import SPAWN_TIMEOUT
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 MARKERS = ("continue", "launch", "script", "gpu", "output")
@@ -141,7 +143,7 @@ def _run_script(name: str, script: str, directory: Path, ranks: int | None) -> N
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     launcher = ["-m", "pipeline.launch", "--nproc", str(ranks)] if ranks else []
     run = subprocess.run([sys.executable, *launcher, "script.py"], cwd=directory, env=env,
-                         capture_output=True, text=True, timeout=110)
+                         capture_output=True, text=True, timeout=SPAWN_TIMEOUT)
     assert run.returncode == 0, f"{name} failed ({' '.join(launcher) or 'script'}):" \
                                 f"\n{run.stdout}\n{run.stderr}"
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.comm.handed import Handed, handed
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel.mesh import Mesh
 from pipeline.parallel.tensor_parallel import grads_as_params, like_param, local_tensor
@@ -37,6 +38,7 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 class _Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor  # the gradients (zeros where a replica has none), then one flag each
+    held: Handed  # `flat`, until the backend lets go of it
     work: Any
     launched: float
     done: list[float]
@@ -81,11 +83,12 @@ class GradSync:
             flat[:numel].div_(dist.get_world_size(self.group))
             # Launched before the call: gloo may finish (and stamp `done`) before it returns,
             # and a launch stamped after its end made a negative span.
+            held = Handed([flat])
             launched = time.perf_counter()
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             done: list[float] = []
             work.get_future().then(lambda _f, done=done: done.append(time.perf_counter()))
-            self._buckets.append(_Bucket(chunk, flat, work, launched, done))
+            self._buckets.append(_Bucket(chunk, flat, held, work, launched, done))
 
     def finish(self) -> None:
         """Wait for every reduction of the step and write the averages into `.grad`."""
@@ -93,6 +96,8 @@ class GradSync:
         try:
             for bucket in self._buckets:
                 self._wait(bucket.work, "the gradient all-reduce over dp")
+                bucket.work = None
+                bucket.held.settle()  # see pipeline/comm/handed.py
                 numel = bucket.flat.numel() - len(bucket.params)
                 present = (bucket.flat[numel:] > 0).tolist()
                 offset = 0
@@ -238,9 +243,10 @@ class Replicas:
 
     def all_reduce(self, flat: torch.Tensor, what: str) -> None:
         """Sum `flat` over the replicas, in place (deferred BatchNorm's global statistics)."""
-        with self._named_failures():
+        with self._named_failures(), handed(flat):
             work = dist.all_reduce(flat, group=self.mesh.dp, async_op=True)
             self.transport.wait_work(work, what)
+            del work  # the backend's reference is the last one `handed` waits for
 
     def _local_buffers(self) -> list[torch.Tensor]:
         """Every buffer of this rank's stages, in the same order on every replica."""
@@ -254,8 +260,10 @@ class Replicas:
             groups.setdefault((t.dtype, t.device), []).append(t)
         for same in groups.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            work = dist.broadcast(flat, group=self.mesh.dp, group_src=0, async_op=True)
-            self.transport.wait_work(work, what)
+            with handed(flat):
+                work = dist.broadcast(flat, group=self.mesh.dp, group_src=0, async_op=True)
+                self.transport.wait_work(work, what)
+                del work  # the backend's reference is the last one `handed` waits for
             if self.mesh.dp_rank != 0:
                 with torch.no_grad():
                     offset = 0

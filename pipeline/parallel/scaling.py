@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.comm.handed import handed
+
 __all__ = ["agree_on_overflow"]
 
 
@@ -28,6 +30,7 @@ def agree_on_overflow(scaler: Any, parameters: Sequence[nn.Parameter], device: t
     finite = not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
     if not finite:
         found.fill_(1.0)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    with handed(found):  # see pipeline/comm/handed.py
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     if found.item() and finite and grads:
         grads[0].view(-1)[0] = float("inf")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.comm.handed import handed
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.parallel.mesh import Mesh
 
@@ -174,7 +175,8 @@ def agree(description: str, mesh: Mesh) -> None:
     digest = torch.frombuffer(bytearray(hashlib.sha256(description.encode()).digest()),
                               dtype=torch.uint8)
     every = digest.new_empty(mesh.tp_size * digest.numel())
-    dist.all_gather_into_tensor(every, digest, group=mesh.tp)
+    with handed(every, digest):  # see pipeline/comm/handed.py
+        dist.all_gather_into_tensor(every, digest, group=mesh.tp)
     seen = every.view(mesh.tp_size, -1)
     differ = [r for r in range(mesh.tp_size) if not torch.equal(seen[r], seen[0])]
     if differ:
@@ -192,8 +194,10 @@ def agree_on_seed(seed: int, mesh: Mesh, wait: Callable[[Any, str], None]) -> in
     import torch.distributed as dist
 
     value = torch.tensor([seed], dtype=torch.int64)
-    work = dist.broadcast(value, group=mesh.tp, group_src=0, async_op=True)
-    wait(work, "the step's seed from tp rank 0")
+    with handed(value):  # see pipeline/comm/handed.py
+        work = dist.broadcast(value, group=mesh.tp, group_src=0, async_op=True)
+        wait(work, "the step's seed from tp rank 0")
+        del work
     return int(value.item())
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from pipeline.comm.handed import handed
 from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import LossFn
 from pipeline.planner.result import Plan
@@ -216,6 +217,7 @@ class Runner:
             return times
         device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else "cpu"
         t = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with handed(t):  # see pipeline/comm/handed.py
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         got: list[list[list[float]]] = t.cpu().tolist()
         return got
