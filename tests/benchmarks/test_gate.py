@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 import time
 from typing import Any
 
 import pytest
-import torch
 
+from benchmarks import gate
 from benchmarks.gate import StartGate, quiet
 
 _LATE = 0.3  # seconds the process sitting the step out takes to leave the barrier
@@ -52,19 +51,36 @@ def test_a_failed_process_ends_the_wait_for_it() -> None:
         gate._await_everyone(30)
 
 
-def test_quiet_waits_for_the_processs_busy_threads_and_not_when_idle() -> None:
-    # Nothing runs: it returns after a window or a few, well before its limit (a loaded
-    # machine can stretch a 5 ms sleep; only hitting the limit would mean it waited).
+def test_quiet_returns_at_once_when_nothing_runs() -> None:
+    # A loaded machine can stretch a 5 ms sleep; only hitting the limit would mean it waited.
     assert quiet(limit=1.0) < 0.5
-    stop = time.monotonic() + 0.15
 
-    def burn() -> None:  # a thread using a CPU outside the GIL, as OpenMP's workers do
-        x = torch.randn(256, 256)
-        while time.monotonic() < stop:
-            x @ x
 
-    worker = threading.Thread(target=burn)
-    worker.start()
+def _cpu_clock(busy_windows: int) -> Any:
+    """A process CPU clock (gate._cpu_seconds) that uses a whole CPU in each of the first
+    `busy_windows` windows `quiet` watches, then none: the reads come in pairs, one before
+    and one after each window's sleep."""
+    reads = {"n": 0, "total": 0.0}
+
+    def seconds() -> float:
+        if reads["n"] % 2 and reads["n"] // 2 < busy_windows:
+            reads["total"] += gate.QUIET
+        reads["n"] += 1
+        return reads["total"]
+    return seconds, reads
+
+
+def test_quiet_waits_while_the_processs_threads_use_a_cpu(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Its rule, on a CPU clock the test sets (how busy a real thread keeps a CPU depends on
+    the machine's load, so a burning thread would test the machine, not the rule): it sleeps
+    window after window while the process used a CPU in the last one, and returns in the
+    first idle window; busy throughout, it returns at its limit."""
+    seconds, reads = _cpu_clock(4)
+    monkeypatch.setattr(gate, "_cpu_seconds", seconds)
     took = quiet(limit=1.0)
-    worker.join()
-    assert took >= 0.1
+    assert reads["n"] == 2 * 5  # four busy windows, then the idle one
+    assert took >= 5 * gate.QUIET
+    seconds, reads = _cpu_clock(10**6)
+    monkeypatch.setattr(gate, "_cpu_seconds", seconds)
+    assert quiet(limit=0.05) >= 0.05
