@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-busy lint unit random docs bench bench-full clean
+.PHONY: demo test test-busy lint unit random docs bench bench-full gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,8 @@ unit: $(STAMP)
 # A failure prints the falsifying example (every argument), which reproduces it.
 random: $(STAMP)
 	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -p no:cacheprovider \
-		tests/test_transparency.py::test_pipe_equals_single_device
+		tests/test_transparency.py::test_pipe_equals_single_device \
+		tests/test_transparency.py::test_any_stage_graph_equals_single_device
 
 test: lint unit random
 
@@ -49,6 +50,13 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) -m benchmarks --suite full --out benchmarks/results
+
+# On a machine with a GPU, with torch built for it and the dev extra installed (the pinned CPU
+# build above is not): the GPU tests, then the one-GPU suite into benchmarks/results/gpu
+# (docs/benchmarks.md). A few minutes in all.
+gpu-check:
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/pipeline/test_gpu.py tests/test_docs.py
+	$(PYTHON) -m benchmarks --suite gpu --device cuda --no-progress --out benchmarks/results/gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
