@@ -257,27 +257,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         except PipeConfigError as exc:
             parser.error(str(exc))
     store, port = host_store()
+    # A signal to the launcher (a scheduler's SIGTERM, Ctrl-C) goes on to every rank, and the
+    # launcher waits for them as for a failure: no rank outlives it.
+    stopping: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     procs = [subprocess.Popen([sys.executable, ns.script, *ns.args],
                               env={**os.environ, **rank_env(r, ns.nproc, port), **extra})
              for r in range(ns.nproc)]
     _log.info("started %d ranks; rendezvous store on 127.0.0.1:%d", ns.nproc, port)
+    try:
+        code = _watch(procs, ns.grace, stopping)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    del store  # served the ranks until they all exited
+    return exit_status(code or next((p.returncode for p in procs if p.returncode), 0))
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], grace: float, stopping: list[int]) -> int:
+    """Wait for every rank; after a failure (or a signal to the launcher, passed on to each
+    rank) the others get `grace` seconds, then are killed. The first failure's code, 128 +
+    the signal for a signal to the launcher."""
     failed_at: float | None = None
     code = 0
     while any(p.poll() is None for p in procs):
+        if stopping and failed_at is None:
+            failed_at, code = time.monotonic(), -stopping[0]
+            print(f"pipeline.launch: stopped by {signal.Signals(stopping[0]).name}; passed on "
+                  f"to every rank, which get {grace:g}s", file=sys.stderr)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(stopping[0])
         for r, p in enumerate(procs):
             if p.poll() not in (None, 0) and failed_at is None:
                 failed_at, code = time.monotonic(), p.returncode
                 print(f"pipeline.launch: rank {r} {describe_exit(p.returncode)}; the others "
-                      f"get {ns.grace:g}s", file=sys.stderr)
-        if failed_at is not None and time.monotonic() - failed_at > ns.grace:
+                      f"get {grace:g}s", file=sys.stderr)
+        if failed_at is not None and time.monotonic() - failed_at > grace:
             for r, p in enumerate(procs):
                 if p.poll() is None:
                     _log.warning("stopping rank %d (still running %gs after a failure)", r,
-                                 ns.grace)
+                                 grace)
                     p.kill()
         time.sleep(0.1)
-    del store  # served the ranks until they all exited
-    return exit_status(code or next((p.returncode for p in procs if p.returncode), 0))
+    return code
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from types import FrameType
 
 
 def main(out: str, all_wait: bool) -> None:
-    replica, rank = os.environ["REPLICA_GROUP_ID"], os.environ["RANK"]
+    replica, rank = os.environ.get("REPLICA_GROUP_ID", "0"), os.environ["RANK"]
     if (replica, rank) == ("1", "0") and not all_wait:
         os.kill(os.getpid(), signal.SIGKILL)
 

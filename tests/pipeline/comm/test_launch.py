@@ -233,3 +233,25 @@ def test_python_dash_m_launch_runs_the_script_without_a_runpy_warning(tmp_path: 
     assert "RuntimeWarning" not in result.stderr
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ran 0"
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_launcher_is_passed_on_to_every_rank_and_waited_for(
+        tmp_path: Path) -> None:
+    """`python -m pipeline.launch --nproc 2` sent SIGTERM (a scheduler's stop) sends it on to
+    each rank, waits for them, and exits 128 + 15; it used to exit at once and leave its ranks
+    running."""
+    import signal
+
+    script = Path(__file__).parents[1] / "ft_give_up.py"
+    launcher = subprocess.Popen([sys.executable, "-m", "pipeline.launch", "--nproc", "2",
+                                 str(script), str(tmp_path), "--all-wait"],
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("up_*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert "stopped by SIGTERM" in err
+    assert sorted(p.name for p in tmp_path.glob("stopped_*")) == ["stopped_0_0", "stopped_0_1"]
