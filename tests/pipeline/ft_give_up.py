@@ -30,5 +30,21 @@ def main(out: str, all_wait: bool) -> None:
     time.sleep(60)
 
 
+def stop_launch(args: list[str], out: str, ranks: int) -> tuple[int, str, list[str]]:
+    """Run `python -m pipeline.launch ARGS this-script OUT --all-wait`, send the launcher
+    SIGTERM once all `ranks` are up; its exit code, its stderr and the ranks that got it."""
+    import subprocess
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "pipeline.launch", *args, __file__, out, "--all-wait"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(Path(out).glob("up_*"))) < ranks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    return launcher.returncode, err, sorted(p.name for p in Path(out).glob("stopped_*"))
+
+
 if __name__ == "__main__":
     main(sys.argv[1], "--all-wait" in sys.argv[2:])

@@ -243,15 +243,9 @@ def test_sigterm_to_the_launcher_is_passed_on_to_every_rank_and_waited_for(
     running."""
     import signal
 
-    script = Path(__file__).parents[1] / "ft_give_up.py"
-    launcher = subprocess.Popen([sys.executable, "-m", "pipeline.launch", "--nproc", "2",
-                                 str(script), str(tmp_path), "--all-wait"],
-                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("up_*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    launcher.send_signal(signal.SIGTERM)
-    _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 128 + signal.SIGTERM, err[-4000:]
+    from tests.pipeline.ft_give_up import stop_launch
+
+    code, err, stopped = stop_launch(["--nproc", "2"], str(tmp_path), 2)
+    assert code == 128 + signal.SIGTERM, err[-4000:]
     assert "stopped by SIGTERM" in err
-    assert sorted(p.name for p in tmp_path.glob("stopped_*")) == ["stopped_0_0", "stopped_0_1"]
+    assert stopped == ["stopped_0_0", "stopped_0_1"]

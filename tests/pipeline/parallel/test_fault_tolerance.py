@@ -422,20 +422,13 @@ def test_sigterm_to_the_launcher_reaches_every_rank_and_is_waited_for(tmp_path: 
     """The launcher passes SIGTERM on to every rank of every group, waits for them, and
     exits 128 + 15 (it used to exit at once and leave its ranks running for a minute)."""
     import signal
-    import time
 
-    cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
-           GIVE_UP, str(tmp_path), "--all-wait"]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("up_*"))) < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    launcher.send_signal(signal.SIGTERM)
-    _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 128 + signal.SIGTERM, err[-4000:]
+    from tests.pipeline.ft_give_up import stop_launch
+
+    code, err, stopped = stop_launch(["--replicas", "2", "--nproc", "2"], str(tmp_path), 4)
+    assert code == 128 + signal.SIGTERM, err[-4000:]
     assert "stopped by SIGTERM" in err
-    assert sorted(p.name for p in tmp_path.glob("stopped_*")) == [
-        f"stopped_{r}_{k}" for r in (0, 1) for k in (0, 1)]
+    assert stopped == [f"stopped_{r}_{k}" for r in (0, 1) for k in (0, 1)]
 
 
 # -- a heal trusts no code from its peer ------------------------------------------------------
