@@ -397,13 +397,14 @@ class FaultTolerance:
         `total` without such a step, PipelineError."""
         reached: float | None = None
         while True:
+            everyone = self.last_committed and len(self.participants) == self.num_replicas
+            if self.committed_steps >= total and everyone:
+                return
             # The quorum here, at the top of the loop: a heal lands after the loop body's own
             # updates of the last step (a scheduler's step) and before it picks the data.
             self._quorum()
             step = self.committed_steps
             if step >= total:
-                if self.last_committed and len(self.participants) == self.num_replicas:
-                    return
                 reached = time.monotonic() if reached is None else reached
                 if time.monotonic() - reached > deadline:
                     raise PipelineError(

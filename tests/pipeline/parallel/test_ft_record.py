@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import PipeConfigError
+from pipeline import PipeConfigError, PipelineError
 from pipeline.launch import host_store
 from pipeline.parallel.ft_record import JobRecord, group_key, read_record
 
@@ -119,3 +119,37 @@ def test_state_for_a_heal_needs_state_dict_and_a_free_name() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     with pytest.raises(PipeConfigError, match=r"other than pipe, lineage, optimizer"):
         ft.wrap(optimizer, state={"optimizer": scheduler})
+
+
+class _Steps:
+    """torchft's Manager as training_steps sees it: quorums started, the committed count."""
+
+    def __init__(self) -> None:
+        self.step, self.quorums = 0, 0
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def current_step(self) -> int:
+        return self.step
+
+
+def test_training_steps_heal_first_and_end_on_a_step_every_replica_took() -> None:
+    """Each step's quorum starts before the step is yielded (none after the last); the loop
+    goes past `total` until a committed step held every replica, and gives up after its
+    deadline when none comes."""
+    manager = _Steps()
+    ft = _bare_ft(_quorum_started=False, manager=manager, num_replicas=2, replica_id=0,
+                  last_committed=False, participants=())
+    seen = []
+    for step in ft.training_steps(2, deadline=60):
+        seen.append(step)
+        manager.step += 1  # the step committed: by this replica alone, then by both
+        ft._quorum_started, ft.last_committed = False, True
+        ft.participants = (0,) if step < 2 else (0, 1)
+    assert seen == [0, 1, 2] and manager.quorums == 3
+    ft.participants, manager.step = (0,), 5
+    with pytest.raises(PipelineError, match=r"reached 2 committed steps, but no step since"):
+        for _ in ft.training_steps(2, deadline=0.0):
+            time.sleep(0.01)
+            ft._quorum_started = False
