@@ -323,6 +323,7 @@ class FaultTolerance:
             return
         ones = flat[offset:offset + self.num_replicas]
         self.participants = tuple(int(r) for r in ones.nonzero().flatten())
+        self._check_ids(ones)
         self._check_lineages(ft_lineage.decode(flat[offset + self.num_replicas:],
                                                self.participants))
         if len(self.participants) < self.num_replicas:
@@ -331,6 +332,20 @@ class FaultTolerance:
             _log.warning("step %d: averaged over %d of %d replicas (%s)", self.committed_steps,
                          len(self.participants), self.num_replicas,
                          ", ".join(map(str, self.participants)) or "none")
+
+    def _check_ids(self, ones: torch.Tensor) -> None:
+        """Refuse two groups that run as one replica id (started by hand with the same
+        REPLICA_GROUP_ID): torchft counts both, so the averaged one-hot holds 2 / n at their
+        slot, where every other replica's holds 1 / n."""
+        counts = (ones.double() * self.num_participants).round().long().tolist()
+        twice = [r for r, c in enumerate(counts) if c > 1]
+        if twice:
+            self.manager.report_error(PipeConfigError(f"replica id {twice[0]} twice"))
+            self.participants = ()
+            raise PipeConfigError(
+                f"{counts[twice[0]]} replica groups run as REPLICA_GROUP_ID={twice[0]} (of "
+                f"{NUM_REPLICAS_ENV}={self.num_replicas}): each group needs its own id in "
+                f"[0, {self.num_replicas}); they would train on the same data as one replica")
 
     def _check_lineages(self, lineages: dict[int, int]) -> None:
         """Refuse a step whose replicas hold other histories: none commits it, and every

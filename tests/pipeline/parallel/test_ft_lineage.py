@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline import PipeConfigError
 from pipeline.parallel import ft_lineage
 from pipeline.parallel.fault_tolerance import FaultTolerance
 
@@ -48,6 +49,9 @@ class _Manager:
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(flat)
         return done
+
+    def num_participants(self) -> int:
+        return 1 + len(self.peers)
 
     def errored(self) -> Exception | None:
         return self.errors[0] if self.errors else None
@@ -110,6 +114,16 @@ def test_replicas_that_committed_apart_are_not_mixed() -> None:
     ft1, params1 = _replica(1, one, [_buffer(0, zero)])
     with pytest.raises(ft_lineage.ReplicasDiverged, match="heals from replica 0"):
         ft1.average_gradients(params1)
+
+
+def test_two_groups_with_one_replica_id_are_refused() -> None:
+    """Two groups started by hand as REPLICA_GROUP_ID=0: torchft counts both, and the average
+    holds 2 / 2 at replica 0's slot; both trained on replica 0's data as if one replica."""
+    history = ft_lineage.next_lineage(0, 4, (0,))
+    ft, params = _replica(0, history, [_buffer(0, history)])
+    with pytest.raises(PipeConfigError, match=r"2 replica groups run as REPLICA_GROUP_ID=0"):
+        ft.average_gradients(params)
+    assert not ft.commit(lambda: pytest.fail("a step of two groups as one was applied"))
 
 
 class _Recorder:
