@@ -13,7 +13,8 @@ puts the rows back in the caller's order.
 
 Refused before any work: a model with BatchNorm (rows are not independent: trimming changes its
 statistics), padding that is not trailing, lengths that disagree with the mask, counted labels
-on padding (they would be cut away), and inputs that require grad.
+on padding (they would be cut away), a target one position shorter than the inputs (labels
+shifted outside the loss: it would not be trimmed with them), and inputs that require grad.
 """
 
 from __future__ import annotations
@@ -263,7 +264,24 @@ def cut_batch(x: Any, target: Any, chunks: int, tokens: Any,
                 check_labels(cut, v, f"input {name!r}")
     if target is not None:
         check_labels(cut, target, "target")
+        _check_shifted(cut, target)
     return cut
+
+
+def _check_shifted(cut: Cut, target: Any) -> None:
+    """Labels one position shorter than the inputs (shifted outside the loss) are not
+    trimmed with them: beside trimmed logits the loss fails at the last stage."""
+    for v in as_tuple(target):
+        if (isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == cut.rows
+                and v.shape[1] == cut.length - 1 and not v.is_floating_point()
+                and v.dtype != torch.bool):
+            raise PipeConfigError(
+                f"tokens= trims the target with the inputs where its dim 1 is their length, "
+                f"but the target has shape {tuple(v.shape)} beside the inputs' "
+                f"{(cut.rows, cut.length)}: one position shorter (labels shifted outside "
+                f"the loss), it would stay whole beside the trimmed outputs. Pass labels as "
+                f"long as the inputs (input_ids, -100 on padding) and shift them inside the "
+                f"loss, as Hugging Face's models do")
 
 
 def cuts(pipe: Any, pairs: Sequence[tuple[Any, Any]], tokens: Any, chunks: int

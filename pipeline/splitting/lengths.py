@@ -82,13 +82,21 @@ class Lengths:
             [list(t.shape), str(t.dtype).removeprefix("torch.")]
             if isinstance(t, torch.Tensor) else None for t in tensors]
         changed = dtypes.changes(self._split, self._base)
+        # Positions counted from the inputs' values (OPT's mask, RoBERTa's ids): every batch.
+        reads = None if tensors is None else [
+            r for mode in MODES for r in self._limits[0][mode].reads(tensors)]
         if self.exchange is not None:
-            shapes, changed = self._agreed(shapes, changed)
+            shapes, changed, reads = self._agreed(shapes, changed, reads)
         self._use(changed)
-        key = json.dumps([shapes, sorted(changed.items())])
-        if shapes is None or key in self._fits:
+        if shapes is None:
             return
         stand_ins = [None if s is None else _stand_in(s[0], s[1]) for s in shapes]
+        past = self._overread(stand_ins, reads)
+        if past is not None:
+            raise _refusal(past, _TABLE)
+        key = json.dumps([shapes, sorted(changed.items())])
+        if key in self._fits:
+            return
         mine = [k for k, d in enumerate(self._dtypes) if d == changed]
         misfits = {k: self._misfit(k, stand_ins) for k in mine or [0]}
         fitting = [k for k, m in misfits.items() if m is None and k in mine]
@@ -97,8 +105,7 @@ class Lengths:
             return
         first = misfits[min(misfits)]
         if first is not None and first.table:
-            raise _refusal(first, "no capture can lift that: the model reads a learned "
-                                  "position table there")
+            raise _refusal(first, _TABLE)
         if first is not None and first.shared:
             raise _refusal(first, "the graph computes with both")
         reason = first if mine else dtypes.DtypeChange.of(changed, self._base)
@@ -121,17 +128,39 @@ class Lengths:
                 return found
         return None
 
-    def _agreed(self, shapes: Any, changed: dtypes.Changes) -> tuple[Any, dtypes.Changes]:
-        """The batch's shapes as the ranks holding it give them, and the dtypes every rank's
-        stages hold (each converted its own), on every rank."""
+    def _overread(self, tensors: Sequence[Any], reads: Sequence[int | None] | None
+                  ) -> Misfit | None:
+        """The first table the batch (`tensors`: of its shapes) reads past, by `reads`."""
+        if not reads:
+            return None
+        at = 0
+        for mode in MODES:
+            limits = self._limits[0][mode]
+            count = sum(table.values for table in limits.tables)
+            past = limits.overread(tensors, reads[at:at + count])
+            if past is not None:
+                return past
+            at += count
+        return None
+
+    def _agreed(self, shapes: Any, changed: dtypes.Changes, reads: list[int | None] | None
+                ) -> tuple[Any, dtypes.Changes, list[int | None] | None]:
+        """The batch's shapes as the ranks holding it give them, the dtypes every rank's
+        stages hold (each converted its own), and the largest positions the ranks holding
+        the batch counted from its values, on every rank."""
         assert self.exchange is not None
-        given = [json.loads(text) for text in self.exchange(json.dumps([shapes, changed]))]
-        texts = {json.dumps(s) for s, _ in given if s is not None}
+        given = [json.loads(text) for text in self.exchange(json.dumps([shapes, changed,
+                                                                        reads]))]
+        texts = {json.dumps(s) for s, _, _ in given if s is not None}
         if len(texts) > 1:
             raise PipeConfigError(
                 f"ranks passed inputs of different shapes ({'; '.join(sorted(texts))}): "
                 f"every rank passing the inputs must pass the same batch")
-        return (json.loads(texts.pop()) if texts else None), dtypes.merged([c for _, c in given])
+        counted = [r for _, _, r in given if r is not None]
+        largest = [max((x for x in column if x is not None), default=None)
+                   for column in zip(*counted, strict=True)] if counted else None
+        return ((json.loads(texts.pop()) if texts else None),
+                dtypes.merged([c for _, c, _ in given]), largest)
 
     def _capture(self, tensors: list[Any], reason: Reason, changed: dtypes.Changes) -> None:
         """Capture the model again at these shapes, in the dtypes `changed` gives, and give
@@ -225,9 +254,16 @@ def connect(split: Any, transport: Any) -> None:
     split.lengths.exchange = exchange
 
 
+_TABLE = ("no capture can lift that: the model reads a table of fixed size at positions "
+          "computed from its inputs (a learned or rotary position table)")
+
+
 def _refusal(reason: Reason, why: str) -> PipeConfigError:
     if isinstance(reason, dtypes.DtypeChange):
         fix = reason.fix
+    elif reason.table:
+        fix = ("truncate longer sequences to the model's maximum length (its config's "
+               "max_position_embeddings or n_positions, where it has one)")
     elif reason.shared:
         fix = "pass inputs whose sizes agree, as the model needs"
     else:

@@ -4,10 +4,10 @@ Export keeps every dimension of every tensor input symbolic where the model lets
 so one graph serves any length; what it could not keep symbolic it records: a dimension fixed
 to the example's size (the model's code needs that size), a range (a guard on a length: BERT's
 position table bounds its sequence by `max_position_embeddings`), two dimensions that must be
-equal (the ids and the mask). A learned position table read at `arange(length)` (GPT-2's
-`wpe`) bounds the length too, though no guard says so: it is found in the graph. `Limits` holds
-all of these for one graph and says, before any work, whether a batch fits, or why not (the
-input, the dimension, the value, the graph's): the caller captures again or refuses.
+equal (the ids and the mask). A position table bounds the length too, though no guard says
+so: it is found in the graph (pipeline/splitting/tables.py). `Limits` holds all of these for
+one graph and says, before any work, whether a batch fits, or why not (the input, the
+dimension, the value, the graph's): the caller captures again or refuses.
 """
 
 from __future__ import annotations
@@ -20,16 +20,9 @@ import sympy
 import torch
 from torch import fx
 
+from pipeline.splitting.tables import Table, tables
+
 __all__ = ["Limits", "Misfit", "signature"]
-
-aten = torch.ops.aten
-
-# Ops through which positions made from sizes alone stay so (arange's offsets, views, casts).
-_SIZE_ONLY = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.add.Tensor,
-              aten.add.Scalar, aten.sub.Tensor, aten.unsqueeze.default, aten.expand.default,
-              aten.view.default, aten.reshape.default, aten.slice.Tensor, aten.to.dtype,
-              aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
-              aten.sym_size.int}
 
 
 @dataclass(frozen=True)
@@ -56,17 +49,6 @@ def signature(tensors: Sequence[Any]) -> tuple[Any, ...]:
 
 
 @dataclass
-class _Table:
-    """An embedding read at positions computed from sizes alone: `graph` computes them from
-    the inputs' shapes; the largest must be below `rows`."""
-
-    weight: str
-    rows: int
-    graph: fx.GraphModule
-    inputs: list[int]  # which of the model's tensor inputs the positions' sizes come from
-
-
-@dataclass
 class Limits:
     """One graph's sizes for its tensor inputs (`dims[i][d]`: an int, fixed, or a sympy
     expression of its symbols), the symbols' ranges, and the position tables it reads."""
@@ -75,7 +57,7 @@ class Limits:
     dims: list[list[Any]]
     ranges: dict[Any, tuple[int, int | None]]
     rows: frozenset[int]  # inputs whose dim 0 is the batch's (split into micro-batches)
-    tables: list[_Table] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
 
     @classmethod
     def of(cls, placeholders: Sequence[fx.Node], ranges: dict[Any, Any],
@@ -101,7 +83,7 @@ class Limits:
             bounds[symbol] = (lower, upper)
         limits = cls([n.name for n in placeholders], dims, bounds, rows)
         if graph is not None:
-            limits.tables = _tables(graph, list(placeholders), weights or {})
+            limits.tables = tables(graph, list(placeholders), weights or {})
         return limits
 
     def misfit(self, tensors: Sequence[Any]) -> Misfit | None:
@@ -123,14 +105,34 @@ class Limits:
                     return Misfit(self.names[i], d, int(size), got,
                                   shared=got.startswith("the size of"))
         for table in self.tables:
-            largest = _largest(table, tensors)
+            largest = None if table.values else table.largest(tensors)
             if largest is not None and largest >= table.rows:
-                i = table.inputs[0]
-                d = _longest_dim(tensors[i])
-                return Misfit(self.names[i], d, int(tensors[i].shape[d]),
-                              f"positions below {table.rows} (the rows of {table.weight}; "
-                              f"this length reads position {largest})", table=True)
+                return self._past(table, tensors, largest)
         return None
+
+    def reads(self, tensors: Sequence[Any]) -> list[int | None]:
+        """The largest index each table read at positions counted from the inputs' values
+        (a mask's, the ids') reads for this batch: only a rank holding the batch knows it."""
+        return [table.largest(tensors) for table in self.tables if table.values]
+
+    def overread(self, tensors: Sequence[Any], reads: Sequence[int | None]) -> Misfit | None:
+        """The first table read past, by `reads` (what `reads` gave for the batch, on the
+        ranks holding it), as a misfit of `tensors` (the batch, or tensors of its shapes);
+        or None."""
+        counted = [table for table in self.tables if table.values]
+        for table, largest in zip(counted, reads, strict=True):
+            if largest is not None and largest >= table.rows:
+                return self._past(table, tensors, largest)
+        return None
+
+    def _past(self, table: Table, tensors: Sequence[Any], largest: int) -> Misfit:
+        """A batch reading `table` at `largest`, past its rows: named by the input its
+        positions are computed from, and that input's length."""
+        i = table.inputs[0]
+        d = _longest_dim(tensors[i])
+        return Misfit(self.names[i], d, int(tensors[i].shape[d]),
+                      f"positions below {table.rows} (the rows of {table.weight}; this "
+                      f"batch reads position {largest})", table=True)
 
     def _fits(self, want: Any, size: int, where: tuple[str, int],
               bound: dict[Any, tuple[int, str, int]]) -> str | None:
@@ -163,80 +165,3 @@ def _longest_dim(t: torch.Tensor) -> int:
     """The dimension a position table reads along: the last of the longest (the sequence)."""
     return max(range(1, t.dim()), key=lambda d: (t.shape[d], d)) if t.dim() > 1 else 0
 
-
-def _tables(graph: fx.Graph, placeholders: list[fx.Node], names: dict[str, str]
-            ) -> list[_Table]:
-    """The graph's embeddings whose indices come from the inputs' sizes alone (a learned
-    position table at `arange(length)`), each with a small graph computing those indices."""
-    weights = {n: names.get(n.name, n.name) for n in graph.nodes if n.op == "placeholder"
-               and n not in placeholders}
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.embedding.default:
-            continue
-        weight, indices = node.args[0], node.args[1]
-        if not isinstance(weight, fx.Node) or weight not in weights:
-            continue
-        ancestors = _size_only(indices, set(placeholders))
-        if ancestors is None:
-            continue
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        used = sorted({placeholders.index(n) for n in ancestors if n in placeholders})
-        for i in used:
-            env[placeholders[i]] = sub.placeholder(placeholders[i].name)
-        for n in graph.nodes:
-            if n in ancestors and n not in env:
-                env[n] = sub.node_copy(n, env.__getitem__)
-        sub.output(env[indices])
-        rows = weight.meta["val"].shape[0]
-        if used and isinstance(rows, int):
-            found.append(_Table(weights[weight], rows, fx.GraphModule({}, sub), used))
-    return found
-
-
-def _size_only(node: Any, inputs: set[fx.Node]) -> set[fx.Node] | None:
-    """The nodes `node` is computed from, if it reads the model's inputs only through their
-    sizes (`sym_size`); else None."""
-    seen: set[fx.Node] = set()
-    stack: list[tuple[Any, bool]] = [(node, False)]  # (node, reached through its size)
-    while stack:
-        n, sized = stack.pop()
-        if not isinstance(n, fx.Node):
-            continue
-        if n.op == "placeholder":
-            if n not in inputs or not sized:  # a weight, or an input's values
-                return None
-            seen.add(n)
-            continue
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op != "call_function" or n.target not in _SIZE_ONLY:
-            return None
-        if n.target is aten.sym_size.int:
-            stack.append((n.args[0], True))
-            continue
-        args = [*n.args, *n.kwargs.values()]
-        stack.extend((a, False) for a in args if isinstance(a, fx.Node))
-        stack.extend((x, False) for a in args if isinstance(a, list | tuple) for x in a
-                     if isinstance(x, fx.Node))
-    return seen
-
-
-def _largest(table: _Table, tensors: Sequence[Any]) -> int | None:
-    """The largest position the table's graph computes for these inputs' shapes (inputs
-    stood in for by expanded scalars: no memory, the sizes only)."""
-    stand_ins = []
-    for i in table.inputs:
-        t = tensors[i]
-        if not isinstance(t, torch.Tensor):
-            return None
-        stand_ins.append(torch.zeros((), dtype=t.dtype).expand(t.shape))
-    try:
-        positions = table.graph(*stand_ins)
-        if not isinstance(positions, torch.Tensor) or positions.numel() == 0:
-            return None
-        return int(positions.max())
-    except Exception:  # the positions' graph did not run here (meta): the forward will say
-        return None
