@@ -35,8 +35,9 @@ _state: dict[str, Any] = {"armed": False, "code": 0}
 
 def arm() -> None:
     """From now on, exit quietly (once per process; no-op with PIPELINE_QUIET_EXIT=0)."""
-    if _state["armed"] or settings.choice(
-            ENV, {"1": "exit quietly", "0": "torch's own exit"}, default="1") == "0":
+    # The setting is read every time: a bad value is refused even once armed.
+    mode = settings.choice(ENV, {"1": "exit quietly", "0": "torch's own exit"}, default="1")
+    if _state["armed"] or mode == "0":
         return
     _state["armed"] = True
     hook, exit_ = sys.excepthook, sys.exit

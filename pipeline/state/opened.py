@@ -83,7 +83,9 @@ def _open(source: str, path: str | os.PathLike[str]) -> Opened:
     try:
         directory = files.open_directory(source, private=True)
     except FileNotFoundError:
-        if staging.resolve(path) != source:
+        # Gone between the look and the open: a save swapped it away, and another may stand
+        # there again under the same name (its second rename done): read what is there now.
+        if staging.resolve(path) != source or os.path.lexists(source):
             raise shard_reader.Replaced(source) from None
         raise
     opened = Opened(source, directory, Metadata({}), "")
