@@ -274,7 +274,7 @@ def test_ranks_ending_right_after_collectives_exit_cleanly_under_load(tmp_path: 
     script.write_text(COLLECTIVES)
     # Two launches at a time: the cores are busy already, and each waits on its imports.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda i: (f"run {i}", _launch(script, 2)), range(6)))
+        runs = list(pool.map(lambda i: (f"run {i}", _launch(script, 2)), range(4)))
     bad = _unclean(runs)
     assert not bad, f"{len(bad)} of {len(runs)} launches had a rank end badly: {bad[:2]}"
 
@@ -299,7 +299,7 @@ def test_multi_process_examples_exit_cleanly_under_load(block: Any, tmp_path: Pa
     ranks = _launch_ranks(block)
     assert ranks is not None
     runs = []
-    for i in range(3):
+    for i in range(2):  # per CI run: a rare abort shows over many runs, the suite stays short
         directory = tmp_path / str(i)
         directory.mkdir()
         script = directory / "script.py"
