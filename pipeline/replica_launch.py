@@ -50,7 +50,7 @@ HEARTBEAT_TIMEOUT_MS = 5000
 # After a group is lost, how long the live groups get to show (in the record) that one of
 # them holds the job's history, before the job is declared unable to heal: a group writes
 # its count just after its commit, and the lost one may have written first.
-HISTORY_GRACE_S = 10.0
+HISTORY_GRACE_S = 20.0
 # How long a quorum waits for a replica that is alive (heartbeating) but has not asked to join
 # yet: one still in its step, or starting. Short, two replicas each alone in a quorum at the
 # same step would both commit it and from then on train apart (torchft 0.2's lighthouse has no

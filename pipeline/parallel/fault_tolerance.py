@@ -282,10 +282,14 @@ class FaultTolerance:
         self._stepped = True
 
     def _quorum(self) -> None:
-        """Start this step's quorum (and heal) unless it is started."""
+        """Start this step's quorum (and heal) unless it is started; a group healed by it
+        shows in the record at once that it holds the history (the launcher may need to know
+        before its next commit: restart a lost peer, or end the job)."""
         if not self._quorum_started:
             self.manager.start_quorum()
             self._quorum_started = True
+            if self.record is not None and self._writes_count:
+                self.record.committed(self.committed_steps, self.lineage)
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
         """Average this rank's gradients over the same stage of every replica in the quorum

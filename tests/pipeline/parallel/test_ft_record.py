@@ -97,6 +97,7 @@ def _bare_ft(**fields: Any) -> FaultTolerance:
     """A FaultTolerance without its torchft Manager, for the checks made before it is used."""
     ft = object.__new__(FaultTolerance)
     ft.__dict__.update({"_optimizer": object(), "_scaler": None, "_quorum_started": True,
+                        "record": None, "_writes_count": False,
                         "_stepped": False, **fields})
     return ft
 
