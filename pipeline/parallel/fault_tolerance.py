@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from pipeline.comm.handed import handed
+from pipeline.comm.handed import Handed
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel import ft_lineage
 from pipeline.parallel.ft_record import JobRecord, NotLatest
@@ -314,8 +314,12 @@ class FaultTolerance:
         lineage = ft_lineage.encode(self.lineage, self.replica_id, self.num_replicas, dtype,
                                     device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [here.to(device, dtype), lineage])
-        with handed(flat):  # gloo lets go of it before we do (pipeline/comm/handed.py)
-            self.manager.allreduce(flat).wait()
+        held = Handed([flat])
+        self.manager.allreduce(flat).wait()
+        if self.manager.errored() is None:
+            # gloo lets go of it before we do (pipeline/comm/handed.py). Not after an error:
+            # the failed work may hold it until the next quorum rebuilds the group.
+            held.settle()
         offset = 0
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
