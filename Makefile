@@ -36,9 +36,10 @@ random: $(STAMP)
 test: lint unit random
 
 # `make test` beside one spinning process per core, stopped when the run ends however it ends
-# (tests/busy.py): what must hold on a laptop or a shared runner must hold here too.
+# (tests/busy.py): what must hold on a laptop or a shared runner must hold here too. The exit
+# checks of tests/test_exit.py launch their fresh interpreters 3 times as often.
 test-busy: $(STAMP)
-	$(PY) -m tests.busy $(MAKE) test
+	TEST_EXIT_REPEAT=3 $(PY) -m tests.busy $(MAKE) test
 
 # The documentation's tests alone (`unit` runs them too): every Python block of README.md and
 # docs/*.md runs, shell command lines parse, relative links resolve. Offline, CPU.

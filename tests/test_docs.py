@@ -146,6 +146,8 @@ def _run_script(name: str, script: str, directory: Path, ranks: int | None) -> N
                          capture_output=True, text=True, timeout=SPAWN_TIMEOUT)
     assert run.returncode == 0, f"{name} failed ({' '.join(launcher) or 'script'}):" \
                                 f"\n{run.stdout}\n{run.stderr}"
+    # Every process exits cleanly too (as tests/test_exit.py checks under load).
+    assert "terminate called" not in run.stderr, f"{name}: a process aborted:\n{run.stderr}"
 
 
 @contextlib.contextmanager

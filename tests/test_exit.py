@@ -18,6 +18,13 @@ from tests.limits import SPAWN_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# How many fresh launches each check makes, as a multiple of its least: every check runs in
+# every `make test` (an abort that comes in a third of runs shows within a few CI runs, and
+# the docs' own run of each multi-process example checks its exit too, tests/test_docs.py),
+# and `make test-busy` runs them 3 times as often, to find a rare abort in one run.
+REPEAT = int(os.environ.get("TEST_EXIT_REPEAT", "1"))
+assert REPEAT >= 1, f"TEST_EXIT_REPEAT must be 1 or more, got {REPEAT}"
+
 # The README's first example, ending right after a step: the rank threads were still freeing
 # the step's tensors while the main thread finalised the interpreter (SIGABRT, "terminate
 # called without an active exception") in about a third of runs before they were joined.
@@ -56,7 +63,7 @@ def _run(script: Path, mode: str) -> subprocess.CompletedProcess[str]:
 def test_interpreter_exit_is_clean_many_times(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    modes = ["open", "close"] * 6
+    modes = ["open", "close"] * 2 * REPEAT
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = list(pool.map(lambda m: _run(script, m), modes))
     bad = [(m, r.returncode, r.stderr[-300:]) for m, r in zip(modes, runs, strict=True)
@@ -160,7 +167,7 @@ def test_survivors_of_a_mesh_exit_quietly_after_a_peer_was_killed(
     script = tmp_path / "mesh.py"
     script.write_text(MESH)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for run in range(5):  # the abort came in about a third of runs
+    for run in range(2 * REPEAT):  # the abort came in about a third of runs
         out = tmp_path / str(run)
         out.mkdir()
         store, port = host_store()  # the rendezvous store outlives every rank, as a launcher's
@@ -274,7 +281,7 @@ def test_ranks_ending_right_after_collectives_exit_cleanly_under_load(tmp_path: 
     script.write_text(COLLECTIVES)
     # Two launches at a time: the cores are busy already, and each waits on its imports.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda i: (f"run {i}", _launch(script, 2)), range(4)))
+        runs = list(pool.map(lambda i: (f"run {i}", _launch(script, 2)), range(2 * REPEAT)))
     bad = _unclean(runs)
     assert not bad, f"{len(bad)} of {len(runs)} launches had a rank end badly: {bad[:2]}"
 
@@ -299,7 +306,7 @@ def test_multi_process_examples_exit_cleanly_under_load(block: Any, tmp_path: Pa
     ranks = _launch_ranks(block)
     assert ranks is not None
     runs = []
-    for i in range(2):  # per CI run: a rare abort shows over many runs, the suite stays short
+    for i in range(REPEAT):  # more with TEST_EXIT_REPEAT (see REPEAT)
         directory = tmp_path / str(i)
         directory.mkdir()
         script = directory / "script.py"
