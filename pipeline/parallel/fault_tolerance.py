@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map_only
 
 from pipeline.comm.handed import Handed
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel import ft_lineage
+from pipeline.parallel import ft_auth, ft_lineage
 from pipeline.parallel.ft_record import JobRecord, NotLatest
 from pipeline.parallel.tensor_parallel import local_tensor
 
@@ -63,29 +63,11 @@ def _environment() -> tuple[int, int, str]:
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, reading a peer's checkpoint with
-    `weights_only=True`: its own reads it with `weights_only=False`, so a process that can
-    answer on the healing rank's behalf (its servers authenticate no one) could run code in
-    it. What a heal carries (weights, optimizer state, step counts) is plain data."""
-    import urllib.request
-    import warnings
+    """The heal transport (ft_transport): a peer's checkpoint read as plain data
+    (`weights_only=True`, torchft's own unpickles it), both ends proving the job's secret."""
+    from pipeline.parallel.ft_transport import SignedTransport
 
-    from torch.distributed._serialization import _streaming_load
-    from torch.utils._pytree import tree_map_only
-    from torchft.checkpointing import HTTPTransport
-
-    class _WeightsOnly(HTTPTransport):  # type: ignore[misc]
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with (urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f,
-                  warnings.catch_warnings()):
-                # The loader wraps each tensor around the read-only bytes it received (and
-                # warns so); the clone below gives the optimizer state memory of its own.
-                warnings.filterwarnings("ignore", "The given buffer is not writable")
-                state = _streaming_load(f, weights_only=True)
-            return tree_map_only(torch.Tensor, torch.Tensor.clone, state)
-
-    return _WeightsOnly(timeout=timeout, num_chunks=0)
+    return SignedTransport(timeout)
 
 
 def _warnings_to_stderr() -> None:
@@ -123,7 +105,6 @@ class FaultTolerance:
                 f"Pipe(fault_tolerance=True) commits once per batch, but schedule "
                 f"{pipe._probe.name!r} steps the optimizer inside the schedule: use a flushing "
                 f"schedule (1f1b, gpipe, interleaved, zb-*)")
-        from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
         # Rank r of every replica group holds the same stage and tp shard (every group lays
@@ -149,7 +130,12 @@ class FaultTolerance:
         # Quorum at the start of a step and healing before its forward (use_async_quorum
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
-        self.manager = Manager(
+        # Its servers on loopback (or PIPELINE_FT_BIND), its quorums only of members that
+        # prove the job's secret, in entries next to the record (ft_auth).
+        secret = ft_auth.job_secret()
+        entries = JobRecord.from_environment(self.replica_id, timeout) if secret else None
+        self.manager = ft_auth.build_manager(
+            secret=secret, record_store=getattr(entries, "store", None),
             pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
             min_replica_size=1, use_async_quorum=False, timeout=wait, quorum_timeout=wait,
             connect_timeout=wait, rank=rank, world_size=world_size,

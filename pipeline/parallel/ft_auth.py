@@ -1,0 +1,282 @@
+"""Only the job's own processes in a replica quorum: its secret, loopback servers, signed members.
+
+torchft's lighthouse forms a quorum from whoever asks it, and its managers serve whoever calls
+them: another local user running torchft's own `ManagerServer` joined a job's quorum claiming
+step 10**6 and every rank healed from it. torchft has no hook for either, so this module wraps
+its pieces from the outside:
+
+- the job's secret (`PIPELINE_FT_SECRET`, 64 hex digits, made by the launcher and handed to
+  its groups in their environment) keys every proof below;
+- each Manager's `ManagerServer` is built with its `bind` rewritten to loopback (or to the
+  interface `PIPELINE_FT_BIND` names, for replicas on several hosts), instead of `[::]`;
+- the Manager's `ManagerClient` is replaced by `QuorumGate`, whose `_quorum` passes a quorum
+  on only when every participant signed, for this quorum, what it claims (its replica id, its
+  step, its manager's and store's addresses: `member_mac`) in the job's record store (or, with
+  no launcher, the quorum's own store). A stranger cannot sign, so a quorum holding one is
+  refused before anything is healed, sent or averaged, and asked again; still refused when the
+  quorum's deadline passes, it raises `QuorumRefused`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline.errors import PipeConfigError, PipelineError
+
+__all__ = ["BIND_ENV", "SECRET_ENV", "Member", "QuorumGate", "QuorumRefused", "bind_host",
+           "build_manager", "host_port", "job_secret", "job_secret_env", "signer"]
+
+_log = logging.getLogger(__name__)
+
+SECRET_ENV = "PIPELINE_FT_SECRET"
+BIND_ENV = "PIPELINE_FT_BIND"
+_SECRET_HEX = 64  # 32 bytes, as the launcher makes it
+_LOOPBACK = "127.0.0.1"
+# How long a quorum's members get to sign it: each signs as soon as the lighthouse answers it,
+# so this is slack for a loaded host; a stranger's missing entry costs a quorum this long.
+ENTRY_WAIT_S = 10.0
+_RETRY_S = 0.5  # between a refused quorum and the next request
+_ENTRIES = "pipeline/ft/member"  # keys: <prefix>/<quorum id>/<group rank>/<replica id>
+_server_lock = threading.Lock()  # one Manager built with the wrapped ManagerServer at a time
+
+
+class QuorumRefused(PipelineError):
+    """A quorum held a participant that did not prove the job's secret."""
+
+
+def job_secret_env() -> dict[str, str]:
+    """A fresh secret for one job, as the environment its replica groups get."""
+    return {SECRET_ENV: secrets.token_hex(_SECRET_HEX // 2)}
+
+
+def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The job's secret from `PIPELINE_FT_SECRET` (None when unset or empty: nothing is
+    authenticated then, as in torchft)."""
+    raw = (os.environ if environ is None else environ).get(SECRET_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = bytes.fromhex(raw)
+    except ValueError:
+        value = b""
+    if len(value) * 2 != _SECRET_HEX:
+        # The value itself is never shown: it is the job's key.
+        raise PipeConfigError(
+            f"{SECRET_ENV} must be {_SECRET_HEX} hex digits (32 bytes), the same in every "
+            f"replica group; got {len(raw)} characters{'' if value else ' (not hex)'}: let "
+            f"`python -m pipeline.launch --replicas` make it, or export the output of "
+            f"`python -c 'import secrets; print(secrets.token_hex(32))'` to every group")
+    return value
+
+
+def signer(secret: bytes | None, label: str, *fields: object) -> hmac.HMAC:
+    """An HMAC-SHA256 over `label` and `fields` (each length-prefixed: no two field lists
+    encode alike), ready for more bytes. With no secret the key is empty: a check that
+    anyone passes, so that a job without one runs as before."""
+    mac = hmac.new(secret or b"", b"pipeline-ft\0" + label.encode(), hashlib.sha256)
+    for f in fields:
+        raw = str(f).encode()
+        mac.update(len(raw).to_bytes(4, "little") + raw)
+    return mac
+
+
+def bind_host(lighthouse: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The address this rank's servers bind and advertise: loopback, or `PIPELINE_FT_BIND`
+    (an IP address of this host's interface that the other hosts' replicas reach). Unset with
+    a lighthouse on another host, the job spans hosts: an error says to name one."""
+    raw = (os.environ if environ is None else environ).get(BIND_ENV, "").strip()
+    if not raw:
+        host = urlsplit(lighthouse).hostname if lighthouse else None
+        if host is not None and host != "localhost" and not _is_loopback(host):
+            raise PipeConfigError(
+                f"the lighthouse is at {lighthouse!r}, not on this host's loopback, so the "
+                f"replicas span hosts, and their servers bind loopback unless {BIND_ENV} "
+                f"names this host's address on the network they share: set {BIND_ENV}="
+                f"<that address> (docs/security.md), or {BIND_ENV}=127.0.0.1 if every "
+                f"replica runs here")
+        return _LOOPBACK
+    try:
+        address = ipaddress.ip_address(raw)
+    except ValueError:
+        address = None
+    if address is None or address.is_unspecified:
+        raise PipeConfigError(
+            f"{BIND_ENV} must be an IP address of this host's interface that the replicas "
+            f"reach each other on (not a name, not 0.0.0.0 or ::); got {raw!r}: set it so, or "
+            f"unset it for loopback (every replica on this host)")
+    return str(address)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_port(host: str, port: int | str) -> str:
+    """`host:port`, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@contextlib.contextmanager
+def _servers_bound(host: str) -> Iterator[None]:
+    """While a Manager is built: its ManagerServer binds `host` (torchft binds `[::]`, every
+    interface) and advertises it to the lighthouse (torchft: the host's name)."""
+    import torchft.manager as torchft_manager
+
+    real = torchft_manager.ManagerServer
+
+    def server(*, bind: str, hostname: str, **kwargs: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        # The advertised name goes into "http://<hostname>:<port>" (an IPv6 one bracketed).
+        return real(bind=host_port(host, port), hostname=f"[{host}]" if ":" in host else host,
+                    **kwargs)
+
+    with _server_lock:
+        torchft_manager.ManagerServer = server
+        try:
+            yield
+        finally:
+            torchft_manager.ManagerServer = real
+
+
+def build_manager(*, secret: bytes | None, record_store: Any, **kwargs: Any) -> Any:
+    """torchft's Manager built with `kwargs`, its server bound as `bind_host` says and, with
+    a secret, its quorums passed through a QuorumGate (entries in `record_store`, or in each
+    quorum's own store when None)."""
+    import torchft.manager as torchft_manager
+
+    with _servers_bound(bind_host(kwargs.get("lighthouse_addr"))):
+        manager = torchft_manager.Manager(**kwargs)
+    client = getattr(manager, "_client", None)  # a stand-in Manager in tests has none
+    if secret is not None and client is not None:
+        store = manager._store
+        me = Member(replica_id=store.get(torchft_manager.REPLICA_ID_KEY).decode(),
+                    manager_address=store.get(torchft_manager.MANAGER_ADDR_KEY).decode(),
+                    store_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        manager._client = QuorumGate(client, secret=secret, me=me,
+                                     group_rank=manager._group_rank, store=record_store)
+    return manager
+
+
+@dataclass(frozen=True)
+class Member:
+    """What one replica group says of itself in a quorum (torchft's QuorumMember)."""
+
+    replica_id: str  # "<name>:<uuid>", fresh for each start of the group
+    manager_address: str  # where a healing peer asks for this group's checkpoint
+    store_address: str  # this group's store, where a quorum's process group may meet
+
+    def entry(self, secret: bytes, quorum_id: int, group_rank: int, step: int) -> str:
+        mac = member_mac(secret, quorum_id, group_rank, step, self)
+        return f"{step} {self.manager_address} {self.store_address} {mac}"
+
+
+def member_mac(secret: bytes, quorum_id: int, group_rank: int, step: int,
+               member: Member) -> str:
+    return signer(secret, "member", quorum_id, group_rank, member.replica_id, step,
+                  member.manager_address, member.store_address).hexdigest()
+
+
+class QuorumGate:
+    """torchft's ManagerClient, its quorums passed on only when every participant proved the
+    job's secret for this quorum; every other call goes to the client unchanged."""
+
+    def __init__(self, client: Any, *, secret: bytes, me: Member, group_rank: int,
+                 store: Any = None, entry_wait: float = ENTRY_WAIT_S) -> None:
+        self._client, self._secret, self._me = client, secret, me
+        self._group_rank, self._store, self._entry_wait = group_rank, store, entry_wait
+        self._stores: dict[str, Any] = {}  # quorum store address -> client (no record)
+        self._refused: tuple[int, str] | None = None  # the last refusal logged
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        """torchft's quorum call (as `Manager._async_quorum` makes it), asked again while a
+        quorum holds a stranger; QuorumRefused once `timeout` passes."""
+        timeout: timedelta = kwargs["timeout"]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            left = max(0.001, deadline - time.monotonic())
+            quorum = self._client._quorum(**{**kwargs, "timeout": timedelta(seconds=left)})
+            why = self._check(quorum, int(kwargs["step"]), deadline)
+            if why is None:
+                return quorum
+            if self._refused != (quorum.quorum_id, why):
+                self._refused = (quorum.quorum_id, why)
+                _log.warning("quorum %d refused (nothing healed, sent or averaged): %s",
+                             quorum.quorum_id, why)
+            if time.monotonic() >= deadline:
+                raise QuorumRefused(
+                    f"every quorum for {timeout.total_seconds():g}s held a participant that "
+                    f"does not prove the job's secret (last: quorum {quorum.quorum_id}: {why}); "
+                    f"another process joins the job's lighthouse (docs/security.md): run the "
+                    f"job where other users cannot reach it")
+            time.sleep(_RETRY_S)
+
+    def _check(self, quorum: Any, step: int, deadline: float) -> str | None:
+        """Why `quorum` is refused, or None: this rank signs it, then waits (up to the entry
+        wait) for every participant's signature of the same quorum."""
+        store = self._store if self._store is not None else self._quorum_store(quorum)
+        prefix = f"{_ENTRIES}/{quorum.quorum_id}/{self._group_rank}/"
+        store.set(prefix + self._me.replica_id,
+                  self._me.entry(self._secret, quorum.quorum_id, self._group_rank, step))
+        until = min(deadline, time.monotonic() + self._entry_wait)
+        while True:
+            why = self._verify(quorum, store, prefix)
+            # A peer's entry may not be written yet, or hold its previous step: wait.
+            if why is None or time.monotonic() >= until:
+                return why
+            time.sleep(0.05)
+
+    def _verify(self, quorum: Any, store: Any, prefix: str) -> str | None:
+        signed: list[tuple[int, Member]] = []
+        for rid in quorum.replica_ids:
+            if not store.check([prefix + rid]):
+                return f"participant {rid!r} signed no entry: it does not hold the job's secret"
+            fields = store.get(prefix + rid).decode(errors="replace").split(" ")
+            member = (Member(rid, fields[1], fields[2]) if len(fields) == 4
+                      and fields[0].lstrip("-").isdigit() else None)
+            if member is None or not hmac.compare_digest(
+                    fields[3], member_mac(self._secret, quorum.quorum_id, self._group_rank,
+                                          int(fields[0]), member)):
+                return f"the entry of participant {rid!r} does not prove the job's secret"
+            signed.append((int(fields[0]), member))
+        tops = [m for s, m in signed if s == quorum.max_step]
+        if not tops:
+            return (f"the quorum's step {quorum.max_step} is no participant's signed step "
+                    f"({sorted(s for s, _ in signed)})")
+        if quorum.heal and quorum.recover_src_manager_address not in {
+                m.manager_address for m in tops}:
+            return (f"the heal source {quorum.recover_src_manager_address!r} is no signed "
+                    f"participant's manager at step {quorum.max_step}")
+        if quorum.store_address not in {m.store_address for m in tops}:
+            return f"the quorum's store {quorum.store_address!r} is no signed participant's"
+        return None
+
+    def _quorum_store(self, quorum: Any) -> Any:
+        """A client of the quorum's store (where its process group meets): the entries' place
+        when no launcher keeps a record."""
+        address = quorum.store_address
+        if address not in self._stores:
+            from torch._C._distributed_c10d import TCPStore
+
+            host, _, port = address.rpartition(":")
+            self._stores[address] = TCPStore(host.strip("[]"), int(port), None, False,
+                                             timedelta(seconds=self._entry_wait))
+        return self._stores[address]
