@@ -5,8 +5,10 @@ layouts, refusals, and failures named by their coordinates."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,9 +16,9 @@ import torch
 from pipeline.launch import spawn
 from pipeline.state import sharded
 from tests import models_tp
-from tests.limits import SPAWN_TIMEOUT
+from tests.limits import IN_TURN_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import tp_workers
-from tests.pipeline.in_turn import InTurn, in_turn, ranks
+from tests.pipeline.in_turn import InTurn, in_turn
 from tests.pipeline.sharded_workers import unpack
 
 pytestmark = [pytest.mark.dist]
@@ -42,8 +44,9 @@ LAYOUTS = {"1x2x2": ((1, 2, 2), RUNS_1X2X2, "replicate"),
            "2x1x2-fsdp": ((2, 1, 2), RUNS_FSDP, "fsdp")}
 LLAMA_RUNS = [("1f1b", "never"), ("gpipe", "always"), ("interleaved", "except_last")]
 
-# The scenarios that train without failing, on one set of 4 ranks in turn (see
-# tests/pipeline/in_turn.py); each test below checks its own.
+# The scenarios that end without an error, on one set of 4 ranks in turn (see
+# tests/pipeline/in_turn.py); each test below checks its own. The fixture adds the planned
+# configuration's run, the checkpoint's (in a directory of its own) and the refusals.
 FOUR_RANKS = [
     *[(layout, tp_workers.train_like_one_device, args) for layout, args in LAYOUTS.items()],
     # Hugging Face Llama where transformers is installed (its test skips otherwise).
@@ -54,7 +57,39 @@ FOUR_RANKS = [
 ]
 
 
-four_ranks = ranks("four_ranks", 4, FOUR_RANKS)
+@functools.cache
+def _planned() -> Any:
+    """`pipeline.plan` with the transformer's tp plan over 4 gloo ranks (tp 2 within a host
+    of 2), once per run: its test checks the choice, the ranks train it."""
+    from pipeline import plan
+    from pipeline.planner import Link
+
+    x, y = models_tp.batch("transformer", 0)
+    return plan(models_tp.transformer(), x, y, models_tp.token_loss, ranks=4,
+                memory_per_rank=None, transport="gloo", tp_plan=models_tp.transformer_plan(),
+                tp_sizes=[2], ranks_per_host=2, chunks=[2], repeats=1,
+                link=Link("gloo", 0.0, 0.0), contention=1.0)
+
+
+def _planned_kwargs() -> dict[str, Any]:
+    return {k: v for k, v in _planned().pipe_kwargs(mesh=None).items() if k != "mesh"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def four_ranks(checkpoint_path: Path) -> InTurn:
+    p = _planned()
+    return InTurn(4, [*FOUR_RANKS,
+                      ("planned", tp_workers.planned, ((p.dp, p.pp, p.tp), _planned_kwargs())),
+                      ("checkpoint", tp_workers.save_and_load_elsewhere,
+                       (str(checkpoint_path),)),
+                      # Last: each refused on every rank, which then goes on.
+                      ("refusals", tp_workers.errors, ())],
+                  timeout=IN_TURN_TIMEOUT)
 
 
 @in_turn
@@ -86,22 +121,15 @@ def test_llama_split_by_module_names_with_a_tp_plan(four_ranks: InTurn) -> None:
         assert set().union(*(r[i] for r in results)) == every, run
 
 
-def test_a_planned_dp_pp_tp_configuration_runs_and_trains_exactly() -> None:
+@in_turn
+def test_a_planned_dp_pp_tp_configuration_runs_and_trains_exactly(four_ranks: InTurn) -> None:
     """`pipeline.plan` with the transformer's tp plan over 4 gloo ranks (tp 2 within a host
     of 2): the chosen (dp, pp, tp)'s Pipe, built from `pipe_kwargs(mesh=...)`, trains as one
     device for two AdamW steps."""
-    from pipeline import plan
-    from pipeline.planner import Link
-
-    x, y = models_tp.batch("transformer", 0)
-    p = plan(models_tp.transformer(), x, y, models_tp.token_loss, ranks=4,
-             memory_per_rank=None, transport="gloo", tp_plan=models_tp.transformer_plan(),
-             tp_sizes=[2], ranks_per_host=2, chunks=[2], repeats=1,
-             link=Link("gloo", 0.0, 0.0), contention=1.0)
+    p = _planned()
     assert p.tp == 2 and p.dp * p.pp * p.tp == 4
-    kwargs = {k: v for k, v in p.pipe_kwargs(mesh=None).items() if k != "mesh"}
-    assert kwargs["tp_plan"].keys() == models_tp.transformer_plan().keys()
-    results = spawn(tp_workers.planned, 4, (p.dp, p.pp, p.tp), kwargs, timeout=SPAWN_TIMEOUT)
+    assert _planned_kwargs()["tp_plan"].keys() == models_tp.transformer_plan().keys()
+    results = four_ranks("planned")
     every = {n for n, _ in models_tp.transformer().named_parameters()}
     assert set().union(*results) == every
 
@@ -119,12 +147,14 @@ def test_dropout_replays_and_tp_ranks_agree(four_ranks: InTurn) -> None:
     assert losses[0] == losses[1] == losses[2] == losses[3]
 
 
-def test_checkpoint_loads_across_layouts_and_into_a_plain_model(tmp_path: Path) -> None:
+@in_turn
+def test_checkpoint_loads_across_layouts_and_into_a_plain_model(
+        four_ranks: InTurn, checkpoint_path: Path) -> None:
     """Saved at 1x2x2 (dp x pp x tp), loaded at 1x4x1 and into the plain model: the
     weights after the step, whole, each time; `full_state_dict` gathers them too."""
-    path = tmp_path / "ckpt"
-    # One set of ranks saves at 1x2x2 and then loads at 1x4x1 (their second mesh).
-    saved = spawn(tp_workers.save_and_load_elsewhere, 4, str(path), timeout=SPAWN_TIMEOUT)
+    path = checkpoint_path
+    # The ranks save at 1x2x2 and then load at 1x4x1 (their second mesh).
+    saved = four_ranks("checkpoint")
     whole = unpack([state for state, _, _ in saved])
     assert saved[0][1] is not None and all(full is None for _, full, _ in saved[1:])
     full = unpack([saved[0][1]])
@@ -141,8 +171,9 @@ def test_checkpoint_loads_across_layouts_and_into_a_plain_model(tmp_path: Path) 
         torch.testing.assert_close(v, whole[k], rtol=0, atol=0, msg=k)
 
 
-def test_refusals() -> None:
-    for messages in spawn(tp_workers.errors, 4, timeout=SPAWN_TIMEOUT):
+@in_turn
+def test_refusals(four_ranks: InTurn) -> None:
+    for messages in four_ranks("refusals"):
         no_plan, typo, tied, disagree = messages
         assert "disagree on their configuration: tp rank(s) [1] differ" in disagree
         assert "'tp' dimension of size 2 but no tp_plan" in no_plan
