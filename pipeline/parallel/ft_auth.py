@@ -50,6 +50,7 @@ _LOOPBACK = "127.0.0.1"
 ENTRY_WAIT_S = 10.0
 _RETRY_S = 0.5  # between a refused quorum and the next request
 _ENTRIES = "pipeline/ft/member"  # keys: <prefix>/<quorum id>/<group rank>/<replica id>
+_VOTES = "pipeline/ft/vote"  # keys: <prefix>/<replica id>/<round>/<group rank>
 _server_lock = threading.Lock()  # one Manager built with the wrapped ManagerServer at a time
 
 
@@ -169,7 +170,8 @@ def build_manager(*, secret: bytes | None, record_store: Any, **kwargs: Any) -> 
                     manager_address=store.get(torchft_manager.MANAGER_ADDR_KEY).decode(),
                     store_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
         manager._client = QuorumGate(client, secret=secret, me=me,
-                                     group_rank=manager._group_rank, store=record_store)
+                                     group_rank=manager._group_rank, store=record_store,
+                                     world_size=manager._group_world_size)
     return manager
 
 
@@ -197,11 +199,14 @@ class QuorumGate:
     job's secret for this quorum; every other call goes to the client unchanged."""
 
     def __init__(self, client: Any, *, secret: bytes, me: Member, group_rank: int,
-                 store: Any = None, entry_wait: float = ENTRY_WAIT_S) -> None:
+                 store: Any = None, world_size: int = 1,
+                 entry_wait: float = ENTRY_WAIT_S) -> None:
         self._client, self._secret, self._me = client, secret, me
         self._group_rank, self._store, self._entry_wait = group_rank, store, entry_wait
+        self._world_size = world_size
         self._stores: dict[str, Any] = {}  # quorum store address -> client (no record)
         self._refused: tuple[int, str] | None = None  # the last refusal logged
+        self._rounds = 0  # should_commit calls so far: every rank of the group makes each
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -229,10 +234,57 @@ class QuorumGate:
                     f"job where other users cannot reach it")
             time.sleep(_RETRY_S)
 
+    def should_commit(self, group_rank: int, step: int, should_commit: bool,
+                      timeout: timedelta) -> bool:
+        """torchft's vote of the group's ranks, True only when each rank also signed a yes.
+        The manager counts one vote per group rank from whoever calls it: another process's
+        yes, cast for a rank before that rank's own no, made the group commit a step that
+        rank refused (a forged heal, a torn average)."""
+        decision = bool(self._client.should_commit(group_rank, step, should_commit,
+                                                   timeout=timeout))
+        store = self._votes_store()
+        self._rounds += 1
+        prefix = f"{_VOTES}/{self._me.replica_id}/"
+        vote = "1" if should_commit else "0"
+        mac = signer(self._secret, "vote", self._me.replica_id, self._rounds, group_rank,
+                     step, vote).hexdigest()
+        store.set(f"{prefix}{self._rounds}/{group_rank}", f"{vote} {mac}")
+        if self._rounds > 2:  # read by every rank by now: each rank is past that round
+            store.delete_key(f"{prefix}{self._rounds - 2}/{group_rank}")
+        if not decision:
+            return False
+        until = time.monotonic() + min(self._entry_wait, timeout.total_seconds())
+        while True:
+            noes = [r for r in range(self._world_size)
+                    if not self._voted_yes(store, prefix, r, step)]
+            if not noes or time.monotonic() >= until:
+                break
+            time.sleep(0.02)
+        if noes:
+            _log.warning("step %d not committed: group rank(s) %s signed no yes to it (a "
+                         "vote another process cast for them was counted)", step, noes)
+        return not noes
+
+    def _voted_yes(self, store: Any, prefix: str, rank: int, step: int) -> bool:
+        key = f"{prefix}{self._rounds}/{rank}"
+        if not store.check([key]):
+            return False
+        vote, _, mac = store.get(key).decode(errors="replace").partition(" ")
+        want = signer(self._secret, "vote", self._me.replica_id, self._rounds, rank, step,
+                      vote).hexdigest()
+        return vote == "1" and hmac.compare_digest(mac, want)
+
+    def _votes_store(self) -> Any:
+        """Where the group's ranks sign their votes: the record, or the group's own store."""
+        if self._store is not None:
+            return self._store
+        return self._client_of(self._me.store_address)
+
     def _check(self, quorum: Any, step: int, deadline: float) -> str | None:
         """Why `quorum` is refused, or None: this rank signs it, then waits (up to the entry
         wait) for every participant's signature of the same quorum."""
-        store = self._store if self._store is not None else self._quorum_store(quorum)
+        store = self._store if self._store is not None else self._client_of(
+            quorum.store_address)
         prefix = f"{_ENTRIES}/{quorum.quorum_id}/{self._group_rank}/"
         store.set(prefix + self._me.replica_id,
                   self._me.entry(self._secret, quorum.quorum_id, self._group_rank, step))
@@ -269,10 +321,9 @@ class QuorumGate:
             return f"the quorum's store {quorum.store_address!r} is no signed participant's"
         return None
 
-    def _quorum_store(self, quorum: Any) -> Any:
-        """A client of the quorum's store (where its process group meets): the entries' place
-        when no launcher keeps a record."""
-        address = quorum.store_address
+    def _client_of(self, address: str) -> Any:
+        """A client of the store at `address` (a quorum's, where its process group meets: the
+        entries' place when no launcher keeps a record)."""
         if address not in self._stores:
             from torch._C._distributed_c10d import TCPStore
 

@@ -384,3 +384,69 @@ def test_a_stranger_in_the_quorum_is_refused_until_it_leaves(
         for server in servers[:2]:
             server.shutdown()
         lighthouse.shutdown()
+
+
+# -- the group's vote to commit ----------------------------------------------------------------
+def _voters(decision: bool, store: Any) -> list[ft_auth.QuorumGate]:
+    client = SimpleNamespace(should_commit=lambda *args, timeout: decision)
+    return [ft_auth.QuorumGate(client, secret=SECRET, me=_member("g0:a", 0), group_rank=r,
+                               store=store, world_size=2, entry_wait=1.0) for r in (0, 1)]
+
+
+def _vote(gates: list[ft_auth.QuorumGate], votes: list[bool]) -> list[bool]:
+    results: dict[int, bool] = {}
+
+    def one(r: int) -> None:
+        results[r] = gates[r].should_commit(r, 4, votes[r], timeout=WAIT)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(gates))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return [results[r] for r in range(len(gates))]
+
+
+def test_a_commit_needs_every_ranks_signed_yes() -> None:
+    store = torch.distributed.HashStore()
+    gates = _voters(True, store)
+    assert _vote(gates, [True, True]) == [True, True]
+    # The manager said yes (it counted another process's vote for rank 1), rank 1 said no.
+    assert _vote(gates, [True, False]) == [False, False]
+    assert _vote(gates, [True, True]) == [True, True]
+    assert _vote(_voters(False, torch.distributed.HashStore()), [True, True]) == [False, False]
+
+
+def test_a_strangers_vote_for_a_rank_commits_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """torchft's manager counts one vote per group rank from any caller: another process's
+    yes for rank 1 made rank 0 commit alone. Its vote is not signed: rank 0 commits nothing."""
+    from torchft._torchft import ManagerClient, ManagerServer
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    server = ManagerServer(replica_id="g0:a", lighthouse_addr=address, hostname="127.0.0.1",
+                           bind="127.0.0.1:0", store_addr="127.0.0.1:1", world_size=2,
+                           heartbeat_interval=timedelta(seconds=1), connect_timeout=WAIT,
+                           quorum_retries=0)
+    try:
+        stranger = ManagerClient(server.address(), connect_timeout=WAIT)
+        voted = threading.Thread(target=stranger.should_commit, args=(1, 4, True),
+                                 kwargs={"timeout": WAIT})
+        voted.start()
+        client = ManagerClient(server.address(), connect_timeout=WAIT)
+        assert client.should_commit(0, 4, True, timeout=WAIT) is True  # torchft: counted
+        voted.join(timeout=30)
+        voted = threading.Thread(target=stranger.should_commit, args=(1, 4, True),
+                                 kwargs={"timeout": WAIT})
+        voted.start()
+        gate = ft_auth.QuorumGate(client, secret=SECRET, me=_member("g0:a", 0), group_rank=0,
+                                  store=torch.distributed.HashStore(), world_size=2,
+                                  entry_wait=1.0)
+        with caplog.at_level(logging.WARNING, logger="pipeline"):
+            assert gate.should_commit(0, 4, True, timeout=WAIT) is False
+        voted.join(timeout=30)
+        assert "group rank(s) [1] signed no yes" in caplog.text
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()
