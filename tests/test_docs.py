@@ -6,7 +6,9 @@ the current directory are restored after it), or under the launcher when marked.
 HTML comment on the line just before the fence, `<!-- docs-test: WORDS -->`:
 
 - `continue`: the block runs as one script after the previous Python block of the same page
-  (which shows on the page just above), for a page whose examples build on each other;
+  (which shows on the page just above), for a page whose examples build on each other: where
+  that block's own test just ran, in the namespace, directory and random state it left, else
+  after running it (and the blocks it continues) first;
 - `launch N`: a multi-process script, run as `python -m pipeline.launch --nproc N script.py`
   (gloo on loopback, N <= 4) in a subprocess; marked `dist`;
 - `script`: a script that starts processes itself (`pipeline.launch.spawn` needs its function
@@ -171,6 +173,29 @@ def _isolated(directory: Path) -> Iterator[None]:
         gc.collect()  # Pipes the block made close their rank threads now
 
 
+# What a block continued by the next one left (its namespace, directory and random state),
+# by its name, from its own test to the next block's, which takes it: each block of a page's
+# chain runs once, as the page reads, instead of the chain again for each block of it.
+_LEFT: dict[str, tuple[dict[str, Any], Path, torch.Tensor]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left() -> Iterator[None]:
+    yield
+    _LEFT.clear()  # a chain whose later blocks did not run: its Pipes close now
+    gc.collect()
+
+
+def _continued(block: Block) -> bool:
+    on_page = [b for b in _python_blocks() if b.page == block.page]
+    later = [b for b in on_page if b.line > block.line]
+    return bool(later) and "continue" in later[0].markers
+
+
+def _previous(block: Block) -> Block:
+    return [b for b in _python_blocks() if b.page == block.page and b.line < block.line][-1]
+
+
 @pytest.mark.parametrize("block", [_param(b) for b in _python_blocks()])
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     unknown = [w for w in block.markers if w not in MARKERS and not w.isdigit()]
@@ -182,9 +207,19 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     if ranks is not None or "script" in block.markers:
         _run_script(block.name, script, tmp_path, ranks)
         return
-    code = compile(script, block.name, "exec")
-    with _isolated(tmp_path), contextlib.redirect_stdout(io.StringIO()):
-        exec(code, {"__name__": "__main__"})
+    left = _LEFT.pop(_previous(block).name, None) if "continue" in block.markers else None
+    if left is not None:  # after the previous block, as it left things
+        namespace, directory, rng = left
+        code = compile(f"# {block.name}\n{block.code}", block.name, "exec")
+    else:
+        namespace, directory, rng = {"__name__": "__main__"}, tmp_path, None
+        code = compile(script, block.name, "exec")
+    with _isolated(directory), contextlib.redirect_stdout(io.StringIO()):
+        if rng is not None:
+            torch.set_rng_state(rng)
+        exec(code, namespace)
+        if _continued(block):
+            _LEFT[block.name] = (namespace, directory, torch.get_rng_state())
 
 
 @pytest.mark.dist
