@@ -11,16 +11,22 @@ without it; the survivors of other groups see a broken collective, not a hang) a
 starts again, at most `max_restarts` times per group, if a live group still holds the job's
 history to heal it from; the other groups keep training. When none does, the job ends with an
 error: a group started again from its initial weights would silently begin another history.
+A rank that stops beating into the record for `rank_timeout` seconds (stopped, or held off the
+CPU) is taken for lost the same way: torchft's lighthouse hears group rank 0 alone. A rank
+that exits with a configuration error (CONFIG_EXIT) ends the job at once: a restart would
+meet the same error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +39,17 @@ from pipeline.parallel.fault_tolerance import (
     REPLICA_ID_ENV,
     check_installed,
 )
-from pipeline.parallel.ft_record import RECORD_ENV, group_key, read_record
+from pipeline.parallel.ft_record import (
+    LIVENESS_ENV,
+    RECORD_ENV,
+    REPLICAS_KEY,
+    Liveness,
+    group_key,
+    read_record,
+)
 
-__all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RUST_LOG_DEFAULT", "ReplicaGroup",
+__all__ = ["CONFIG_EXIT", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RANK_TIMEOUT_FLOOR_S",
+           "RUST_LOG_DEFAULT", "ReplicaGroup", "is_config_error", "rank_failed",
            "run_replicas"]
 
 _log = logging.getLogger("pipeline.launch")
@@ -57,6 +71,29 @@ HISTORY_GRACE_S = 20.0
 # majority rule); so a live replica is waited for as long as a step may take, and a dead one
 # is dropped by its heartbeats.
 JOIN_TIMEOUT_MS = 60_000
+
+# A rank silent in the record for the heartbeat timeout, but never less than this, is taken
+# for lost and its group restarted. Dearer than the lighthouse's drop from one quorum (a
+# restart, and one of --max-restarts): a live rank held off the CPU for a second on a loaded
+# host must not cost its group that, whatever `--heartbeat-timeout` buys for detection.
+RANK_TIMEOUT_FLOOR_S = 5.0
+_LIVENESS_LOOK_S = 0.25  # how often the beats are read
+# A rank's exit status for a configuration error (sysexits' EX_CONFIG): the launcher does not
+# restart its group, and exits with it too, so that a scheduler above does not retry either.
+CONFIG_EXIT = 78
+
+# Each rank runs its script through this: as `python script.py ARGS` (sys.argv, sys.path[0],
+# __main__), but a ValueError or TypeError (PipeConfigError is one) that escapes it goes
+# through rank_failed, which tells the launcher a configuration error from a failure. Nothing
+# of the package is imported otherwise: the script may be one that never imports torch.
+_BOOT = ("import os, runpy, sys\n"
+         "sys.argv = sys.argv[1:]\n"
+         "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))\n"
+         "try:\n"
+         "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+         "except (ValueError, TypeError) as exc:\n"
+         "    from pipeline.replica_launch import rank_failed\n"
+         "    rank_failed(exc)\n")
 
 # torchft's Rust side (lighthouse, managers) logs through RUST_LOG, at INFO by default: a few
 # lines per rank per step, thousands a run. Warnings and errors only, unless the user set it.
@@ -85,10 +122,11 @@ class ReplicaGroup:
     def failed_rank(self) -> tuple[int, int] | None:
         """(rank, exit code) of a rank that exited non-zero, if any: one killed by a signal
         first, since its peers then fail on their own (exit code 1) and may all be seen gone
-        by the same poll."""
+        by the same poll; then a configuration error, for the same reason."""
         failed = [(r, code) for r, p in enumerate(self.procs)
                   if (code := p.poll()) is not None and code != 0]
-        return min(failed, key=lambda f: (f[1] >= 0, f[0])) if failed else None
+        return (min(failed, key=lambda f: (f[1] >= 0, f[1] != CONFIG_EXIT, f[0])) if failed
+                else None)
 
     def stop(self, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
         """Signal every live rank and reap them all (killed after `wait` seconds)."""
@@ -103,6 +141,33 @@ class ReplicaGroup:
                 p.kill()
                 p.wait()
         self.store = None  # the store lived as long as this incarnation's ranks
+
+
+def is_config_error(exc: BaseException) -> bool:
+    """Whether a rank's exception is one a restart would meet again: PipeConfigError (a wrong
+    --nproc, a model that differs, counts that differ), or a plain ValueError or TypeError."""
+    return isinstance(exc, (PipeConfigError, ValueError, TypeError))
+
+
+def _error_key(pid: int) -> str:
+    return f"error/{pid}"
+
+
+def rank_failed(exc: Exception) -> None:
+    """In a rank, for an exception that escaped its script: a configuration error is printed,
+    written to the job's record for the launcher to name, and ends the rank with CONFIG_EXIT;
+    anything else is raised again (exit code 1, the group restarts)."""
+    if not is_config_error(exc):
+        raise exc
+    traceback.print_exception(exc)
+    port = os.environ.get(RECORD_ENV)
+    if port:
+        with contextlib.suppress(Exception):  # the launcher gone: nobody to tell
+            from pipeline.parallel.ft_record import connect
+
+            connect(int(port), 10.0).set(_error_key(os.getpid()),
+                                         f"{type(exc).__name__}: {exc}"[:4000])
+    sys.exit(CONFIG_EXIT)  # looked up now: a quiet exit (pipeline.comm.quiet_exit) records it
 
 
 def _describe(code: int) -> str:
@@ -126,9 +191,12 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
     lighthouse = _lighthouse(rust_log, beats)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
     record, record_port = host_store()  # the job's history outlives every group
+    record.set(REPLICAS_KEY, str(replicas))  # a group started with another count is refused
+    rank_timeout = max(beats / 1e3, RANK_TIMEOUT_FLOOR_S)
     env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas), RUST_LOG_ENV: rust_log,
-           RECORD_ENV: str(record_port), LOG_ENV: "1", **init_timeout_env}
-    argv = [sys.executable, script, *args]
+           RECORD_ENV: str(record_port), LIVENESS_ENV: str(rank_timeout), LOG_ENV: "1",
+           **init_timeout_env}
+    argv = [sys.executable, "-c", _BOOT, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
     stopping: list[int] = []  # a signal the launcher was sent: passed on to every rank
     handlers = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
@@ -138,6 +206,8 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
     print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
           f"{address}", file=sys.stderr)
     stuck = _Stuck(record, groups)
+    liveness = Liveness(record, rank_timeout)
+    next_look = 0.0
     try:
         while not all(g.done for g in groups):
             if stopping:
@@ -145,27 +215,40 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
             why = stuck.check()
             if why is not None:
                 return _end(groups, why)
+            look = time.monotonic() >= next_look
+            next_look = time.monotonic() + _LIVENESS_LOOK_S if look else next_look
             for g in groups:
                 if g.done:
                     continue
                 lost = g.failed_rank()
                 if lost is not None:
                     rank, code = lost
-                    g.stop()  # the rest of its group: they cannot step without it
-                    g.failures.append(f"rank {rank} {_describe(code)}")
-                    if len(g.failures) > max_restarts:
-                        return _give_up(groups, g, max_restarts)
-                    unhealable = _history_lost(record, groups, g)
-                    if unhealable is not None:
-                        return _end(groups, f"replica group {g.replica_id} lost rank {rank} "
-                                            f"({_describe(code)}); {unhealable}")
-                    print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
-                          f"({_describe(code)}); restarting it (restart "
-                          f"{len(g.failures)} of at most {max_restarts})", file=sys.stderr)
-                    record.set(group_key(g.replica_id), "0 0")  # it holds no history now
-                    g.start(argv, nproc, env)
-                elif all(p.poll() == 0 for p in g.procs):
-                    g.done = True
+                    if code == CONFIG_EXIT:
+                        return _config_error(record, groups, g, rank)
+                    how = _describe(code)
+                elif look and (stall := _stalled(liveness, g)) is not None:
+                    rank, silent = stall
+                    how = (f"stalled: no beat for {silent:.1f}s, stopped or held off the CPU; "
+                           f"its group killed")
+                else:
+                    if all(p.poll() == 0 for p in g.procs):
+                        g.done = True
+                    continue
+                pids = [p.pid for p in g.procs]
+                g.stop()  # the rest of its group: they cannot step without it
+                liveness.forget(pids)
+                g.failures.append(f"rank {rank} {how}")
+                if len(g.failures) > max_restarts:
+                    return _give_up(groups, g, max_restarts)
+                unhealable = _history_lost(record, groups, g)
+                if unhealable is not None:
+                    return _end(groups, f"replica group {g.replica_id} lost rank {rank} "
+                                        f"({how}); {unhealable}")
+                print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
+                      f"({how}); restarting it (restart {len(g.failures)} of at most "
+                      f"{max_restarts})", file=sys.stderr)
+                record.set(group_key(g.replica_id), "0 0")  # it holds no history now
+                g.start(argv, nproc, env)
             time.sleep(0.05)
         return _compare_ends(record, groups)
     finally:
@@ -174,6 +257,24 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
         for g in groups:
             g.stop(signal.SIGTERM if stopping else signal.SIGKILL)
         lighthouse.shutdown()
+
+
+def _stalled(liveness: Liveness, group: ReplicaGroup) -> tuple[int, float] | None:
+    """(rank, seconds silent) of a rank of `group` that stopped beating, if any."""
+    ranks = {p.pid: r for r, p in enumerate(group.procs) if p.poll() is None}
+    stall = liveness.stalled(ranks)
+    return None if stall is None else (ranks[stall[0]], stall[1])
+
+
+def _config_error(record: Any, groups: list[ReplicaGroup], group: ReplicaGroup,
+                  rank: int) -> int:
+    """End the job for a rank's configuration error, naming it: not retried."""
+    key = _error_key(group.procs[rank].pid)
+    error = (record.get(key).decode() if record.check([key])
+             else "(not recorded: its own lines above say what it was)")
+    _end(groups, f"replica group {group.replica_id} rank {rank}: configuration error (exit "
+                 f"code {CONFIG_EXIT}), not retried: {error}; fix it and start the job again")
+    return CONFIG_EXIT
 
 
 class _Stuck:
@@ -295,3 +396,13 @@ def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) 
           f"restart(s) (--max-restarts {max_restarts}); failures: {failures}. The other "
           f"groups were stopped.", file=sys.stderr)
     return 1
+
+
+if __name__ == "__main__":
+    # `python -m pipeline.replica_launch --record`: the job's record alone, for groups started
+    # by hand (docs/fault-tolerance.md); it prints the variable each group exports.
+    if sys.argv[1:] != ["--record"]:
+        raise SystemExit("usage: python -m pipeline.replica_launch --record")
+    from pipeline.parallel.ft_record import serve
+
+    raise SystemExit(serve())

@@ -1,10 +1,13 @@
 """A rank script for the launcher's give-up and stop paths (no torch: it starts in a blink).
 
-    python tests/pipeline/ft_give_up.py OUT [--all-wait]
+    python tests/pipeline/ft_give_up.py OUT [--all-wait | --count N]
 
 Replica group 1's rank 0 SIGKILLs itself at once, at every start (with --all-wait, none
 does); every other rank says it is up in OUT/up_<replica>_<rank>, waits (at most a minute)
 for the launcher's SIGTERM and records that it got it, in OUT/stopped_<replica>_<rank>.
+With --count N, replica group 1's ranks instead join the job's record as a group started
+with NUM_REPLICA_GROUPS=N (what `Pipe(fault_tolerance=True)` does first), and every start of
+them appends a line to OUT/starts_1.
 """
 
 from __future__ import annotations
@@ -16,9 +19,16 @@ import time
 from types import FrameType
 
 
-def main(out: str, all_wait: bool) -> None:
+def main(out: str, all_wait: bool, count: str | None) -> None:
     replica, rank = os.environ.get("REPLICA_GROUP_ID", "0"), os.environ["RANK"]
-    if (replica, rank) == ("1", "0") and not all_wait:
+    if replica == "1" and count is not None:
+        with open(os.path.join(out, "starts_1"), "a") as f:
+            f.write(f"{rank}\n")
+        os.environ["NUM_REPLICA_GROUPS"] = count
+        from pipeline.parallel.ft_record import JobRecord
+
+        JobRecord.from_environment(1, 30)  # refused: the job runs another count
+    elif (replica, rank) == ("1", "0") and not all_wait and count is None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def stopped(signum: int, frame: FrameType | None) -> None:
@@ -47,4 +57,6 @@ def stop_launch(args: list[str], out: str, ranks: int) -> tuple[int, str, list[s
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--all-wait" in sys.argv[2:])
+    flags = sys.argv[2:]
+    main(sys.argv[1], "--all-wait" in flags,
+         flags[flags.index("--count") + 1] if "--count" in flags else None)

@@ -10,9 +10,11 @@ step (after the backward, before the cross-replica average), allreduce (inside t
 collective, once the same rank of another replica is inside it too), optimizer (inside the
 optimizer's step, after the quorum agreed to commit), heal (a group restarted after the
 previous kill, while it fetches its state from its peer), end (after the loop, before the final
-state is saved: lost after the job's last commit). Kills run in the order given, each
-once per job (OUT/killed_<i> marks it done, with the time and step), and each only after every
-replica took part in a step after the previous kill: one group is lost at a time.
+state is saved: lost after the job's last commit), stall (at `step`, SIGSTOP instead: the rank
+stays, frozen, until the launcher sees it stopped beating and ends its group). Kills run in
+the order given, each once per job (OUT/killed_<i> marks it done, with the time and step),
+and each only after every replica took part in a step after the previous kill: one group is
+lost at a time.
 
 --scaler: train through a GradScaler (its scale grows every GROWTH_INTERVAL steps, so a heal
 must carry it), and replica 1's batch of step INF_STEP holds an inf: every replica must skip
@@ -60,7 +62,7 @@ WIDTH = 16
 LR = 0.01
 GROWTH_INTERVAL = 20  # a GradScaler's, with --scaler
 INF_STEP = 1  # replica 1's batch of this step holds an inf, with --scaler
-POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal", "end")
+POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal", "end", "stall")
 
 
 def build_model() -> nn.Sequential:
@@ -119,9 +121,11 @@ class Killer:
         self.step, self.now = committed, self._armed(committed)
 
     def fire(self, point: str) -> None:
-        """SIGKILL this rank if `point` is armed now."""
+        """SIGKILL this rank if `point` is armed now (SIGSTOP it for a stall, at `step`)."""
         if self.now is not None and self.now[0] == point:
             self.kill(self.now[1], self.step)
+        elif self.now is not None and (self.now[0], point) == ("stall", "step"):
+            self.kill(self.now[1], self.step, signal.SIGSTOP)
 
     def _armed(self, committed: int) -> tuple[str, int] | None:
         """("forward" | ... | "partner", i) when kill i is this rank's to run (or to be the
@@ -157,8 +161,9 @@ class Killer:
         last = self.done(during[-1])
         return last is not None and self.last_everyone > last["step"]
 
-    def kill(self, i: int, step: int) -> None:
-        """Mark kill i done (atomically: a reader sees all of it or nothing) and SIGKILL."""
+    def kill(self, i: int, step: int, sig: int = signal.SIGKILL) -> None:
+        """Mark kill i done (atomically: a reader sees all of it or nothing) and SIGKILL (or
+        `sig`)."""
         staged = f"{self.marker(i)}.{os.getpid()}"
         with open(staged, "w") as f:
             json.dump({"t": time.time(), "step": step}, f)
@@ -168,7 +173,7 @@ class Killer:
             return
         finally:
             os.unlink(staged)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
 
 def _install_kills(pipe: Pipe, inner: torch.optim.Optimizer, killer: Killer,

@@ -486,3 +486,43 @@ def test_a_heal_reads_its_peers_checkpoint_as_plain_data(tmp_path: Path) -> None
     finally:
         transport.shutdown(wait=False)
         server.shutdown()
+
+
+# -- under load, with the defaults -------------------------------------------------------------
+def _launch_with_defaults(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`_launch`, with the launcher's default heartbeat timeout."""
+    cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2", TRAIN,
+           str(out), *args]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          check=False, env=env)
+
+
+@needs_torchft
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_stalled_and_a_killed_rank_under_load_with_the_defaults_end_equal_to_the_replay(
+        tmp_path: Path, busy: None) -> None:
+    """One spinning process per core and the launcher's defaults (a 5 s heartbeat timeout),
+    one launch: replica 1's rank 1 frozen (SIGSTOP) after its backward of step 1, then, once
+    both replicas took a step again, replica 0's rank 1 SIGKILLed in its backward. Each lost
+    group is ended, restarts and heals, and the job ends with both replicas equal to the
+    replay of the logged quorums. The frozen rank used to hold every replica until the Pipe's
+    timeout (60 s here): only group rank 0 heartbeats to the lighthouse. Now every rank beats
+    into the job's record and the launcher ends a group whose rank went silent, so the
+    survivor waits the rank's silence (5 s) and the lighthouse's drop, not the Pipe's
+    timeout."""
+    # A survivor alone sleeps out 20 ms a step: the restarting group gets the CPUs it shares.
+    done = _launch_with_defaults(tmp_path, "4", "--kill", "1:1:1:stall,0:1:0:backward",
+                                 "--min-step-ms", "20")
+    assert done.returncode == 0, done.stderr[-4000:]
+    lost = [line for line in done.stderr.splitlines() if " lost rank " in line]
+    assert len(lost) == 2, done.stderr[-4000:]
+    assert "replica group 1 lost rank 1 (stalled: no beat for" in lost[0], lost
+    assert "replica group 0 lost rank 1 (killed by SIGKILL)" in lost[1], lost
+    _assert_equal_to_replay(tmp_path, (0, 1), _logged_members(tmp_path))
+    frozen = json.loads((tmp_path / "killed_0").read_text())["t"]
+    resumed = min(e["t"] for k in (0, 1) for e in _log(tmp_path, 0, k)
+                  if e["committed"] and e["t"] > frozen)
+    assert resumed - frozen < 45, resumed - frozen  # the Pipe's timeout is 60 s

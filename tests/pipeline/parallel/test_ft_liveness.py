@@ -1,0 +1,176 @@
+"""Every rank's liveness and the job's configuration, kept in the job's record: a stalled rank of
+any group is seen by the launcher; groups that disagree on the count, and configuration errors,
+end the job at once instead of being retried."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline import PipeConfigError
+from pipeline.launch import host_store
+from pipeline.parallel import ft_record
+from pipeline.parallel.ft_record import JobRecord, Liveness
+
+pytest.importorskip("torchft")
+
+from pipeline import replica_launch
+
+GIVE_UP = str(Path(__file__).parents[1] / "ft_give_up.py")
+LAUNCH_TIMEOUT = 240  # a hang guard, never an expected duration
+
+
+@pytest.fixture
+def record() -> tuple[Any, int]:
+    return host_store()
+
+
+def _wait(cond: Any, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "no progress within a minute"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> None:
+    """A rank beats from a daemon thread that a SIGSTOP stops with the rest of it: the
+    launcher's watch names it once its count has not moved for the timeout, and not before;
+    continued, it beats again; at its exit it says so and is watched no more."""
+    store, port = record
+    # Up until its stdin closes, then a normal exit.
+    code = ("import sys\nfrom pipeline.parallel.ft_record import JobRecord\n"
+            "JobRecord.from_environment(0, 30)\nsys.stdin.read()\n")
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "1.0"}
+    rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE)
+    try:
+        watch = Liveness(store, timeout=1.0)
+        _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen.get(rank.pid))
+        start = watch.seen[rank.pid][0]
+        _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen[rank.pid][0] > start)
+        rank.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        found: list[tuple[int, float]] = []
+        _wait(lambda: bool(found.append(got) if (got := watch.stalled([rank.pid])) else 0)
+              or bool(found))
+        pid, silent = found[0]
+        assert pid == rank.pid and silent > 1.0  # never before the timeout
+        assert time.monotonic() - stopped > 1.0
+        rank.send_signal(signal.SIGCONT)
+        count = watch.seen[rank.pid][0]
+        _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen[rank.pid][0] > count)
+        rank.communicate(b"", timeout=60)  # a normal exit: it says so, and is watched no more
+        assert rank.returncode == 0
+        assert int(store.add(ft_record.beat_key(rank.pid), 0)) >= ft_record.EXITING
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+
+
+def test_a_rank_exits_cleanly_with_a_beat_in_flight(record: tuple[Any, int]) -> None:
+    """Beats back to back (every 0.1 ms) up to the exit: the beating thread is stopped before
+    the interpreter finalizes. Left running, it was ended inside the store's call as it took
+    the GIL back, and the rank aborted after its last commit ('terminate called without an
+    active exception', SIGABRT; its group restarted and could not heal: exit 1)."""
+    _, port = record
+    code = ("import time\nfrom pipeline.parallel.ft_record import JobRecord\n"
+            "JobRecord.from_environment(0, 30)\ntime.sleep(0.3)\n")
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "0.001"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_exiting_rank_is_watched_no_more(record: tuple[Any, int]) -> None:
+    store, _ = record
+    watch = Liveness(store, timeout=0.2)
+    store.add(ft_record.beat_key(11), 3)
+    assert watch.stalled([11]) is None
+    store.add(ft_record.beat_key(11), ft_record.EXITING)
+    time.sleep(0.3)
+    assert watch.stalled([11]) is None and watch.stalled([12]) is None  # 12: not beating yet
+
+
+def test_a_launcher_held_off_the_cpu_blames_no_rank(record: tuple[Any, int]) -> None:
+    """The watch itself not run for longer than half the timeout (the launcher starved, or
+    the host suspended) says nothing of the ranks: each gets a fresh window."""
+    store, _ = record
+    watch = Liveness(store, timeout=0.4)
+    store.add(ft_record.beat_key(21), 1)
+    assert watch.stalled([21]) is None
+    time.sleep(0.5)  # no look for longer than the timeout
+    assert watch.stalled([21]) is None
+    for _ in range(3):  # watched all along now, and silent: stalled
+        time.sleep(0.15)
+        got = watch.stalled([21])
+    assert got is not None and got[0] == 21 and got[1] > 0.4
+
+
+def test_replica_group_counts_that_differ_are_refused_at_join(
+        record: tuple[Any, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups started by hand with NUM_REPLICA_GROUPS 2 and 3: the second to join is refused,
+    naming both values (before, gloo aborted one when their buffers disagreed and the other
+    trained alone, exit 0)."""
+    _, port = record
+    monkeypatch.setenv(ft_record.RECORD_ENV, str(port))
+    monkeypatch.delenv(ft_record.LIVENESS_ENV, raising=False)
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    assert JobRecord.from_environment(0, 10) is not None
+    assert JobRecord.from_environment(0, 10) is not None  # a restart of the same count
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
+    with pytest.raises(PipeConfigError, match=r"NUM_REPLICA_GROUPS=3 in replica group 1.*"
+                                              r"holds 2"):
+        JobRecord.from_environment(1, 10)
+
+
+@pytest.mark.parametrize(("error", "config"), [
+    (PipeConfigError("x"), True), (ValueError("x"), True), (TypeError("x"), True),
+    (RuntimeError("x"), False), (KeyboardInterrupt(), False), (SystemExit(2), False)])
+def test_which_rank_errors_are_configuration_errors(error: BaseException,
+                                                    config: bool) -> None:
+    assert replica_launch.is_config_error(error) is config
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_configuration_error_ends_the_job_at_once(tmp_path: Path) -> None:
+    """Replica group 1 runs with NUM_REPLICA_GROUPS=3 in a job of 2: its ranks are refused at
+    join (PipeConfigError) and exit with the configuration code; the launcher does not
+    restart the group (it did, --max-restarts times), stops the other group, and exits with
+    that code, naming the group, the rank and the error."""
+    cmd = [sys.executable, "-m", "pipeline.launch", "--replicas", "2", "--nproc", "2",
+           "--max-restarts", "3", GIVE_UP, str(tmp_path), "--count", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          check=False)
+    assert done.returncode == replica_launch.CONFIG_EXIT, done.stderr[-4000:]
+    assert "restarting" not in done.stderr, done.stderr[-4000:]
+    assert sorted((tmp_path / "starts_1").read_text().split()) == ["0", "1"]  # started once
+    assert re.search(r"replica group 1 rank [01]: configuration error \(exit code 78\), not "
+                     r"retried: PipeConfigError: NUM_REPLICA_GROUPS=3 in replica group 1",
+                     done.stderr), done.stderr[-4000:]
+    assert "holds 2" in done.stderr
+    assert sorted(p.name for p in tmp_path.glob("stopped_*")) == ["stopped_0_0", "stopped_0_1"]
+
+
+def test_a_rank_runs_its_script_as_python_does(tmp_path: Path) -> None:
+    """Through the launcher's boot, the script sees what `python script.py ARGS` shows it
+    (argv, its directory first on the path, __main__), and an error that is not a
+    configuration error ends it with exit code 1 and its traceback, as before."""
+    script = tmp_path / "rank.py"
+    script.write_text("import sys\n"
+                      "print(sys.argv, sys.path[0], __name__, flush=True)\n"
+                      "raise RuntimeError('lost a peer')\n")
+    done = subprocess.run([sys.executable, "-c", replica_launch._BOOT, str(script), "a", "-b"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.split() == [f"['{script}',", "'a',", "'-b']", str(tmp_path), "__main__"]
+    assert "RuntimeError: lost a peer" in done.stderr
