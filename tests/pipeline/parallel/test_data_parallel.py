@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +10,9 @@ import torch
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import RankFailed, spawn
 from pipeline.parallel.data_parallel import _chunks, _union
-from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.limits import DIST_TEST_TIMEOUT, IN_TURN_TEST_TIMEOUT, IN_TURN_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline import dp_workers, replica_workers
-from tests.pipeline.in_turn import InTurn, in_turn, ranks
+from tests.pipeline.in_turn import InTurn, in_turn
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -20,7 +20,8 @@ COMBOS_2x2 = [("gpipe", "never", [4, 4]), ("1f1b", "always", [4, 4]),
               ("interleaved", "never", [2, 2, 2, 2]), ("zb-h1", "always", [4, 4])]
 
 # The scenarios that train without failing, on one set of 4 ranks in turn (see
-# tests/pipeline/in_turn.py); each test below checks its own.
+# tests/pipeline/in_turn.py); each test below checks its own. The fixture adds the first
+# mesh of the checkpoint's moves, which saves to a directory of its own.
 FOUR_RANKS = [
     # Losses reducing by mean and by sum.
     ("2x2", dp_workers.equivalence, (2, 2, COMBOS_2x2, ("mean", "sum"))),
@@ -37,7 +38,16 @@ FOUR_RANKS = [
 ]
 
 
-four_ranks = ranks("four_ranks", 4, FOUR_RANKS)
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dp")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(checkpoint_dir: Path) -> InTurn:
+    return InTurn(4, [*FOUR_RANKS, ("checkpoint at 2x2", dp_workers.checkpoint_moves,
+                                    (2, 2, str(checkpoint_dir), True))],
+                  timeout=IN_TURN_TIMEOUT)
 
 
 @in_turn
@@ -93,11 +103,12 @@ def test_buckets_and_time_unions() -> None:
     assert _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
 
 
-@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
-def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(tmp_path: Any) -> None:
-    path = str(tmp_path)
-    assert spawn(dp_workers.checkpoint_moves, 4, 2, 2, path, True,
-                 timeout=SPAWN_TIMEOUT) == [True] * 4
+# The 2x2 mesh's step and save among the other scenarios in turn, then a spawn of its own.
+@pytest.mark.timeout(IN_TURN_TEST_TIMEOUT + DIST_TEST_TIMEOUT)
+def test_a_checkpoint_moves_between_2x2_1x2_and_one_device(
+        four_ranks: InTurn, checkpoint_dir: Path) -> None:
+    path = str(checkpoint_dir)
+    assert four_ranks("checkpoint at 2x2") == [True] * 4
     # 2x2 -> 1x2: the full state_dict, and the sharded checkpoint with Adam's state.
     assert spawn(dp_workers.checkpoint_moves, 2, 1, 2, path, False,
                  timeout=SPAWN_TIMEOUT) == [True] * 2
