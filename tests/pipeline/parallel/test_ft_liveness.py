@@ -57,13 +57,10 @@ def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> No
         start = watch.seen[rank.pid][0]
         _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen[rank.pid][0] > start)
         rank.send_signal(signal.SIGSTOP)
-        stopped = time.monotonic()
         found: list[tuple[int, float]] = []
-        _wait(lambda: bool(found.append(got) if (got := watch.stalled([rank.pid])) else 0)
-              or bool(found))
+        _wait(lambda: found.append(got) is None if (got := watch.stalled([rank.pid])) else False)
         pid, silent = found[0]
         assert pid == rank.pid and silent > 1.0  # never before the timeout
-        assert time.monotonic() - stopped > 1.0
         rank.send_signal(signal.SIGCONT)
         count = watch.seen[rank.pid][0]
         _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen[rank.pid][0] > count)
@@ -104,15 +101,14 @@ def test_a_launcher_held_off_the_cpu_blames_no_rank(record: tuple[Any, int]) -> 
     """The watch itself not run for longer than half the timeout (the launcher starved, or
     the host suspended) says nothing of the ranks: each gets a fresh window."""
     store, _ = record
-    watch = Liveness(store, timeout=0.4)
+    watch = Liveness(store, timeout=2.0)
     store.add(ft_record.beat_key(21), 1)
     assert watch.stalled([21]) is None
-    time.sleep(0.5)  # no look for longer than the timeout
+    time.sleep(2.5)  # no look for longer than the timeout
     assert watch.stalled([21]) is None
-    for _ in range(3):  # watched all along now, and silent: stalled
-        time.sleep(0.15)
-        got = watch.stalled([21])
-    assert got is not None and got[0] == 21 and got[1] > 0.4
+    found: list[tuple[int, float]] = []  # watched all along now, and silent: stalled
+    _wait(lambda: found.append(got) is None if (got := watch.stalled([21])) else False)
+    assert found[0][0] == 21 and found[0][1] > 2.0
 
 
 def test_replica_group_counts_that_differ_are_refused_at_join(
