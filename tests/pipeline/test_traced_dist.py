@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.launch import spawn
 from pipeline.state import sharded
-from tests.limits import SPAWN_TIMEOUT
+from tests.limits import IN_TURN_TIMEOUT
 from tests.models_lengths import length_case
 from tests.pipeline import lengths_workers, tokens_workers, traced_workers
 from tests.pipeline.in_turn import InTurn, in_turn, ranks
@@ -45,9 +44,9 @@ LENGTH_RUNS = [("llama", "1f1b"), ("gpt2", "zb-v"), ("bert", "gpipe"), ("llama",
 LENGTH_DP_RUNS = [("llama", "1f1b"), ("gpt2", "zb-h1")]
 TOKEN_DP_SCHEDULES = ["1f1b", "zb-h1"]
 
-# Every scenario but the checkpoint's (a directory per test), on one set of 2 ranks in turn
-# (see tests/pipeline/in_turn.py): each rank imports transformers and torch.export's machinery
-# once. Each test checks its own scenario's results.
+# Every scenario on one set of 2 ranks in turn (see tests/pipeline/in_turn.py): each rank
+# imports transformers and torch.export's machinery once. Each test checks its own scenario's
+# results. The fixture adds the checkpoint's, in a directory of its own.
 # Exporting is most of a Pipe's set-up: scenarios that split a model already exported from the
 # same inputs (by the scenarios before them, or their own earlier runs) reuse that graph, and
 # still export anew to capture other lengths or dtypes (`traced_workers.reusing_exports`).
@@ -64,7 +63,18 @@ TWO_RANKS = [
 ]
 
 
-two_ranks = ranks("two_ranks", 2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traced")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint_path: Path) -> InTurn:
+    return InTurn(2, [*TWO_RANKS, ("checkpoint", traced_workers.checkpoint_across_splits,
+                                   (str(checkpoint_path),))], timeout=IN_TURN_TIMEOUT)
+
 
 # The dp x pp = 2 x 2 scenarios, on one set of 4 ranks in turn.
 FOUR_RANKS = [
@@ -163,14 +173,15 @@ def test_each_replica_its_own_length(four_ranks: InTurn) -> None:
     assert all(c > 0 for c in checked)
 
 
-def test_checkpoint_loads_into_another_split_and_the_plain_model(tmp_path: Path) -> None:
+@in_turn
+def test_checkpoint_loads_into_another_split_and_the_plain_model(
+        two_ranks: InTurn, checkpoint_path: Path) -> None:
     """`pipe.save` from GPT-2 split at its third block over 2 processes: `pipe.load` into the
     model split at its second block (2 processes) and `sharded.load` into the plain model
     give the same weights, buffers, AdamW state and learning rate, bit for bit (the tied
     weight's state under the model's name for it); `full_state_dict` gives the
     model's keys and values on rank 0 (checked on the rank, against the unsplit model)."""
-    results = spawn(traced_workers.checkpoint_across_splits, 2, str(tmp_path),
-                    timeout=SPAWN_TIMEOUT)
+    results = two_ranks("checkpoint")
     saved = unpack([r[0] for r in results])
     gathered = unpack([results[0][1]])
     assert results[1][1] is None
@@ -183,7 +194,7 @@ def test_checkpoint_loads_into_another_split_and_the_plain_model(tmp_path: Path)
     assert_same(unpack([r[2] for r in results]), saved, "split at another block")
 
     optimizer = torch.optim.AdamW(plain.parameters(), lr=0.5)
-    sharded.load(plain, tmp_path, optimizer)
+    sharded.load(plain, checkpoint_path, optimizer)
     assert_same(snapshot(plain, optimizer), saved, "plain model")
     assert plain.lm_head.weight is plain.transformer.wte.weight  # still tied
 
