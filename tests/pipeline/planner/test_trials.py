@@ -18,8 +18,20 @@ from pipeline import Plan, plan
 from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from pipeline.planner import Link, ModelProfile, profile_model
 from tests.benchmarks import fakes
+from tests.pipeline.in_turn import InTurn, in_turn, ranks
+from tests.pipeline.planner import plan_workers
 
 _SLEEP = 0.03  # seconds added to each step of the slowed candidate: far above the tiny step
+
+
+# The trials over gloo, on one set of 2 ranks in turn (see tests/pipeline/in_turn.py); each
+# test checks its own. Last, the trial that fails on one rank (the ranks go on after it).
+two_ranks = ranks("two_ranks", 2, [
+    ("trials", plan_workers.plan_with_trials, ()),
+    ("replicas", plan_workers.fit_replicas, (0.0,)),
+    ("replicas, each average 100 ms longer", plan_workers.fit_replicas, (0.100,)),
+    ("a failing trial", plan_workers.plan_past_a_failing_trial, ()),
+])
 
 
 @functools.cache
@@ -120,14 +132,12 @@ def test_a_candidate_whose_trial_fails_is_dropped_not_fatal(
 
 
 @pytest.mark.dist
-def test_a_trial_failing_on_one_rank_is_dropped_by_every_rank() -> None:
+@in_turn
+def test_a_trial_failing_on_one_rank_is_dropped_by_every_rank(two_ranks: InTurn) -> None:
     """Over gloo, 2 micro-batches run out of memory inside rank 1's stage alone: both ranks
     drop that candidate with the same failure, naming rank 1, and choose the other (the
     group takes the next turn as if nothing had failed)."""
-    from pipeline.launch import spawn
-    from tests.pipeline.planner import plan_workers
-
-    got = spawn(plan_workers.plan_past_a_failing_trial, 2, timeout=120)
+    got = two_ranks("a failing trial")
     assert got[0] == got[1]
     chunks, failed, measured = got[0]
     assert chunks == 1 and measured == [1]
@@ -208,11 +218,9 @@ def test_trials_over_processes_need_the_launched_ranks() -> None:
 
 
 @pytest.mark.dist
-def test_trials_over_gloo_run_on_every_rank_and_agree() -> None:
-    from pipeline.launch import spawn
-    from tests.pipeline.planner import plan_workers
-
-    got = spawn(plan_workers.plan_with_trials, 2, timeout=120)
+@in_turn
+def test_trials_over_gloo_run_on_every_rank_and_agree(two_ranks: InTurn) -> None:
+    got = two_ranks("trials")
     assert got[0] == got[1]  # the same choice, step times (slowest rank's) and time model
     samples, timed = got[0][-3]
     assert samples == timed > 0  # every timed step was fitted, the replicas' (dp 2) too
@@ -222,16 +230,14 @@ def test_trials_over_gloo_run_on_every_rank_and_agree() -> None:
 
 
 @pytest.mark.dist
-def test_trials_of_replicas_fit_the_all_reduce_as_it_runs() -> None:
+@in_turn
+def test_trials_of_replicas_fit_the_all_reduce_as_it_runs(two_ranks: InTurn) -> None:
     """Two replicas' trials (dp 2, no plain pipeline among them) still fit a time model:
     100 ms added to every gradient average raises the fitted all-reduce's cost by 100 ms,
     within 5 % (the average's own time on gloo and the replicas' skew vary by a millisecond
     or two between steps)."""
-    from pipeline.launch import spawn
-    from tests.pipeline.planner import plan_workers
-
-    base = spawn(plan_workers.fit_replicas, 2, 0.0, timeout=120)
-    slow = spawn(plan_workers.fit_replicas, 2, 0.100, timeout=120)
+    base = two_ranks("replicas")
+    slow = two_ranks("replicas, each average 100 ms longer")
     # Rank 0's model on every rank; the price each rank's own (the same, to rounding).
     assert base[0][0] == base[1][0] and slow[0][0] == slow[1][0]
     assert base[0][1] == pytest.approx(base[1][1], rel=1e-12)
