@@ -31,6 +31,10 @@ THREE_COMBOS = [(s, "except_last") for s in SCHEDULES]
 FOUR_COMBOS = [("1f1b", "always"), ("zb-h1", "never"), ("interleaved", "never"),
                ("zb-v", "always"), ("dualpipe-v", "never")]
 SUBGROUPS = {"01-23": [[0, 1], [2, 3]], "02-13": [[0, 2], [1, 3]]}
+# What two ranks disagree on, and how the refusal names each rank's value.
+DISAGREEING = {"balance": "rank 0: [2, 6]; rank 1: [6, 2]",
+               "schedule": 'rank 0: "gpipe"; rank 1: "1f1b"',
+               "batch rows": "rank 0: [8]; rank 1: [6]"}
 
 # The scenarios that train without failing (and leave the process as they found it), on one
 # set of ranks per size in turn (see tests/pipeline/in_turn.py); each test checks its own.
@@ -42,11 +46,15 @@ TWO_RANKS = [
     *[(f"batch norm, deferred={d}", dist_workers.batch_norm_statistics, (d,))
       for d in (False, True)],
     *[(f"released {s}", dist_workers.released_outputs, (s,)) for s in ("1f1b", "zb-h1")],
+    # Last: refusals before any work, after which the ranks go on, and profilers replaced.
+    *[(f"disagree on {f}", dist_workers.disagreeing_ranks, (f,)) for f in DISAGREEING],
+    *[(f"profiled by {m}", dist_workers.profiled_balance, (m,)) for m in ("time", "size")],
 ]
 THREE_RANKS = [
     ("every schedule", dist_workers.equivalence, (THREE_COMBOS, _balances([2, 3, 3]))),
     ("2bw many", dist_workers.two_bw_many, ()),
     ("meta", dist_workers.meta_and_checkpoint, ()),
+    ("linked", dist_workers.linked_peers, ()),  # links on, as by default
 ]
 FOUR_RANKS = [
     ("five schedules", dist_workers.equivalence, (FOUR_COMBOS, _balances([2, 2, 2, 2]))),
@@ -70,10 +78,11 @@ def test_three_and_four_ranks(three_ranks: InTurn, four_ranks: InTurn) -> None:
     assert four_ranks("five schedules") == [10] * 4
 
 
-@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # three spawns
+# The linked run among the others in turn, then two spawns of its own.
+@pytest.mark.timeout(IN_TURN_TEST_TIMEOUT + 2 * DIST_TEST_TIMEOUT)
 def test_ranks_on_one_host_link_and_the_backend_path_still_trains(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    assert spawn(dist_workers.linked_peers, 3, timeout=SPAWN_TIMEOUT) == [[1, 2], [0, 2], [0, 1]]
+        monkeypatch: pytest.MonkeyPatch, three_ranks: InTurn) -> None:
+    assert three_ranks("linked") == [[1, 2], [0, 2], [0, 1]]
     monkeypatch.setenv("PIPELINE_LOCAL_P2P", "0")  # the spawned ranks inherit it
     assert spawn(dist_workers.linked_peers, 3, timeout=SPAWN_TIMEOUT) == [[]] * 3
     combos = [("1f1b", "never"), ("zb-h1", "always"), ("interleaved", "except_last")]
@@ -197,24 +206,22 @@ def test_every_call_after_a_failure_says_the_group_is_unusable(
             assert "bad loss" in message or "rank 1" in message, message
 
 
-@pytest.mark.parametrize(("field", "values"), [
-    ("balance", "rank 0: [2, 6]; rank 1: [6, 2]"),
-    ("schedule", 'rank 0: "gpipe"; rank 1: "1f1b"'),
-    ("batch rows", "rank 0: [8]; rank 1: [6]"),
-])
-def test_ranks_that_disagree_raise_pipe_config_error(field: str, values: str) -> None:
+@in_turn
+@pytest.mark.parametrize("field", list(DISAGREEING))
+def test_ranks_that_disagree_raise_pipe_config_error(field: str, two_ranks: InTurn) -> None:
     # Before: different balances trained with a layer never run, different schedules
     # deadlocked until the timeout, different batch sizes trained on a broadcast loss.
-    for message in spawn(dist_workers.disagreeing_ranks, 2, field, timeout=SPAWN_TIMEOUT):
+    values = DISAGREEING[field]
+    for message in two_ranks(f"disagree on {field}"):
         assert message.startswith(f"PipeConfigError: ranks disagree on {field} ({values})"), (
             message)
 
 
+@in_turn
 @pytest.mark.parametrize("method", ["time", "size"])
-def test_profiled_balance_is_rank_0s_on_every_rank(method: str) -> None:
+def test_profiled_balance_is_rank_0s_on_every_rank(method: str, two_ranks: InTurn) -> None:
     # Rank 0's costs put 7 cheap layers first ([7, 1]); rank 1's would give [1, 7].
-    assert spawn(dist_workers.profiled_balance, 2, method,
-                 timeout=SPAWN_TIMEOUT) == [[7, 1], [7, 1]]
+    assert two_ranks(f"profiled by {method}") == [[7, 1], [7, 1]]
 
 
 def test_a_last_stage_target_with_other_rows_fails_every_rank() -> None:
