@@ -19,6 +19,7 @@ from pipeline import Pipe, PipeConfigError
 from pipeline.launch import spawn
 from pipeline.state import opened, sharded
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
+from tests.pipeline.in_turn import run_in_turn
 from tests.pipeline.sharded_workers import (
     adam,
     assert_same,
@@ -130,18 +131,35 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _saved_and_continued(path: Path, nproc: int, balance: list[int]
+def _saved_and_continued(results: list[tuple[bytes, bytes]]
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    results = spawn(train_save_continue, nproc, str(path), balance, timeout=SPAWN_TIMEOUT)
     return unpack([r[0] for r in results]), unpack([r[1] for r in results])
 
 
+@pytest.fixture(scope="module")
+def across_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The two tests below, in 3 spawns instead of 4: 2 processes train and save; 4 load that
+    and one step later, then (in turn, on the same ranks) train and save themselves; 2 load
+    what the 4 saved. Each test checks its own half."""
+    by_two, by_four = tmp_path_factory.mktemp("by-two"), tmp_path_factory.mktemp("by-four")
+    saved_by_two = spawn(train_save_continue, 2, str(by_two), [2, 4], timeout=SPAWN_TIMEOUT)
+    on_four = spawn(run_in_turn, 4, [
+        ("load", load_continue, (str(by_two), [1, 2, 2, 1], False)),
+        ("save", train_save_continue, (str(by_four), [1, 2, 2, 1])),
+    ], timeout=SPAWN_TIMEOUT)
+    loaded_by_two = spawn(load_continue, 2, str(by_four), [4, 2], True, timeout=SPAWN_TIMEOUT)
+    return {"saved by two": saved_by_two, "by two": by_two,
+            "loaded by four": [r["load"] for r in on_four],
+            "saved by four": [r["save"] for r in on_four], "loaded by two": loaded_by_two}
+
+
 @pytest.mark.dist
-@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
-def test_two_processes_to_four_threads_and_one_device(tmp_path: Path) -> None:
-    saved, continued = _saved_and_continued(tmp_path, 2, [2, 4])
-    results = spawn(load_continue, 4, str(tmp_path), [1, 2, 2, 1], False,
-                    timeout=SPAWN_TIMEOUT)
+@pytest.mark.timeout(3 * DIST_TEST_TIMEOUT)  # the fixture's three spawns
+def test_two_processes_to_four_threads_and_one_device(across_processes: dict[str, Any]
+                                                      ) -> None:
+    tmp_path = across_processes["by two"]
+    saved, continued = _saved_and_continued(across_processes["saved by two"])
+    results = across_processes["loaded by four"]
     assert_same(unpack([r[1] for r in results]), saved, "4 processes")
     assert_same(unpack([r[2] for r in results]), continued, "4 processes, one step later")
     for what, target in (("threads", _threads([3, 2, 1], seed=1)), ("one device", model(2))):
@@ -152,10 +170,10 @@ def test_two_processes_to_four_threads_and_one_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(2 * DIST_TEST_TIMEOUT)  # two spawns
-def test_four_processes_to_two(tmp_path: Path) -> None:
-    saved, continued = _saved_and_continued(tmp_path, 4, [1, 2, 2, 1])
-    results = spawn(load_continue, 2, str(tmp_path), [4, 2], True, timeout=SPAWN_TIMEOUT)
+@pytest.mark.timeout(3 * DIST_TEST_TIMEOUT)  # the fixture's three spawns
+def test_four_processes_to_two(across_processes: dict[str, Any]) -> None:
+    saved, continued = _saved_and_continued(across_processes["saved by four"])
+    results = across_processes["loaded by two"]
     for error, _, _ in results:  # every rank raised, and names the rank that misses keys
         assert "over 4 processes" in error, error
         assert "rank 1: model keys missing ['6.bias', '6.weight']" in error, error
