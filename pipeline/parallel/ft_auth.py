@@ -228,10 +228,10 @@ class QuorumGate:
                              quorum.quorum_id, why)
             if time.monotonic() >= deadline:
                 raise QuorumRefused(
-                    f"every quorum for {timeout.total_seconds():g}s held a participant that "
-                    f"does not prove the job's secret (last: quorum {quorum.quorum_id}: {why}); "
-                    f"another process joins the job's lighthouse (docs/security.md): run the "
-                    f"job where other users cannot reach it")
+                    f"no quorum in {timeout.total_seconds():g}s had only participants that "
+                    f"prove the job's secret (last: quorum {quorum.quorum_id}: {why}); another "
+                    f"process joins the job's lighthouse or disturbs its record "
+                    f"(docs/security.md): run the job where other users cannot reach it")
             time.sleep(_RETRY_S)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool,
@@ -283,18 +283,24 @@ class QuorumGate:
     def _check(self, quorum: Any, step: int, deadline: float) -> str | None:
         """Why `quorum` is refused, or None: this rank signs it, then waits (up to the entry
         wait) for every participant's signature of the same quorum."""
-        store = self._store if self._store is not None else self._client_of(
-            quorum.store_address)
-        prefix = f"{_ENTRIES}/{quorum.quorum_id}/{self._group_rank}/"
-        store.set(prefix + self._me.replica_id,
-                  self._me.entry(self._secret, quorum.quorum_id, self._group_rank, step))
         until = min(deadline, time.monotonic() + self._entry_wait)
-        while True:
-            why = self._verify(quorum, store, prefix)
-            # A peer's entry may not be written yet, or hold its previous step: wait.
-            if why is None or time.monotonic() >= until:
-                return why
-            time.sleep(0.05)
+        prefix = f"{_ENTRIES}/{quorum.quorum_id}/{self._group_rank}/"
+        try:
+            # With no record, the quorum's store: a stranger that made itself the quorum's
+            # primary names its own, which holds no entry of ours or fails here.
+            store = self._store if self._store is not None else self._client_of(
+                quorum.store_address)
+            store.set(prefix + self._me.replica_id,
+                      self._me.entry(self._secret, quorum.quorum_id, self._group_rank, step))
+            while True:
+                why = self._verify(quorum, store, prefix)
+                # A peer's entry may not be written yet, or hold its previous step: wait.
+                if why is None or time.monotonic() >= until:
+                    return why
+                time.sleep(0.05)
+        except Exception as exc:  # the store broke off or never answered
+            self._stores.pop(quorum.store_address, None)
+            return f"the store of the entries failed ({type(exc).__name__}: {exc})"
 
     def _verify(self, quorum: Any, store: Any, prefix: str) -> str | None:
         signed: list[tuple[int, Member]] = []

@@ -80,8 +80,9 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc
         server_class = _Server6 if ":" in host else _Server
         self._server = server_class((host, 0), _handler(self))
         self._address = f"http://{host_port(host, self._server.server_address[1])}/checkpoint/"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="heal-transport")
+        # Polled 10 times a second for shutdown (not 2): a closing rank waits less.
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
+                                        daemon=True, name="heal-transport")
         self._thread.start()
 
     # -- the source's side ---------------------------------------------------------------------
@@ -130,7 +131,8 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc
         proof = signer(self._secret, "fetch", step, nonce).hexdigest()
         state = self._load_from_address(f"{metadata}{step}/full?nonce={nonce}&proof={proof}",
                                         timeout)
-        held = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
+        own = state.get("torchft") if isinstance(state, dict) else None
+        held = own.get("step") if isinstance(own, dict) else None
         if held != step:
             raise HealRefused(f"the heal source at {metadata!r} holds step {held!r}, not the "
                               f"quorum's step {step}: not applied")

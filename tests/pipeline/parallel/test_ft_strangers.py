@@ -304,6 +304,11 @@ def test_each_participant_must_sign_this_quorum_what_it_claims() -> None:
         _quorum(max_step=9, store_address="evil:1"), 3, 0))
     assert gate._check(_quorum(max_step=9, heal=True, store_address="127.0.0.1:101",
                                recover_src_manager_address="http://127.0.0.1:201"), 3, 0) is None
+    # With no record, the entries are in the quorum's store: a stranger's names its own.
+    lone = ft_auth.QuorumGate(None, secret=SECRET, me=_member("g0:a", 0), group_rank=0,
+                              entry_wait=0.5)
+    assert "the store of the entries failed" in str(lone._check(
+        _quorum(store_address="127.0.0.1:1"), 3, time.monotonic() + 5))
 
 
 def test_a_stranger_in_the_quorum_is_refused_until_it_leaves(
@@ -449,4 +454,76 @@ def test_a_strangers_vote_for_a_rank_commits_nothing(caplog: pytest.LogCaptureFi
         assert "group rank(s) [1] signed no yes" in caplog.text
     finally:
         server.shutdown()
+        lighthouse.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated:DeprecationWarning")
+def test_a_manager_built_for_the_job_heals_nothing_from_a_stranger(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchft's Manager as FaultTolerance builds it (build_manager): a stranger claiming
+    step 10**6 in every quorum is never healed from (no state loaded, step 0) and the rank
+    raises QuorumRefused; once it is gone the group forms its quorum and commits its step."""
+    from torch.distributed import TCPStore
+    from torchft._torchft import ManagerClient, ManagerServer
+    from torchft.coordination import LighthouseServer
+    from torchft.process_group import ProcessGroupGloo
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000,
+                                  heartbeat_timeout_ms=500)
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    stranger_server = ManagerServer(
+        replica_id="pipeline_replica_1:stranger", lighthouse_addr=address,
+        hostname="127.0.0.1", bind="127.0.0.1:0", store_addr="127.0.0.1:1", world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100), connect_timeout=WAIT, quorum_retries=0)
+    stranger = ManagerClient(stranger_server.address(), connect_timeout=WAIT)
+    leave = threading.Event()
+
+    def join_forever() -> None:
+        while not leave.is_set():
+            with contextlib.suppress(Exception):
+                stranger._quorum(group_rank=0, step=10**6, checkpoint_metadata="",
+                                 shrink_only=False, timeout=timedelta(seconds=2),
+                                 init_sync=True, commit_failures=0)
+
+    loaded: list[Any] = []
+    record = torch.distributed.HashStore()  # the launcher's record, where entries are signed
+
+    def manager() -> Any:
+        built = ft_auth.build_manager(
+            secret=SECRET, record_store=record, pg=ProcessGroupGloo(timeout=WAIT),
+            load_state_dict=None, state_dict=None, min_replica_size=1,
+            use_async_quorum=False, timeout=WAIT, quorum_timeout=timedelta(seconds=3),
+            connect_timeout=WAIT, rank=0, world_size=1,
+            checkpoint_transport=SignedTransport(WAIT, secret=SECRET),
+            lighthouse_addr=address, replica_id="pipeline_replica_0")
+        built.register_state_dict_fn("pipe", loaded.append, lambda: {"w": torch.ones(2)})
+        return built
+
+    joiner = threading.Thread(target=join_forever, daemon=True)
+    first = second = None
+    try:
+        first = manager()
+        assert isinstance(first._client, ft_auth.QuorumGate)
+        joiner.start()
+        time.sleep(0.5)
+        with pytest.raises(ft_auth.QuorumRefused, match="pipeline_replica_1:stranger"):
+            first.start_quorum()
+        assert loaded == [] and first.current_step() == 0 and first.errored() is None
+        leave.set()
+        stranger_server.shutdown()
+        joiner.join(timeout=30)
+        first.shutdown(wait=False)  # the rank exited; its launcher restarts the group
+        first = None
+        second = manager()
+        second.start_quorum()
+        assert second.num_participants() == 1 and loaded == []
+        assert second.should_commit() is True and second.current_step() == 1
+    finally:
+        leave.set()
+        for built in (first, second):
+            if built is not None:
+                built.shutdown(wait=False)
         lighthouse.shutdown()
