@@ -37,7 +37,7 @@ test: lint unit random
 
 # `make test` beside one spinning process per core, stopped when the run ends however it ends
 # (tests/busy.py): what must hold on a laptop or a shared runner must hold here too. The exit
-# checks of tests/test_exit.py launch their fresh interpreters 3 times as often.
+# checks (tests/test_exit.py, the docs' multi-process examples) launch 3 times as often.
 test-busy: $(STAMP)
 	TEST_EXIT_REPEAT=3 $(PY) -m tests.busy $(MAKE) test
 

@@ -18,10 +18,21 @@ import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
-__all__ = ["busy_cores", "main"]
+__all__ = ["busy_cores", "exit_repeat", "main"]
 
 # Spins until its parent is gone: a runner killed outright leaves no busy process behind.
 _SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+
+
+def exit_repeat() -> int:
+    """How many times the exit checks launch their fresh interpreters (tests/test_exit.py, and
+    the docs' multi-process examples, tests/test_docs.py), as a multiple of their least:
+    `TEST_EXIT_REPEAT` (default 1; `make test-busy` sets 3). An abort at exit is rare: every
+    `make test` runs each check, and more launches look for one in a single run."""
+    repeat = int(os.environ.get("TEST_EXIT_REPEAT", "1"))
+    if repeat < 1:
+        raise ValueError(f"TEST_EXIT_REPEAT must be 1 or more, got {repeat}")
+    return repeat
 
 
 @contextlib.contextmanager

@@ -10,7 +10,9 @@ HTML comment on the line just before the fence, `<!-- docs-test: WORDS -->`:
   that block's own test just ran, in the namespace, directory and random state it left, else
   after running it (and the blocks it continues) first;
 - `launch N`: a multi-process script, run as `python -m pipeline.launch --nproc N script.py`
-  (gloo on loopback, N <= 4) in a subprocess; marked `dist`;
+  (gloo on loopback, N <= 4) in a subprocess, beside one busy process per core (tests/busy.py,
+  as on a user's busy machine): every rank must exit 0, none abort at exit (the exit check of
+  tests/test_exit.py, which `TEST_EXIT_REPEAT=N` repeats N times); marked `dist`;
 - `script`: a script that starts processes itself (`pipeline.launch.spawn` needs its function
   importable), run as `python script.py` in a subprocess; marked `dist`;
 - `gpu`: needs CUDA, skipped without it; marked `gpu`;
@@ -46,6 +48,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.busy import busy_cores, exit_repeat
 from tests.limits import SPAWN_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +127,8 @@ def _param(block: Block) -> Any:
         marks.append(pytest.mark.gpu)
     if "launch" in block.markers or "script" in block.markers:
         marks.append(pytest.mark.dist)
+    if "launch" in block.markers:  # a hang guard for every launch, beside busy processes
+        marks.append(pytest.mark.timeout(SPAWN_TIMEOUT * exit_repeat() + 60))
     return pytest.param(block, id=block.name, marks=marks)
 
 
@@ -139,17 +144,23 @@ def _launch_ranks(block: Block) -> int | None:
 
 
 def _run_script(name: str, script: str, directory: Path, ranks: int | None) -> None:
-    """Run `script` in a fresh interpreter in `directory`, under the launcher with `ranks`."""
+    """Run `script` in a fresh interpreter in `directory`, under the launcher with `ranks`
+    beside busy processes (`exit_repeat()` times, each in fresh interpreters)."""
     (directory / "script.py").write_text(script, "utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     launcher = ["-m", "pipeline.launch", "--nproc", str(ranks)] if ranks else []
-    run = subprocess.run([sys.executable, *launcher, "script.py"], cwd=directory, env=env,
-                         capture_output=True, text=True, timeout=SPAWN_TIMEOUT)
-    assert run.returncode == 0, f"{name} failed ({' '.join(launcher) or 'script'}):" \
-                                f"\n{run.stdout}\n{run.stderr}"
-    # Every process exits cleanly too (as tests/test_exit.py checks under load).
-    assert "terminate called" not in run.stderr, f"{name}: a process aborted:\n{run.stderr}"
+    # A rank that aborts at exit (gloo's threads at the interpreter's finalisation) shows on
+    # a loaded machine: the multi-process examples run beside one busy process per core.
+    with busy_cores() if ranks else contextlib.nullcontext():
+        for _ in range(exit_repeat() if ranks else 1):
+            run = subprocess.run([sys.executable, *launcher, "script.py"], cwd=directory,
+                                 env=env, capture_output=True, text=True,
+                                 timeout=SPAWN_TIMEOUT)
+            assert run.returncode == 0, f"{name} failed ({' '.join(launcher) or 'script'}):" \
+                                        f"\n{run.stdout}\n{run.stderr}"
+            assert "terminate called" not in run.stderr, \
+                f"{name}: a process aborted at exit:\n{run.stderr}"
 
 
 @contextlib.contextmanager
@@ -223,6 +234,7 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(SPAWN_TIMEOUT * exit_repeat() + 60)  # beside busy processes, as above
 def test_readme_example_runs_as_processes(tmp_path: Path) -> None:
     """The README says its first example runs as one process per rank, as written."""
     first = next(b for b in _python_blocks() if b.page.name == "README.md")

@@ -1,5 +1,6 @@
-"""A fresh interpreter that trains exits cleanly: threaded Pipes closed or not, and every rank
-of the multi-process examples, on a loaded machine too."""
+"""A fresh interpreter that trains exits cleanly: threaded Pipes closed or not, ranks that end
+right after collectives or after a peer was killed, on a loaded machine too. The docs'
+multi-process examples run beside busy processes in tests/test_docs.py, with the same check."""
 
 from __future__ import annotations
 
@@ -10,20 +11,16 @@ import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.busy import exit_repeat
 from tests.limits import SPAWN_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# How many fresh launches each check makes, as a multiple of its least: every check runs in
-# every `make test` (an abort that comes in a third of runs shows within a few CI runs, and
-# the docs' own run of each multi-process example checks its exit too, tests/test_docs.py),
-# and `make test-busy` runs them 3 times as often, to find a rare abort in one run.
-REPEAT = int(os.environ.get("TEST_EXIT_REPEAT", "1"))
-assert REPEAT >= 1, f"TEST_EXIT_REPEAT must be 1 or more, got {REPEAT}"
+# How many fresh launches each check makes, as a multiple of its least (tests/busy.py).
+REPEAT = exit_repeat()
 
 # The README's first example, ending right after a step: the rank threads were still freeing
 # the step's tensors while the main thread finalised the interpreter (SIGABRT, "terminate
@@ -300,33 +297,3 @@ def test_ranks_ending_right_after_collectives_exit_cleanly_under_load(tmp_path: 
         runs = list(pool.map(lambda i: (f"run {i}", _launch(script, 2)), range(2 * REPEAT)))
     bad = _unclean(runs)
     assert not bad, f"{len(bad)} of {len(runs)} launches had a rank end badly: {bad[:2]}"
-
-
-def _multi_process_examples() -> list[Any]:
-    from tests.test_docs import _launch_ranks, _python_blocks
-
-    return [pytest.param(b, id=b.name) for b in _python_blocks()
-            if _launch_ranks(b) is not None and "gpu" not in b.markers]
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.usefixtures("busy")
-@pytest.mark.parametrize("block", _multi_process_examples())
-def test_multi_process_examples_exit_cleanly_under_load(block: Any, tmp_path: Path) -> None:
-    """The documentation's multi-process examples (docs/dp-pp.md's dp x pp mesh among them),
-    each in fresh interpreters beside busy processes: every rank exits 0, none aborts."""
-    from tests.test_docs import _launch_ranks, script_of
-
-    ranks = _launch_ranks(block)
-    assert ranks is not None
-    runs = []
-    for i in range(REPEAT):  # more with TEST_EXIT_REPEAT (see REPEAT)
-        directory = tmp_path / str(i)
-        directory.mkdir()
-        script = directory / "script.py"
-        script.write_text(script_of(block), "utf-8")
-        runs.append((f"run {i}", _launch(script, ranks)))
-    bad = _unclean(runs)
-    assert not bad, f"{block.name}: {len(bad)} of {len(runs)} launches ended badly: {bad[:2]}"
