@@ -288,5 +288,8 @@ def test_trials_price_the_candidates_again_by_the_time_model_they_fit() -> None:
     assert [t.candidate.chunks for t in p.trials.screened] == [4]
     assert [t.candidate.chunks for t in p.trials.trials] == [4, 1]
     assert p.chunks == 1 and p.measured_step_time == p.trials.trials[1].median
-    # Two layers' sleeps an action, fitted from 3 steps on 2 busy cores.
-    assert p.time_model.action == pytest.approx(0.020, rel=0.25)
+    # Two layers' sleeps an action, fitted from 3 steps: a sleep never ends early, but on a
+    # loaded machine it overruns by as much as the scheduler makes it (the fit came out 25 %+
+    # high at load 14), so the bound above is loose; far below the sleeps' 20 ms (the
+    # profile's 1 ms a layer) would mean the fit missed them.
+    assert 0.018 <= p.time_model.action <= 0.060
