@@ -13,8 +13,8 @@ previous kill, while it fetches its state from its peer), end (after the loop, b
 state is saved: lost after the job's last commit), stall (at `step`, SIGSTOP instead: the rank
 stays, frozen, until the launcher sees it stopped beating and ends its group). Kills run in
 the order given, each once per job (OUT/killed_<i> marks it done, with the time and step),
-and each only after every replica took part in a step after the previous kill: one group is
-lost at a time.
+and each only after every replica took part in a step after the previous kill (the first,
+after every replica took part in a step): one group is lost at a time.
 
 --scaler: train through a GradScaler (its scale grows every GROWTH_INTERVAL steps, so a heal
 must carry it), and replica 1's batch of step INF_STEP holds an inf: every replica must skip
@@ -139,6 +139,11 @@ class Killer:
         previous = self.done(i - 1) if i else None
         if previous is not None and self.last_everyone <= previous["step"]:
             return None  # the previous kill's group has not taken part in a step again
+        if self.last_everyone < 0:
+            # The groups have not met yet (one started late on a loaded host): a group lost
+            # now would leave none holding the history it trained alone, and the job would
+            # end, rightly, with an error instead of healing.
+            return None
         if kill.replica == self.replica:
             return kill.point, i
         return ("partner", i) if kill.point == "allreduce" else None
