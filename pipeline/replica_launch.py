@@ -39,6 +39,7 @@ from pipeline.parallel.fault_tolerance import (
     REPLICA_ID_ENV,
     check_installed,
 )
+from pipeline.parallel.ft_auth import SECRET_ENV, job_secret_env
 from pipeline.parallel.ft_record import (
     LIVENESS_ENV,
     RECORD_ENV,
@@ -195,7 +196,10 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
     rank_timeout = max(beats / 1e3, RANK_TIMEOUT_FLOOR_S)
     env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas), RUST_LOG_ENV: rust_log,
            RECORD_ENV: str(record_port), LIVENESS_ENV: str(rank_timeout), LOG_ENV: "1",
-           **init_timeout_env}
+           **init_timeout_env,
+           # The job's secret (ft_auth): one per job, unless the user gave one to share it
+           # with groups started elsewhere; in the environment, never on a command line.
+           **({} if os.environ.get(SECRET_ENV, "").strip() else job_secret_env())}
     argv = [sys.executable, "-c", _BOOT, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
     stopping: list[int] = []  # a signal the launcher was sent: passed on to every rank
