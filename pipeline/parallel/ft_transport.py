@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -41,10 +42,10 @@ from torch.distributed._serialization import _streaming_load, _streaming_save
 from torch.utils._pytree import tree_map_only
 from torchft.checkpointing import CheckpointTransport
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel.ft_auth import bind_host, host_port, job_secret, signer
 
-__all__ = ["HealRefused", "SignedTransport"]
+__all__ = ["HealRefused", "SignedTransport", "check_same_model"]
 
 _log = logging.getLogger(__name__)
 
@@ -319,3 +320,20 @@ def _handler(transport: SignedTransport) -> type[http.server.BaseHTTPRequestHand
             pass  # one line per request on stderr otherwise; refusals are logged above
 
     return Handler
+
+
+def check_same_model(mine: dict[str, Any], theirs: dict[str, Any],
+                     local: Callable[[Any], torch.Tensor]) -> None:
+    """Refuse a heal from a peer whose stage is another model: a configuration error (the
+    launcher ends the job naming it), not a failure to restart and heal from again."""
+    keys = sorted(set(mine) ^ set(theirs))
+    shapes = sorted(k for k in set(mine) & set(theirs)
+                    if isinstance(theirs[k], torch.Tensor)
+                    and tuple(local(mine[k]).shape) != tuple(theirs[k].shape))
+    if keys or shapes:
+        what = (f"other keys ({keys[:5]})" if keys else
+                f"other shapes ({shapes[0]}: {tuple(theirs[shapes[0]].shape)} there, "
+                f"{tuple(local(mine[shapes[0]]).shape)} here)")
+        raise PipeConfigError(
+            f"the healing peer's stage state has {what} than this rank's: every replica "
+            f"group must build the same model, split the same way")

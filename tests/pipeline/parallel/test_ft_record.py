@@ -154,3 +154,27 @@ def test_training_steps_heal_first_and_end_on_a_step_every_replica_took() -> Non
         for _ in ft.training_steps(2, deadline=0.0):
             time.sleep(0.01)
             ft._quorum_started = False
+
+
+def test_a_heal_from_a_group_of_another_model_is_a_configuration_error() -> None:
+    """Groups that build different models: the healed rank's load fails as a configuration
+    error (the rank exits 78, the launcher ends the job naming it), where a failed
+    load_state_dict was a plain failure, restarted and healed from again until the give-up."""
+    from torch import nn
+
+    from pipeline import Pipe
+
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), balance=[1, 1],
+                devices=["cpu", "cpu"], chunks=1)
+    ft = _bare_ft(_pipe=pipe)
+    same = {k: v.clone() + 1 for k, v in pipe.state_dict().items()}
+    ft._load_model(same)  # the same model: loaded
+    assert all(torch.equal(v, same[k]) for k, v in pipe.state_dict().items())
+    wider = dict(same, **{"1.weight": torch.zeros(3, 4)})
+    with pytest.raises(PipeConfigError, match=r"other shapes \(1.weight: \(3, 4\) there, "
+                                              r"\(2, 4\) here\).*the same model"):
+        ft._load_model(wider)
+    deeper = dict(same, **{"2.weight": torch.zeros(2, 2)})
+    with pytest.raises(PipeConfigError, match=r"other keys \(\['2.weight'\]\)"):
+        ft._load_model(deeper)
+    assert all(torch.equal(v, same[k]) for k, v in pipe.state_dict().items())  # unchanged
