@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from pipeline import settings
+from pipeline import private_net, settings
 from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV, MAX_INIT_TIMEOUT
 
 __all__ = ["ALLOCATOR", "INIT_TIMEOUT_ENV", "RankFailed", "describe_exit", "exit_status",
@@ -240,11 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --replicas: seconds without a heartbeat after which the "
                              "lighthouse drops a replica group (default 5, torchft's; shorter "
                              "detects a lost group sooner on a quiet host)")
+    parser.add_argument("--private-network", action="store_true",
+                        help="run the job in a network namespace of its own: its loopback "
+                             "servers (stores, gloo, torchft's lighthouse and managers) out "
+                             "of other local users' reach, and no other network "
+                             "(docs/security.md)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
+    if ns.private_network and not os.environ.get(private_net.INSIDE_ENV):
+        return exit_status(private_net.relaunch(sys.argv[1:] if argv is None else argv))
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     if ns.replicas is not None:
         from pipeline.errors import PipeConfigError
