@@ -1,4 +1,4 @@
-"""Replica groups on one host: a torchft lighthouse, R pipelines of N ranks, lost groups restarted.
+"""Replica groups on one host: the job's lighthouse, R pipelines of N ranks, lost groups restarted.
 
     python -m pipeline.launch --replicas 2 --nproc 2 --max-restarts 3 train.py
 
@@ -12,7 +12,7 @@ starts again, at most `max_restarts` times per group, if a live group still hold
 history to heal it from; the other groups keep training. When none does, the job ends with an
 error: a group started again from its initial weights would silently begin another history.
 A rank that stops beating into the record for `rank_timeout` seconds (stopped, or held off the
-CPU) is taken for lost the same way: torchft's lighthouse hears group rank 0 alone. A rank
+CPU) is taken for lost the same way: the lighthouse hears group rank 0's manager alone. A rank
 that exits with a configuration error (CONFIG_EXIT) ends the job at once: a restart would
 meet the same error.
 """
@@ -39,7 +39,8 @@ from pipeline.parallel.fault_tolerance import (
     REPLICA_ID_ENV,
     check_installed,
 )
-from pipeline.parallel.ft_auth import SECRET_ENV, job_secret_env
+from pipeline.parallel.ft_auth import job_secret, job_secret_env
+from pipeline.parallel.ft_coord import address, serve_coordinator
 from pipeline.parallel.ft_record import (
     LIVENESS_ENV,
     RECORD_ENV,
@@ -96,8 +97,9 @@ _BOOT = ("import os, runpy, sys\n"
          "    from pipeline.replica_launch import rank_failed\n"
          "    rank_failed(exc)\n")
 
-# torchft's Rust side (lighthouse, managers) logs through RUST_LOG, at INFO by default: a few
-# lines per rank per step, thousands a run. Warnings and errors only, unless the user set it.
+# torchft's Rust side logs through RUST_LOG, at INFO by default (its lighthouse and managers,
+# which this library replaces, logged a few lines per rank per step). Warnings and errors
+# only, unless the user set it.
 RUST_LOG_ENV, RUST_LOG_DEFAULT = "RUST_LOG", "warn"
 
 
@@ -180,26 +182,33 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                  max_restarts: int, init_timeout_env: dict[str, str],
                  heartbeat_timeout: float | None = None) -> int:
     """Run `script args` as `replicas` groups of `nproc` ranks; return the exit code."""
-    from pipeline.launch import host_store
-
     check_installed("python -m pipeline.launch --replicas")
     if replicas < 1 or max_restarts < 0:
         raise PipeConfigError(f"--replicas must be >= 1 and --max-restarts >= 0; got "
                               f"--replicas {replicas}, --max-restarts {max_restarts}")
-    rust_log = os.environ.get(RUST_LOG_ENV, RUST_LOG_DEFAULT)
     beats = (HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None
              else max(1, round(heartbeat_timeout * 1e3)))
-    lighthouse = _lighthouse(rust_log, beats)
-    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    record, record_port = host_store()  # the job's history outlives every group
-    record.set(REPLICAS_KEY, str(replicas))  # a group started with another count is refused
-    rank_timeout = max(beats / 1e3, RANK_TIMEOUT_FLOOR_S)
-    env = {LIGHTHOUSE_ENV: address, NUM_REPLICAS_ENV: str(replicas), RUST_LOG_ENV: rust_log,
-           RECORD_ENV: str(record_port), LIVENESS_ENV: str(rank_timeout), LOG_ENV: "1",
-           **init_timeout_env,
-           # The job's secret (ft_auth): one per job, unless the user gave one to share it
-           # with groups started elsewhere; in the environment, never on a command line.
-           **({} if os.environ.get(SECRET_ENV, "").strip() else job_secret_env())}
+    # The job's secret (ft_auth): one per job, unless the user gave one to share it with
+    # groups started elsewhere; in the environment, never on a command line.
+    made = {} if job_secret() is not None else job_secret_env()
+    # The lighthouse and the job's record (its history outlives every group), in this
+    # process, served on loopback to the job's processes alone (ft_coord).
+    with serve_coordinator(heartbeat_timeout_s=beats / 1e3, join_timeout_s=JOIN_TIMEOUT_MS / 1e3,
+                           secret=job_secret(made) if made else None) as (server, _, record):
+        record.set(REPLICAS_KEY, str(replicas))  # a group started with another count is refused
+        rank_timeout = max(beats / 1e3, RANK_TIMEOUT_FLOOR_S)
+        env = {LIGHTHOUSE_ENV: address(server), NUM_REPLICAS_ENV: str(replicas),
+               RUST_LOG_ENV: os.environ.get(RUST_LOG_ENV, RUST_LOG_DEFAULT),
+               RECORD_ENV: str(server.port), LIVENESS_ENV: str(rank_timeout), LOG_ENV: "1",
+               **init_timeout_env, **made}
+        return _supervise(script, args, replicas, nproc, max_restarts, env, record,
+                          rank_timeout)
+
+
+def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
+               max_restarts: int, env: dict[str, str], record: Any,
+               rank_timeout: float) -> int:
+    """Start the groups, restart lost ones, and end the job (its exit code)."""
     argv = [sys.executable, "-c", _BOOT, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
     stopping: list[int] = []  # a signal the launcher was sent: passed on to every rank
@@ -208,7 +217,7 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
     for g in groups:
         g.start(argv, nproc, env)
     print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
-          f"{address}", file=sys.stderr)
+          f"{env[LIGHTHOUSE_ENV]}", file=sys.stderr)
     stuck = _Stuck(record, groups)
     liveness = Liveness(record, rank_timeout)
     next_look = 0.0
@@ -260,7 +269,6 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
             signal.signal(sig, handler)
         for g in groups:
             g.stop(signal.SIGTERM if stopping else signal.SIGKILL)
-        lighthouse.shutdown()
 
 
 def _stalled(liveness: Liveness, group: ReplicaGroup) -> tuple[int, float] | None:
@@ -366,29 +374,6 @@ def _stopped(groups: list[ReplicaGroup], signum: int) -> int:
     return 128 + signum
 
 
-def _lighthouse(rust_log: str, heartbeat_timeout_ms: int) -> Any:
-    """torchft's lighthouse in this process, logging at `rust_log` (its logger reads RUST_LOG
-    when torchft is first imported; the variable is restored after, for a caller in the same
-    process)."""
-    before = os.environ.get(RUST_LOG_ENV)
-    os.environ[RUST_LOG_ENV] = rust_log
-    try:
-        from torchft.coordination import LighthouseServer
-
-        # min_replicas=1: a quorum of the survivors alone is a quorum (that is the point).
-        # On loopback: every group runs on this host, and the lighthouse authenticates no
-        # one. Its address() names the host, which may resolve to another interface: callers
-        # use the port alone.
-        return LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
-                                join_timeout_ms=JOIN_TIMEOUT_MS,
-                                heartbeat_timeout_ms=heartbeat_timeout_ms)
-    finally:
-        if before is None:
-            del os.environ[RUST_LOG_ENV]
-        else:
-            os.environ[RUST_LOG_ENV] = before
-
-
 def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) -> int:
     """Stop every other group cleanly (SIGTERM, then SIGKILL) and say what failed."""
     for g in groups:
@@ -403,8 +388,8 @@ def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) 
 
 
 if __name__ == "__main__":
-    # `python -m pipeline.replica_launch --record`: the job's record alone, for groups started
-    # by hand (docs/fault-tolerance.md); it prints the variable each group exports.
+    # `python -m pipeline.replica_launch --record`: the job's lighthouse and record alone, for
+    # groups started by hand (docs/fault-tolerance.md); it prints what each group exports.
     if sys.argv[1:] != ["--record"]:
         raise SystemExit("usage: python -m pipeline.replica_launch --record")
     from pipeline.parallel.ft_record import serve

@@ -130,12 +130,9 @@ class FaultTolerance:
         # Quorum at the start of a step and healing before its forward (use_async_quorum
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
-        # Its servers on loopback (or PIPELINE_FT_BIND), its quorums only of members that
-        # prove the job's secret, in entries next to the record (ft_auth).
-        secret = ft_auth.job_secret()
-        entries = JobRecord.from_environment(self.replica_id, timeout) if secret else None
+        # Its manager, lighthouse and heals this library's, on loopback (or
+        # PIPELINE_FT_BIND), every connection proving the job's secret (ft_auth).
         self.manager = ft_auth.build_manager(
-            secret=secret, record_store=getattr(entries, "store", None),
             pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
             min_replica_size=1, use_async_quorum=False, timeout=wait, quorum_timeout=wait,
             connect_timeout=wait, rank=rank, world_size=world_size,

@@ -29,7 +29,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from datetime import timedelta
 from typing import Any
 
 from pipeline import settings
@@ -38,7 +37,7 @@ from pipeline.errors import PipeConfigError, PipelineError
 __all__ = ["EXITING", "LIVENESS_ENV", "RECORD_ENV", "REPLICAS_KEY", "JobRecord", "Liveness",
            "NotLatest", "beat_key", "connect", "group_key", "read_record", "serve"]
 
-RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port on 127.0.0.1, set by the launcher
+RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port, on the lighthouse's host
 # Seconds a rank may go without a beat before the launcher ends its group; set by the launcher
 # (unset: no beats, as under torchrun by hand).
 LIVENESS_ENV = "PIPELINE_FT_LIVENESS"
@@ -119,10 +118,13 @@ class JobRecord:
 
 
 def connect(port: int, timeout: float) -> Any:
-    """A client of the record served on 127.0.0.1:`port`."""
-    from torch._C._distributed_c10d import TCPStore
+    """A client of the record kept by the job's coordinator at `port` on the lighthouse's host
+    (ft_coord: the same server; both ends prove the job's secret)."""
+    from pipeline.parallel.ft_coord import StoreClient, lighthouse_hostport
 
-    return TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout))
+    host = (lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE")
+            else "127.0.0.1")
+    return StoreClient(host, port, timeout)
 
 
 def _check_count(store: Any, replica: int) -> None:
@@ -210,17 +212,25 @@ class Liveness:
 
 
 def serve() -> int:
-    """The job's record for replica groups started by hand on one host (one torchrun per
-    group), until SIGTERM or Ctrl-C; the first group to join sets the count."""
+    """The job's coordinator (lighthouse and record) for replica groups started by hand (one
+    torchrun per group), on loopback or `PIPELINE_FT_BIND`, until SIGTERM or Ctrl-C; the
+    first group to join sets the count. It prints what each group exports."""
     import signal
+    import sys
 
-    from pipeline.launch import host_store
+    from pipeline.parallel.ft_auth import SECRET_ENV, bind_host, job_secret
+    from pipeline.parallel.ft_coord import address, serve_coordinator
 
-    _served, port = host_store()  # served by this process until it ends
-    print(f"export {RECORD_ENV}={port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _signum, _frame: stop.set())
-    while not stop.wait(1.0):
-        pass
+    if job_secret() is None:
+        print(f"pipeline.replica_launch: {SECRET_ENV} is not set, so no connection proves "
+              f"the job's secret (any local user may join); export the same value here and "
+              f"in every group (docs/fault-tolerance.md)", file=sys.stderr, flush=True)
+    with serve_coordinator(host=bind_host()) as (server, _, _):
+        print(f"export TORCHFT_LIGHTHOUSE={address(server)} {RECORD_ENV}={server.port}",
+              flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _signum, _frame: stop.set())
+        while not stop.wait(1.0):
+            pass
     return 0

@@ -10,14 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline import PipeConfigError
-from pipeline.launch import host_store
 from pipeline.parallel import ft_record
+from pipeline.parallel.ft_coord import serve_coordinator
 from pipeline.parallel.ft_record import JobRecord, Liveness
 
 pytest.importorskip("torchft")
@@ -29,8 +30,10 @@ LAUNCH_TIMEOUT = 240  # a hang guard, never an expected duration
 
 
 @pytest.fixture
-def record() -> tuple[Any, int]:
-    return host_store()
+def record() -> Iterator[tuple[Any, int]]:
+    """The job's record, kept by a coordinator as the launcher keeps it."""
+    with serve_coordinator() as (server, _, store):
+        yield store, server.port
 
 
 def _wait(cond: Any, limit: float = 60.0) -> None:
