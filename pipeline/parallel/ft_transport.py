@@ -198,10 +198,21 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc
         return tree_map_only(torch.Tensor, torch.Tensor.clone, state)
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop serving; with `wait` False (torchft's Manager.shutdown(wait=False)) without
+        waiting for the serving loop, which ends within its poll interval. The socket is
+        closed only once the loop has ended: closed under it, the loop's poll returned at
+        once on the dead descriptor, and the thread spun on a core for the rest of the
+        process."""
+
+        def stop() -> None:
+            self._server.shutdown()  # returns once serve_forever has
+            self._server.server_close()
+
         if wait:
-            self._server.shutdown()
+            stop()
             self._thread.join()
-        self._server.server_close()
+        else:
+            threading.Thread(target=stop, daemon=True, name="heal-transport-stop").start()
 
 
 class _Reader:

@@ -237,3 +237,15 @@ def test_a_dripping_peer_is_cut_at_the_deadline() -> None:
         stranger.communicate()
     # The old transport never ended here (a read a second, each within its timeout).
     assert time.monotonic() - began < 30
+
+
+def test_a_transport_shut_down_without_waiting_stops_serving() -> None:
+    """torchft's Manager.shutdown(wait=False) shuts its transport down without waiting: the
+    socket was closed under the serving loop, whose poll then returned at once on the dead
+    descriptor, and the thread spun on a core for the rest of the process (a test process
+    ran its remaining 20 minutes of tests beside it)."""
+    transport = SignedTransport(WAIT, secret=SECRET)
+    thread = transport._thread
+    transport.shutdown(wait=False)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
