@@ -323,7 +323,8 @@ class _Stuck:
 
 def _history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup) -> str | None:
     """Why no group can heal `lost` (None if a live group holds the job's history), waiting
-    up to HISTORY_GRACE_S for a live group's count to show it."""
+    up to HISTORY_GRACE_S for a live group's count to show it (not at all when no other
+    group is live: the job ended 20 s after its last group finished, for nothing)."""
     deadline = time.monotonic() + HISTORY_GRACE_S
     while True:
         counts = {g: entry[0] for g, entry in read_record(record, len(groups)).items()}
@@ -331,7 +332,7 @@ def _history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup) -
         live = [g for g in groups if g is not lost and not g.done and g.failed_rank() is None]
         if latest == 0 or any(counts.get(g.replica_id, 0) == latest for g in live):
             return None
-        if time.monotonic() > deadline:
+        if not live or time.monotonic() > deadline:  # no live group left to show it
             break
         time.sleep(0.1)
     finished = [g.replica_id for g in groups if g.done]

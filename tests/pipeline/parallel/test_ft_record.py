@@ -58,11 +58,15 @@ def test_a_lost_group_is_restarted_only_while_a_live_group_holds_the_history(
     store.set(group_key(1), "0 0")
     why = replica_launch._history_lost(store, groups, groups[0])
     assert why is not None and "resume the job from its last sharded checkpoint" in why
-    # Lost after the other finished: no live group holds what it would have to redo.
+    # Lost after the other finished: no live group holds what it would have to redo, and
+    # none is left to show it, so the grace is not waited (the job ended 20 s late).
+    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 3600.0)
     groups = _groups([True, False])
     store.set(group_key(1), "5 9")
+    began = time.monotonic()
     why = replica_launch._history_lost(store, groups, groups[1])
     assert why is not None and "finished groups' weights are the job's result" in why
+    assert time.monotonic() - began < 60  # not the hour of grace
 
 
 def test_a_live_group_that_can_never_catch_up_ends_the_job(
