@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "detects a lost group sooner on a quiet host)")
     parser.add_argument("--private-network", action="store_true",
                         help="run the job in a network namespace of its own: its loopback "
-                             "servers (stores, gloo, torchft's lighthouse and managers) out "
+                             "servers (stores, gloo, the lighthouse and managers) out "
                              "of other local users' reach, and no other network "
                              "(docs/security.md)")
     parser.add_argument("script")

@@ -1,12 +1,12 @@
 """A launch in a network namespace of its own: loopback servers no other local user can reach.
 
-Every server a job runs on one host binds loopback: the rendezvous and record stores, gloo,
-torchft's lighthouse (with its dashboard and its kill endpoint), each manager (with its `Kill`),
-the heal servers, and the abstract sockets of same-host links. Loopback is open to every user
-of the host, and torchft's servers authenticate no one: what the job's secret cannot guard
-(docs/security.md), a namespace can. `python -m pipeline.launch --private-network ...` starts
-the launcher again in a new user and network namespace (the user's own uid mapped to itself,
-so files and peer checks see the same owner), whose loopback only the job's processes share.
+Every server a job runs on one host binds loopback: the rendezvous stores, gloo, the replica
+job's lighthouse and record, each group's manager, the heal servers, and the abstract sockets
+of same-host links. Loopback is open to every user of the host, and torch's stores and gloo
+authenticate no one: what the job's secret cannot guard (docs/security.md), a namespace can.
+`python -m pipeline.launch --private-network ...` starts the launcher again in a new user and
+network namespace (the user's own uid mapped to itself, so files and peer checks see the same
+owner), whose loopback only the job's processes share.
 
 The price: the job has no network but its own loopback (a script that downloads, or logs to a
 remote service, cannot), so it is for single-host jobs, and it needs unprivileged user

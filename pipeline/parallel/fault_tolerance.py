@@ -51,8 +51,8 @@ def _environment() -> tuple[int, int, str]:
             f"Pipe(fault_tolerance=True) runs as one of several replica groups and reads "
             f"{', '.join(names)} from the environment; {', '.join(missing)} not set. Start it "
             f"with `python -m pipeline.launch --replicas R --nproc N script.py`, or set them "
-            f"(one torchrun per replica group, a lighthouse from `torchft_lighthouse "
-            f"--min_replicas 1`; see docs/fault-tolerance.md)")
+            f"(one torchrun per replica group, the lighthouse from `python -m "
+            f"pipeline.replica_launch --record`; see docs/fault-tolerance.md)")
     replica, count = os.environ[REPLICA_ID_ENV], os.environ[NUM_REPLICAS_ENV]
     if not (replica.isdigit() and count.isdigit() and int(replica) < int(count)):
         raise PipeConfigError(

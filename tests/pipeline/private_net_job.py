@@ -4,7 +4,7 @@ under `python -m pipeline.launch --private-network --replicas 1 --nproc 2`.
     python tests/pipeline/private_net_job.py OUT
 
 Every rank trains 2 fault-tolerant steps; then rank 0 writes to OUT/ports.json the loopback
-ports of the job's servers (torchft's lighthouse, with its dashboard, and the job's record),
+ports of the job's servers (the lighthouse and the job's record),
 whether it reaches them itself, and its namespace's marker, and waits (at most 60 s) for
 OUT/done, so that the test can try the same ports from outside while they still listen.
 """

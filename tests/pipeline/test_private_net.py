@@ -28,8 +28,8 @@ def _reachable(port: int) -> bool:
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"no private network here: {WHY_NOT}")
 def test_a_replica_jobs_servers_are_reachable_only_from_inside(tmp_path: Path) -> None:
-    """torchft's lighthouse (its dashboard and kill endpoint with it) and the job's record
-    listen on loopback: inside, the job's ranks reach them and train; from this process, on
+    """The job's lighthouse and record (one server) and the rendezvous stores listen on
+    loopback: inside, the job's ranks reach them and train; from this process, on
     the host's loopback, nothing answers on those ports while the job still holds them."""
     pytest.importorskip("torchft")
     job = subprocess.Popen([sys.executable, "-m", "pipeline.launch", "--private-network",
