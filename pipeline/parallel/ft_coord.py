@@ -25,11 +25,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from pipeline.parallel.ft_auth import host_port, job_secret
 from pipeline.parallel.ft_wire import Client, Server
 
-__all__ = ["KeyStore", "Lighthouse", "StoreClient", "serve_coordinator"]
+__all__ = ["KeyStore", "Lighthouse", "StoreClient", "address", "lighthouse_hostport",
+           "serve_coordinator"]
 
 _TICK_S = 0.1  # how often a quorum is looked for while groups wait (torchft: 100 ms)
 
@@ -252,8 +254,6 @@ class StoreClient:
 
 def lighthouse_hostport(addr: str | None = None) -> tuple[str, int]:
     """(host, port) of a lighthouse address (`http://host:port`, or TORCHFT_LIGHTHOUSE)."""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(addr if addr is not None else os.environ["TORCHFT_LIGHTHOUSE"])
     if parts.hostname is None or parts.port is None:
         raise ValueError(f"a lighthouse address is http://host:port; got {addr!r}")

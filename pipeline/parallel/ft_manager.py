@@ -85,6 +85,7 @@ class _Round:
 
     def __init__(self) -> None:
         self.ranks: set[int] = set()
+        self.noes: set[int] = set()  # ranks that voted no (a vote's round)
         self.done = threading.Event()
         self.value: Any = None
         self.error: str | None = None
@@ -108,7 +109,6 @@ class ManagerServer:
         self._metadata: dict[int, str] = {}
         self._quorum = _Round()
         self._vote = _Round()
-        self._noes: set[int] = set()
         host = bind_host(lighthouse_addr)
         self._server = Server(self._handle, secret=secret, host=host,
                               port=int(bind.rsplit(":", 1)[1]), name="pipeline-ft-manager")
@@ -186,10 +186,10 @@ class ManagerServer:
             gathering = self._vote
             gathering.ranks.add(rank)
             if not request["should_commit"]:
-                self._noes.add(rank)
+                gathering.noes.add(rank)
             if len(gathering.ranks) >= self._world_size:
-                gathering.value = not self._noes
-                self._vote, self._noes = _Round(), set()
+                gathering.value = not gathering.noes
+                self._vote = _Round()
                 gathering.done.set()
         if not gathering.done.wait(timeout):
             raise TimeoutError(f"the group's ranks did not all vote within {timeout:g}s")
@@ -228,14 +228,10 @@ class ManagerClient:
                                 "timeout": timeout.total_seconds()}, timeout))
 
 
-_installed = threading.Lock()
-
-
 def install() -> None:
     """torchft's Manager builds these in place of its Rust server and client (from now on in
     this process: a heal looks the client up again when it happens)."""
     import torchft.manager as torchft_manager
 
-    with _installed:
-        torchft_manager.ManagerServer = ManagerServer
-        torchft_manager.ManagerClient = ManagerClient
+    torchft_manager.ManagerServer = ManagerServer
+    torchft_manager.ManagerClient = ManagerClient
