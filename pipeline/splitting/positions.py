@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 from torch.utils import _pytree as pytree
 
@@ -87,6 +86,8 @@ class Positions:
     def _tied(self, size: Any, length: Any) -> bool:
         """Whether a loss needs `size` to be `length` (with the batch's rows alike): a causal
         LM's labels, shifted in the model, against its logits."""
+        import sympy  # slow to import: only where a graph is captured
+
         if _symbols(size) != {size}:
             return False
         rows = sympy.Symbol("rows", positive=True, integer=True)
@@ -150,6 +151,8 @@ _TOKEN_LOSSES = {torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_l
 def _losses(graph: torch.fx.Graph) -> tuple[tuple[Any, Any], ...]:
     """The sizes each token loss of `graph` needs equal: its predictions' count (all but
     the classes) and its targets'."""
+    import sympy  # slow to import: only where a graph is captured
+
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _TOKEN_LOSSES:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
 
@@ -158,6 +157,8 @@ class Limits:
 
 def _finite(bound: Any) -> int | None:
     """A range's bound as an int, None where infinite (sympy's oo, torch's int_oo)."""
+    import sympy  # slow to import: only where a graph is captured
+
     return int(bound) if isinstance(bound, sympy.Integer) else None
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from pipeline.errors import PipeConfigError
@@ -154,6 +153,8 @@ def _check_batch_dim(ep: torch.export.ExportedProgram, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> None:
     leaves = [v for v in pytree.tree_leaves((args, kwargs))
               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int  # imports sympy
+
     from pipeline.splitting.cut import user_inputs  # cut imports this module
 
     tensors = [node for node, _, tensor in user_inputs(ep) if tensor]
