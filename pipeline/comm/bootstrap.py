@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -18,7 +19,7 @@ from pipeline import settings
 from pipeline.errors import PipeConfigError
 
 __all__ = ["INIT_TIMEOUT_ENV", "MAX_INIT_TIMEOUT", "PARAM_INITS", "ParamInit", "from_first_rank",
-           "indexed", "init_timeout", "materialize", "rank_devices", "world"]
+           "indexed", "init_timeout", "materialize", "rank_devices", "release_at_exit", "world"]
 
 # Here, not in pipeline.launch (which sets it): importing `pipeline` must not import the
 # launcher, or `python -m pipeline.launch` finds it already imported and runpy warns.
@@ -28,7 +29,7 @@ INIT_TIMEOUT_ENV = "PIPELINE_INIT_TIMEOUT"  # seconds ranks wait for each other 
 MAX_INIT_TIMEOUT = 1e7
 
 _shared = itertools.count()  # values shared so far, in order: the same on every rank
-
+_releasing: list[bool] = []  # whether release_at_exit registered its handler
 
 
 def init_timeout(raw: str | None = None, name: str = INIT_TIMEOUT_ENV) -> float:
@@ -39,6 +40,7 @@ def init_timeout(raw: str | None = None, name: str = INIT_TIMEOUT_ENV) -> float:
                                      unit=" seconds")
     return settings.number(INIT_TIMEOUT_ENV, default=300.0, low=0.001, high=MAX_INIT_TIMEOUT,
                            unit=" seconds")
+
 
 def world(group: Any = None) -> tuple[int, int] | None:
     """(rank, world size) when running as one of several processes, else None.
@@ -59,7 +61,34 @@ def world(group: Any = None) -> tuple[int, int] | None:
     size = dist.get_world_size(group)
     if size == 1 and group is None:
         return None
+    release_at_exit()
     return dist.get_rank(group), size
+
+
+def release_at_exit() -> None:
+    """At a normal exit, stop the pipeline's threads, then destroy the process groups (once
+    per process; a pipeline over processes asks for it, whoever started the group).
+
+    gloo frees a collective's tensors on its worker threads, after the caller's `wait()` may
+    have returned: the pipeline's own collectives wait for that (pipeline/comm/handed.py),
+    torch's own (DCP's, `all_gather_object`'s) do not, and a worker left to free one while
+    the interpreter finalises aborts the process (SIGABRT). A destroyed group's workers are
+    joined while Python still runs, as torch advises. A group broken by a failed peer is left
+    as it is (pipeline/comm/quiet_exit.py)."""
+    if not _releasing:
+        _releasing.append(True)
+        atexit.register(_release)
+
+
+def _release() -> None:
+    from pipeline.comm import quiet_exit
+    from pipeline.runtime import workers  # the runtime imports this module
+
+    if quiet_exit.armed():
+        return
+    workers.close_all()  # no stage thread is left inside a collective of the group
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_devices(devices: Sequence[str | torch.device] | None, num_ranks: int,

@@ -27,7 +27,7 @@ from typing import Any
 
 from pipeline import settings
 
-__all__ = ["ENV", "arm", "record"]
+__all__ = ["ENV", "arm", "armed", "record"]
 
 ENV = "PIPELINE_QUIET_EXIT"
 _state: dict[str, Any] = {"armed": False, "code": 0}
@@ -58,6 +58,11 @@ def arm() -> None:
         if quitter is not None:
             setattr(builtins, name, _recording(quitter))
     atexit.register(_exit)
+
+
+def armed() -> bool:
+    """Whether this process exits quietly (a transport recorded a failure)."""
+    return bool(_state["armed"])
 
 
 def record(code: Any) -> None:

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["RankWorkers"]
+__all__ = ["RankWorkers", "close_all"]
 
 _Job = tuple[Callable[[], None], threading.Event] | None
-# Every open set of workers, so interpreter exit can stop and join them (see `_close_all`).
+# Every open set of workers, so interpreter exit can stop and join them (see `close_all`).
 _OPEN: weakref.WeakSet[RankWorkers] = weakref.WeakSet()
 _log = logging.getLogger(__name__)
 _JOIN_SECONDS = 10.0  # a rank busy longer than this at exit is left to the interpreter
@@ -97,7 +97,8 @@ class RankWorkers:
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Stop and join every open set of workers (at exit, and before a group is destroyed)."""
     # Daemon threads still running when the interpreter finalises can free tensors (and run
     # torch's C++ destructors) while it tears down: stop and join them first.
     for workers in list(_OPEN):
