@@ -96,8 +96,8 @@ def _open(source: str, path: str | os.PathLike[str]) -> Opened:
         finally:
             os.close(fd)
         opened.metadata = shard_reader.unpickle_metadata(data)
-        opened.identity = staging.read_marker(source, dir_fd=directory) or _identity(
-            directory, shard_reader.METADATA)
+        opened.identity = (staging.read_marker(source, dir_fd=directory)
+                           or _identity(opened, shard_reader.METADATA, path))
         budget = _budget()
         for name, end in sorted(shard_reader.shard_ends(opened.metadata).items()):
             _check_shard(opened, name, end, path, keep=len(opened.held) < budget)
@@ -168,6 +168,14 @@ def _was_replaced(opened: Opened, path: str | os.PathLike[str]) -> bool:
     return (now.st_dev, now.st_ino) != (was.st_dev, was.st_ino)
 
 
-def _identity(directory: int, name: str) -> str:
-    info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+def _identity(opened: Opened, name: str, path: str | os.PathLike[str]) -> str:
+    """What tells this checkpoint from another: `name`'s device, inode and time (for one
+    without a marker); `shard_reader.Replaced` if it vanished because a save swapped the
+    directory away and removed it (its marker went first)."""
+    try:
+        info = os.stat(name, dir_fd=opened.directory, follow_symlinks=False)
+    except FileNotFoundError:
+        if _was_replaced(opened, path):
+            raise shard_reader.Replaced(opened.path) from None
+        raise
     return f"{info.st_dev}:{info.st_ino}:{info.st_mtime_ns}"

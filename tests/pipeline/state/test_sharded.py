@@ -17,7 +17,7 @@ from torch import nn
 
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import spawn
-from pipeline.state import opened, sharded
+from pipeline.state import opened, sharded, staging
 from tests.limits import DIST_TEST_TIMEOUT, SPAWN_TIMEOUT
 from tests.pipeline.in_turn import run_in_turn
 from tests.pipeline.sharded_workers import (
@@ -325,6 +325,32 @@ def test_a_load_reads_one_checkpoint_whole_while_a_save_replaces_it(
     assert_same(dict(target.state_dict()), expected, f"one checkpoint, holding {held}")
     monkeypatch.undo()
     sharded.load(target, path)
+    assert_same(dict(target.state_dict()), dict(other.state_dict()), "the new checkpoint")
+
+
+def test_a_load_whose_checkpoint_is_swapped_away_and_removed_as_it_opens_reads_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save swaps B in and removes A while the load has A's directory open, after it read
+    A's `.metadata` and before it looked at A's `.complete`: both are gone. The load starts
+    again and returns B whole (it said "there is no DCP checkpoint there" beside a save in a
+    loop on a loaded machine)."""
+    path = tmp_path / "ckpt"
+    _saved_plain(path)
+    other = model(1)
+    train_step(other, adam(other), 0)
+    read_marker = staging.read_marker
+    saves: list[int] = []
+
+    def save_meanwhile(directory: Any, dir_fd: int | None = None) -> str | None:
+        if dir_fd is not None and not saves:
+            saves.append(1)
+            sharded.save(other, path)  # A's files, its marker among them, removed
+        return read_marker(directory, dir_fd=dir_fd)
+
+    monkeypatch.setattr(staging, "read_marker", save_meanwhile)
+    target = model(9)
+    sharded.load(target, path)
+    assert saves
     assert_same(dict(target.state_dict()), dict(other.state_dict()), "the new checkpoint")
 
 
