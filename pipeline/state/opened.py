@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -114,10 +115,9 @@ def _open_file(opened: Opened, name: str, path: str | os.PathLike[str]) -> int:
     """`name` in the held directory as a regular file (the gate's `open_in`);
     `shard_reader.Replaced` if it vanished because the directory was replaced."""
     try:
-        return files.open_in(opened.directory, name, shown=name)
-    except FileNotFoundError:
-        if _was_replaced(opened, path):
-            raise shard_reader.Replaced(opened.path) from None
+        with _gone_means_replaced(opened, path):
+            return files.open_in(opened.directory, name, shown=name)
+    except FileNotFoundError:  # gone, and not by a save: the caller says what is missing
         raise
     except OSError as exc:
         raise files.FileRefused(f"{name!r} cannot be opened ({exc.strerror})") from None
@@ -156,6 +156,18 @@ def _check_shard(opened: Opened, name: str, end: int, path: str | os.PathLike[st
                              f"need {end})")
 
 
+@contextlib.contextmanager
+def _gone_means_replaced(opened: Opened, path: str | os.PathLike[str]) -> Iterator[None]:
+    """A file of the held directory vanished inside: `shard_reader.Replaced` if a save swapped
+    the directory away (and removed it), else the FileNotFoundError as it is."""
+    try:
+        yield
+    except FileNotFoundError:
+        if _was_replaced(opened, path):
+            raise shard_reader.Replaced(opened.path) from None
+        raise
+
+
 def _was_replaced(opened: Opened, path: str | os.PathLike[str]) -> bool:
     """Whether the directory opened is no longer what a load of `path` reads."""
     try:
@@ -172,10 +184,6 @@ def _identity(opened: Opened, name: str, path: str | os.PathLike[str]) -> str:
     """What tells this checkpoint from another: `name`'s device, inode and time (for one
     without a marker); `shard_reader.Replaced` if it vanished because a save swapped the
     directory away and removed it (its marker went first)."""
-    try:
+    with _gone_means_replaced(opened, path):
         info = os.stat(name, dir_fd=opened.directory, follow_symlinks=False)
-    except FileNotFoundError:
-        if _was_replaced(opened, path):
-            raise shard_reader.Replaced(opened.path) from None
-        raise
     return f"{info.st_dev}:{info.st_ino}:{info.st_mtime_ns}"
