@@ -74,16 +74,27 @@ def relaunch(argv: Sequence[str]) -> int:
               f"(sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 "
               f"kernel.apparmor_restrict_unprivileged_userns=0)", file=sys.stderr)
         return 1
-    child = subprocess.Popen([sys.executable, "-m", "pipeline.launch", *argv],
-                             env={**os.environ, INSIDE_ENV: "1"}, preexec_fn=enter)
+    # The handlers before the child: a SIGTERM as it starts would otherwise end this process
+    # by the default action and leave the job running without its launcher. One that comes
+    # before the child exists is passed on once it does.
+    child: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
+        if not child:
+            pending.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+            child[0].send_signal(signum)
 
     handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return child.wait()
+        child.append(subprocess.Popen([sys.executable, "-m", "pipeline.launch", *argv],
+                                      env={**os.environ, INSIDE_ENV: "1"}, preexec_fn=enter))
+        for signum in pending:
+            with contextlib.suppress(ProcessLookupError):
+                child[0].send_signal(signum)
+        return child[0].wait()
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

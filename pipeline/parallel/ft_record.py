@@ -225,12 +225,14 @@ def serve() -> int:
         print(f"pipeline.replica_launch: {SECRET_ENV} is not set, so no connection proves "
               f"the job's secret (any local user may join); export the same value here and "
               f"in every group (docs/fault-tolerance.md)", file=sys.stderr, flush=True)
+    # The handlers first: a script that reads the line below and stops us at once must not
+    # find the default action still in place (on a loaded host it killed this by the signal).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
     with serve_coordinator(host=bind_host()) as (server, _, _):
         print(f"export TORCHFT_LIGHTHOUSE={address(server)} {RECORD_ENV}={server.port}",
               flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda _signum, _frame: stop.set())
         while not stop.wait(1.0):
             pass
     return 0

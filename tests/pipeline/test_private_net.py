@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +69,32 @@ def test_no_private_network_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
     err = capsys.readouterr().err
     assert "--private-network needs unprivileged user and network namespaces" in err
     assert "unshare: refused" in err and "run without it" in err
+
+
+def test_a_sigterm_as_the_job_starts_reaches_it_and_never_orphans_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher outside the namespace installed its forwarding handler after starting the
+    job: a SIGTERM in between ended it by the default action, the job running on without it.
+    Here the SIGTERM comes as the job is started (a fake child): it must reach the job, and
+    the launcher must wait for it and return its status."""
+    monkeypatch.setattr(private_net, "unavailable", lambda: None)
+    handler: list[Any] = []
+    got: list[int] = []
+
+    class Child:
+        def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+            handler.append(signal.getsignal(signal.SIGTERM))
+            if handler[0] is not signal.SIG_DFL:  # raised with the default, it ends pytest
+                signal.raise_signal(signal.SIGTERM)
+
+        def send_signal(self, signum: int) -> None:
+            got.append(signum)
+
+        def wait(self) -> int:
+            return -signal.SIGTERM if got else 0
+
+    monkeypatch.setattr(private_net.subprocess, "Popen", Child)
+    before = signal.getsignal(signal.SIGTERM)
+    assert private_net.relaunch(["--nproc", "2", os.devnull]) == -signal.SIGTERM
+    assert handler[0] is not signal.SIG_DFL, "SIGTERM's default action was still set"
+    assert got == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is before

@@ -5,7 +5,11 @@ kill, no quorum or vote or record entry from a process without the job's secret.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -352,18 +356,17 @@ def test_a_manager_built_for_the_job_trains_beside_a_stranger(
         manager.shutdown(wait=False)
 
 
+def _serve_alone() -> subprocess.Popen[str]:
+    """`python -m pipeline.replica_launch --record` with the job's secret."""
+    env = {**os.environ, ft_auth.SECRET_ENV: SECRET.hex()}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.replica_launch", "--record"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_the_coordinator_served_alone_prints_what_groups_export() -> None:
     """`python -m pipeline.replica_launch --record`, for groups started by hand: its
     lighthouse and record answer the job's secret only, and SIGTERM ends it."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    env = {**os.environ, ft_auth.SECRET_ENV: SECRET.hex()}
-    served = subprocess.Popen([sys.executable, "-m", "pipeline.replica_launch", "--record"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    served = _serve_alone()
     try:
         assert served.stdout is not None
         line = served.stdout.readline().split()
@@ -383,3 +386,38 @@ def test_the_coordinator_served_alone_prints_what_groups_export() -> None:
         if served.poll() is None:
             served.kill()
         served.communicate()
+
+
+
+def test_the_coordinator_served_alone_takes_sigterm_from_the_moment_its_line_is_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script that reads the exports line and stops the coordinator at once: its handler
+    was installed after the line was printed, so on a loaded machine the SIGTERM came first
+    and killed it by the signal (3 of 10 starts beside busy processes). Here a SIGTERM is
+    raised as the line is written: served in this process, it must end `serve` with 0."""
+    from pipeline.parallel import ft_record
+
+    monkeypatch.setenv(ft_auth.SECRET_ENV, SECRET.hex())
+    seen: list[Any] = []
+
+    class Out:
+        def write(self, text: str) -> int:
+            if text.startswith("export "):
+                seen.append(signal.getsignal(signal.SIGTERM))
+                if seen[0] is signal.SIG_DFL:  # raised now, it would end pytest: later
+                    threading.Timer(0.5, signal.raise_signal, (signal.SIGTERM,)).start()
+                else:
+                    signal.raise_signal(signal.SIGTERM)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(sys, "stdout", Out())
+    try:
+        assert ft_record.serve() == 0
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert seen and seen[0] is not signal.SIG_DFL, "SIGTERM's default action was still set"
