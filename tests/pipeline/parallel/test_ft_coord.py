@@ -388,7 +388,6 @@ def test_the_coordinator_served_alone_prints_what_groups_export() -> None:
         served.communicate()
 
 
-
 def test_the_coordinator_served_alone_takes_sigterm_from_the_moment_its_line_is_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A script that reads the exports line and stops the coordinator at once: its handler
