@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import io
 import os
 import pickle
@@ -33,16 +34,22 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from pipeline.state import coverage
 from schedules import files
 
-__all__ = ["MAX_KEY", "METADATA", "Planner", "Reader", "Replaced", "check_metadata", "shard_ends",
-           "unpickle_metadata"]
+__all__ = ["MAX_CHUNKS", "MAX_KEY", "MAX_TENSOR_CHUNKS", "METADATA", "Planner", "Reader",
+           "Replaced", "check_metadata", "shard_ends", "unpickle_metadata"]
 
 METADATA = ".metadata"
 MAX_KEY = 4096  # characters in a key: a module path, never a page of dots
+# A save writes one chunk per tensor and rank holding part of it. Keys may share one entry
+# object in a pickle (a reference each, a few bytes): its chunks count once per key, as each
+# key's are looked up, so these bound the work a small file can ask for.
+MAX_TENSOR_CHUNKS = 1 << 16
+MAX_CHUNKS = 1 << 20
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -82,12 +89,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 def unpickle_metadata(data: bytes) -> Metadata:
     """`.metadata`'s bytes as DCP metadata, checked (`check_metadata`); ValueError naming the
     file and the field if they are not DCP's."""
+    # Millions of small objects, none in a cycle: the cyclic collector would walk the growing
+    # heap again and again meanwhile (half the time of a large file).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # any unpickling failure: a damaged or foreign file
-        raise ValueError(f"its {METADATA} cannot be read ({type(exc).__name__}: {exc})"
-                         ) from exc
-    check_metadata(metadata)
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as exc:  # any unpickling failure: a damaged or foreign file
+            raise ValueError(f"its {METADATA} cannot be read ({type(exc).__name__}: {exc})"
+                             ) from exc
+        check_metadata(metadata)
+    finally:
+        if collecting:
+            gc.enable()
     return metadata  # type: ignore[no-any-return]
 
 
@@ -113,8 +128,9 @@ def _index(value: Any, field: str) -> None:
 def _size(value: Any, field: str) -> None:
     if not isinstance(value, torch.Size):
         raise _bad(field, value, "a torch.Size")
-    for i, n in enumerate(value):
-        _index(n, f"{field}[{i}]")
+    if min(value, default=0) < 0:  # torch.Size holds ints only (its constructor converts)
+        i = next(i for i, n in enumerate(value) if n < 0)
+        raise _bad(f"{field}[{i}]", value[i], "an integer >= 0")
 
 
 def check_metadata(metadata: Any) -> None:
@@ -130,13 +146,25 @@ def check_metadata(metadata: Any) -> None:
         raise _bad("storage_meta", metadata.storage_meta, "a StorageMeta or None")
     if not isinstance(metadata.version, str | None):
         raise _bad("version", metadata.version, "a str or None")
+    checked: set[int] = set()  # entries shared by keys (ids: all alive in `metadata`)
+    chunks, whole = 0, coverage.Coverage()
     for key, entry in entries.items():
         if not isinstance(key, str):
             raise _bad(f"state_dict_metadata key {_SHOWN.repr(key)}", key, "a str")
         if len(key) > MAX_KEY:
             raise _bad(f"a state_dict_metadata key of {len(key)} characters", key[:40],
                        f"keys of at most {MAX_KEY} characters (a module path)")
-        _check_entry(entry, f"state_dict_metadata[{key!r}]")
+        field = f"state_dict_metadata[{key!r}]"
+        chunks += _count_chunks(entry, field)
+        if chunks > MAX_CHUNKS:
+            raise ValueError(f"its {METADATA}: {field} brings its tensors' chunks to {chunks}, "
+                             f"more than the {MAX_CHUNKS} a file may hold (a save writes one "
+                             f"per tensor and rank holding part of it; keys sharing an entry "
+                             f"count it each): the file was altered or damaged, and nothing "
+                             f"is loaded")
+        if id(entry) not in checked:
+            _check_entry(entry, field, whole)
+            checked.add(id(entry))
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise _bad("storage_data key", index, "a MetadataIndex naming a key")
@@ -163,28 +191,43 @@ def check_metadata(metadata: Any) -> None:
 def _check_stored(entries: dict[str, Any], storage: dict[MetadataIndex, Any]) -> None:
     """Every chunk (and every saved object) has its bytes somewhere: DCP would raise a
     KeyError for one that has none, part-way through a load."""
+    # MetadataIndex compares and hashes as (fqn, offset): the same lookups, a tenth the cost
+    stored = {(index.fqn, index.offset) for index in storage}
     for key, entry in entries.items():
-        places = ([MetadataIndex(key, c.offsets) for c in entry.chunks]
-                  if isinstance(entry, TensorStorageMetadata) else [MetadataIndex(key)])
+        places = ([(key, c.offsets) for c in entry.chunks]
+                  if isinstance(entry, TensorStorageMetadata) else [(key, None)])
         for i, place in enumerate(places):
-            if place not in storage:
+            if place not in stored:
                 what = f".chunks[{i}]" if isinstance(entry, TensorStorageMetadata) else ""
                 raise ValueError(f"its {METADATA}: state_dict_metadata[{key!r}]{what} has no "
                                  f"entry in storage_data (where its bytes are): the file was "
                                  f"altered or damaged")
 
 
-def _check_entry(entry: Any, field: str) -> None:
+def _count_chunks(entry: Any, field: str) -> int:
+    """How many chunks `entry` holds (0 for saved bytes), within `MAX_TENSOR_CHUNKS`."""
     if isinstance(entry, BytesStorageMetadata):
-        return
+        return 0
     if not isinstance(entry, TensorStorageMetadata):
         raise _bad(field, entry, "a TensorStorageMetadata or BytesStorageMetadata")
+    if not isinstance(entry.chunks, list):
+        raise _bad(f"{field}.chunks", entry.chunks, "a list")
+    if len(entry.chunks) > MAX_TENSOR_CHUNKS:
+        raise ValueError(f"its {METADATA}: {field}.chunks holds {len(entry.chunks)} chunks, "
+                         f"more than the {MAX_TENSOR_CHUNKS} a tensor may have (a save writes "
+                         f"one per rank holding part of it): the file was altered or damaged, "
+                         f"and nothing is loaded")
+    return len(entry.chunks)
+
+
+def _check_entry(entry: Any, field: str, whole: coverage.Coverage) -> None:
+    """The fields of one entry (`_count_chunks` has checked its kind and its chunk list)."""
+    if isinstance(entry, BytesStorageMetadata):
+        return
     _size(entry.size, f"{field}.size")
     if not isinstance(entry.properties, TensorProperties) or not isinstance(
             entry.properties.dtype, torch.dtype):
         raise _bad(f"{field}.properties", entry.properties, "TensorProperties with a dtype")
-    if not isinstance(entry.chunks, list):
-        raise _bad(f"{field}.chunks", entry.chunks, "a list")
     for i, chunk in enumerate(entry.chunks):
         where = f"{field}.chunks[{i}]"
         if not isinstance(chunk, ChunkStorageMetadata):
@@ -195,7 +238,7 @@ def _check_entry(entry: Any, field: str) -> None:
                 o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size,
                                              strict=True)):
             raise _bad(where, chunk, f"a chunk within the tensor's size {tuple(entry.size)}")
-    gap = coverage.uncovered(entry.size, [(c.offsets, c.sizes) for c in entry.chunks])
+    gap = whole.uncovered(entry.size, [(c.offsets, c.sizes) for c in entry.chunks])
     if gap is not None:
         raise ValueError(f"its {METADATA}: {field}.chunks do not describe the whole tensor "
                          f"(size {tuple(entry.size)}): {gap}, where DCP writes chunks that "
@@ -289,6 +332,27 @@ class Reader(FileSystemReader):
         self.fs = _HeldFiles(directory, set(shard_ends(metadata)), held)
         self._metadata = metadata
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return super().read_data(plan, planner)
+        except AssertionError as exc:  # DCP's own check of a chunk's size, or a bug: unnamed
+            read = getattr(planner, "resolved", None)
+            if read is None:
+                raise
+            raise ValueError(self._other_size(read)) from exc
+
+    def _other_size(self, read: ReadItem) -> str:
+        """The tensor DCP read for `read` (just resolved) had another size than its chunk: a
+        storage entry that points at another tensor's bytes, which only reading shows."""
+        index = read.storage_index
+        chunks = getattr(self._metadata.state_dict_metadata[index.fqn], "chunks", [])
+        sizes = next((c.sizes for c in chunks if c.offsets == index.offset), read.lengths)
+        info = self._metadata.storage_data[index]
+        return (f"the bytes that its {METADATA} names for {index.fqn!r} (its chunk at offsets "
+                f"{tuple(index.offset or ())}, sizes {tuple(sizes)}) hold a tensor of another "
+                f"size ({info.length} bytes at {info.offset} of {info.relative_path!r}): the "
+                f"files were altered or damaged")
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:
@@ -300,6 +364,17 @@ class Reader(FileSystemReader):
 
 class Planner(DefaultLoadPlanner):
     """DCP's default load planner, reading saved objects (not tensors) with weights_only=True."""
+
+    resolved: ReadItem | None = None  # the tensor read being copied in, for its errors
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self.resolved = read_item
+        tensor: torch.Tensor = super().resolve_tensor(read_item)
+        return tensor
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.resolved = None
+        super().commit_tensor(read_item, tensor)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # Refuse anything beyond plain data first; then torch's own load (weights_only=False)
