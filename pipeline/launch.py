@@ -250,8 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
-    if ns.private_network and not os.environ.get(private_net.INSIDE_ENV):
-        return exit_status(private_net.relaunch(sys.argv[1:] if argv is None else argv))
+    if ns.private_network:  # inside only by the mark of the launcher outside, never a variable
+        try:
+            started_inside = private_net.inside()
+        except private_net.NotPrivate as exc:
+            print(f"pipeline.launch: --private-network: {exc}; not starting the job",
+                  file=sys.stderr)
+            return 1
+        if not started_inside:
+            return exit_status(private_net.relaunch(sys.argv[1:] if argv is None else argv))
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     if ns.replicas is not None:
         from pipeline.errors import PipeConfigError

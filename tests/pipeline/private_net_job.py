@@ -4,9 +4,9 @@ under `python -m pipeline.launch --private-network --replicas 1 --nproc 2`.
     python tests/pipeline/private_net_job.py OUT
 
 Every rank trains 2 fault-tolerant steps; then rank 0 writes to OUT/ports.json the loopback
-ports of the job's servers (the lighthouse and the job's record),
-whether it reaches them itself, and its namespace's marker, and waits (at most 60 s) for
-OUT/done, so that the test can try the same ports from outside while they still listen.
+ports of the job's servers (the lighthouse and the job's record), whether it reaches them
+itself, and its network namespace (its inode), and waits (at most 60 s) for OUT/done, so
+that the test can try the same ports from outside while they still listen.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
         ports = {"lighthouse": urlsplit(os.environ["TORCHFT_LIGHTHOUSE"]).port,
                  "record": int(os.environ["PIPELINE_FT_RECORD"])}
         report = {"ports": ports, "inside": {k: reachable(p) for k, p in ports.items()},
-                  "marker": os.environ.get("PIPELINE_PRIVATE_NETWORK"),
+                  "netns": os.stat("/proc/self/ns/net").st_ino,
                   "committed": pipe.committed_steps}
         with open(os.path.join(out, "ports.tmp"), "w") as f:
             json.dump(report, f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -52,7 +53,7 @@ def test_a_replica_jobs_servers_are_reachable_only_from_inside(tmp_path: Path) -
             job.kill()
             job.wait()
     assert job.returncode == 0, output
-    assert got["marker"] == "1" and got["committed"] == 2
+    assert got["netns"] != os.stat("/proc/self/ns/net").st_ino and got["committed"] == 2
     assert got["inside"] == {"lighthouse": True, "record": True}
     assert outside == {"lighthouse": False, "record": False}
 
@@ -98,3 +99,127 @@ def test_a_sigterm_as_the_job_starts_reaches_it_and_never_orphans_it(
     assert private_net.relaunch(["--nproc", "2", os.devnull]) == -signal.SIGTERM
     assert handler[0] is not signal.SIG_DFL, "SIGTERM's default action was still set"
     assert got == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is before
+
+
+# -- a launcher inside is one that the launcher outside started --------------------------------
+def _launch_with(monkeypatch: pytest.MonkeyPatch, mark: str | None) -> tuple[int, list[Any]]:
+    """`launch.main(--private-network ...)` with `mark` in the environment; its status and
+    the relaunches it asked for (none made: a fake relaunch returns 7)."""
+    from pipeline import launch
+
+    asked: list[Any] = []
+    monkeypatch.setattr(private_net, "relaunch", lambda argv: asked.append(list(argv)) or 7)
+    if mark is None:
+        monkeypatch.delenv(private_net.INSIDE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(private_net.INSIDE_ENV, mark)
+    return launch.main(["--private-network", "--nproc", "1", os.devnull]), asked
+
+
+@pytest.mark.parametrize("mark", [None, "1", "", "9999:1:2", "0:0:0", "garbage"])
+def test_an_inherited_variable_never_turns_the_namespace_off(
+        monkeypatch: pytest.MonkeyPatch, mark: str | None) -> None:
+    """`PIPELINE_PRIVATE_NETWORK=1` left in the environment ran the ranks in the host's
+    network namespace, exit 0, no warning."""
+    assert _launch_with(monkeypatch, mark) == (7, [["--private-network", "--nproc", "1",
+                                                     os.devnull]])
+    assert private_net.INSIDE_ENV not in os.environ  # nor passed on to the ranks
+
+
+def test_a_variable_naming_another_pipe_is_ignored_and_the_pipe_left_unread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, other = os.pipe(), os.pipe()
+    try:
+        os.write(ours[1], b"what this process's reader is owed")
+        st = os.fstat(other[0])
+        status, asked = _launch_with(monkeypatch, f"{ours[0]}:{st.st_dev}:{st.st_ino}")
+        assert (status, len(asked)) == (7, 1)
+        assert os.read(ours[0], 100) == b"what this process's reader is owed"
+    finally:
+        for fd in (*ours, *other):
+            os.close(fd)
+
+
+def test_a_marked_launcher_in_the_hosts_namespace_refuses_to_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The mark of the launcher outside (the pipe it passed, holding its network namespace),
+    but this process still in that namespace: the job would run on the host's loopback."""
+    read, write = os.pipe()
+    st = os.stat("/proc/self/ns/net")
+    os.write(write, f"{st.st_dev}:{st.st_ino}".encode())
+    os.close(write)
+    pipe = os.fstat(read)
+    status, asked = _launch_with(monkeypatch, f"{read}:{pipe.st_dev}:{pipe.st_ino}")
+    assert (status, asked) == (1, [])
+    err = capsys.readouterr().err
+    assert "--private-network" in err and "the host's network namespace" in err
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no private network here: {WHY_NOT}")
+def test_the_job_runs_in_a_namespace_of_its_own_whatever_the_environment(
+        tmp_path: Path) -> None:
+    script = tmp_path / "where.py"
+    script.write_text("import os, sys\n"
+                      "with open(sys.argv[1], 'w') as f:\n"
+                      "    f.write(str(os.stat('/proc/self/ns/net').st_ino))\n")
+    out = tmp_path / "netns"
+    done = subprocess.run([sys.executable, "-m", "pipeline.launch", "--private-network",
+                           "--nproc", "1", str(script), str(out)],
+                          env={**os.environ, private_net.INSIDE_ENV: "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert int(out.read_text()) != os.stat("/proc/self/ns/net").st_ino
+
+
+# -- a refused namespace names the kernel's reason and setting ---------------------------------
+def _refuse(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    def refused(_flags: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(private_net, "_unshare", refused)
+
+
+def _setting(name: str) -> str:
+    return (Path("/proc/sys") / name.replace(".", "/")).read_text().strip()
+
+
+def test_a_namespace_refused_for_its_limit_names_errno_and_the_limits(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said `SubprocessError: Exception occurred in preexec_fn` (the ENOSPC lost) and
+    suggested kernel.unprivileged_userns_clone, which this kernel may not have."""
+    _refuse(monkeypatch, errno.ENOSPC)
+    why = private_net.unavailable()
+    assert why is not None and "preexec_fn" not in why
+    assert "unshare(CLONE_NEWUSER | CLONE_NEWNET) failed: ENOSPC (No space left on device)" in why
+    for name in ("user.max_user_namespaces", "user.max_net_namespaces"):
+        assert f"{name} = {_setting(name)}" in why
+    if not Path("/proc/sys/kernel/unprivileged_userns_clone").exists():
+        assert "unprivileged_userns_clone" not in why
+    from pipeline import launch
+
+    monkeypatch.delenv(private_net.INSIDE_ENV, raising=False)
+    assert launch.main(["--private-network", "--nproc", "1", os.devnull]) == 1
+    err = capsys.readouterr().err
+    assert "ENOSPC (No space left on device)" in err and "preexec_fn" not in err
+
+
+@pytest.mark.parametrize(("files", "named", "unnamed"), [
+    ({"kernel/unprivileged_userns_clone": "0", "user/max_user_namespaces": "100"},
+     ["kernel.unprivileged_userns_clone = 0"], ["max_user_namespaces", "apparmor"]),
+    ({"kernel/apparmor_restrict_unprivileged_userns": "1"},
+     ["kernel.apparmor_restrict_unprivileged_userns = 1"], ["unprivileged_userns_clone ="]),
+    ({"user/max_user_namespaces": "100"},
+     ["no setting of this kernel forbids it", "seccomp"], ["unprivileged_userns_clone"]),
+])
+def test_a_namespace_refused_by_permission_names_this_kernels_setting(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, files: dict[str, str],
+        named: list[str], unnamed: list[str]) -> None:
+    """The settings named are the ones this kernel has (a fake /proc/sys here)."""
+    for name, value in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(value + "\n")
+    monkeypatch.setattr(private_net, "SYSCTL", str(tmp_path))
+    _refuse(monkeypatch, errno.EPERM)
+    why = private_net.unavailable()
+    assert why is not None and "EPERM (Operation not permitted)" in why
+    assert all(n in why for n in named) and not any(u in why for u in unnamed), why
