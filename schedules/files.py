@@ -34,7 +34,8 @@ import stat
 from typing import Any
 
 __all__ = ["FileRefused", "fsync_directory", "held_directory", "open_directory", "open_file",
-           "open_in", "read_bytes", "read_file", "read_json", "resolve", "shared", "write_atomic"]
+           "open_in", "read_bytes", "read_file", "read_json", "resolve", "shared", "write_atomic",
+           "write_in"]
 
 Path = str | os.PathLike[str]
 
@@ -126,8 +127,8 @@ class _Walk:
                 self.parts.appendleft(name)  # where the walk stopped: `resolve` goes on by name
                 raise FileNotFoundError(errno.ENOENT, f"no directory {name!r} on the way to "
                                         f"{self.shown!r}", self.shown)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o777, dir_fd=self.fd)
+            with contextlib.suppress(FileExistsError):  # no write for others: nobody else
+                os.mkdir(name, 0o755, dir_fd=self.fd)  # may rename what is made in it
             self.parts.appendleft(name)  # look again: what is there now is checked as any
             return
         if stat.S_ISLNK(entry.st_mode):
@@ -353,12 +354,14 @@ def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -
     shown = os.fspath(path)
     directory, name = held_directory(path)
     try:
-        _write_in(directory, name, data, shown)
+        write_in(directory, name, data, shown)
     finally:
         os.close(directory)
 
 
-def _write_in(directory: int, name: str, data: bytes, shown: str) -> None:
+def write_in(directory: int, name: str, data: bytes, shown: str) -> None:
+    """`write_atomic` of `data` to `name` in the held `directory` (`shown` names it in
+    messages)."""
     try:
         old: os.stat_result | None = os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,7 +23,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.state import shard_reader, staging
+from pipeline.state import save_dirs, shard_reader, staging
+from pipeline.state.held_writer import HeldWriter
 from pipeline.state.opened import ATTEMPTS, Opened, open_checkpoint
 from schedules.files import fsync_directory
 
@@ -61,9 +60,11 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     leader = not distributed or dist.get_rank(group) == 0
     with contextlib.ExitStack() as held:
         problems = _foreign_parameters(module, optimizer)
-        if leader and not problems:  # one save of `path` at a time (staging.save_lock)
+        parent = None
+        if leader and not problems:  # its parent held, one save of `path` at a time
             try:
-                held.enter_context(staging.save_lock(path))
+                parent = held.enter_context(save_dirs.held_parent(path))
+                held.enter_context(staging.save_lock(path, parent.fd))
             except PipeConfigError as exc:
                 problems.append(str(exc))
         problems += [p for p in [staging.target_problem(path)] if p is not None]
@@ -71,34 +72,54 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
         if lines:
             raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: "
                                   + "; ".join(lines))
-        begun, modes = ("", ""), None
-        if leader:  # the staged directory exists, private, before any rank writes into it
+        begun, modes, staged = ("", "", 0), None, None
+        if parent is not None:  # the staged directory exists, private, before any rank writes
             try:
                 token = staging.new_token(path)
                 modes = staging.modes_for(path)
-                staging.prepare(path, token)
-                begun = (token, "")
+                staged = save_dirs.prepare(parent, token)
+                held.callback(staged.close)
+                begun = (token, "", os.fstat(staged.fd).st_ino)
             except (OSError, PipeConfigError) as exc:
-                begun = ("", _reason(exc))
-        token, error = _gather(begun, group, distributed)[0]  # the first rank's
+                begun = ("", _reason(exc), 0)
+        token, error, inode = _gather(begun, group, distributed)[0]  # the first rank's
         if error:
             raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: creating its "
                                   f"staged directory failed ({error})")
-        _write(module, path, optimizer, token, modes, group, distributed)
+        staged = _join(path, (token, inode), staged, group, distributed, held)
+        _write(module, path, optimizer, token, modes, group, distributed, staged)
+
+
+def _join(path: Path, made: tuple[str, int], staged: save_dirs.Staged | None, group: Any,
+          distributed: bool, held: contextlib.ExitStack) -> save_dirs.Staged:
+    """The staged directory the first rank made (`made`: its token and inode), held by every
+    rank (the first rank's is `staged`); every rank raises alike if one could not open it."""
+    failed: list[str] = []
+    if staged is None:
+        try:
+            staged = save_dirs.join(staging.staged_path(path, made[0]), made[1])
+            held.callback(staged.close)
+        except (OSError, PipeConfigError) as exc:
+            failed = [f"opening the staged directory failed: {_reason(exc)}"]
+    _agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
+           distributed, cleanup=staged if staged is not None and staged.parent else None)
+    assert staged is not None  # _agree raised otherwise
+    return staged
 
 
 def _write(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None, token: str,
-           modes: staging.Modes | None, group: Any, distributed: bool) -> None:
-    """Every rank writes into the staged directory; the leader (it has `modes`) swaps it in."""
-    staged = staging.staged_path(path, token)
+           modes: staging.Modes | None, group: Any, distributed: bool,
+           staged: save_dirs.Staged) -> None:
+    """Every rank writes into the held staged directory; the leader (it has `modes`) swaps it
+    in."""
     state: dict[str, Any] = {_MODEL: dict(module.state_dict()),
                              _LAYOUT: json.dumps(_layout(module, optimizer))}
     if optimizer is not None:
         state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
-    try:  # every rank's files fsynced (sync_files), and the directory holding them
+    try:  # every rank's files fsynced (the writer's sync_files), and the directory holding them
         _run(dcp_save, state, group, distributed,
-             storage_writer=FileSystemWriter(staged, sync_files=True))
-        fsync_directory(staged)
+             storage_writer=HeldWriter(staged.fd, staged.shown))
+        fsync_directory(staged.fd)
         failed = []
     except (Exception, CheckpointException) as exc:  # any rank's is every rank's, below
         failed = [f"writing failed: {_reason(exc)}"]
@@ -107,11 +128,11 @@ def _write(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | Non
     swapped = []
     if modes is not None:
         try:
-            staging.mark_complete(staged, token)
-            staging.seal(staged, modes)
-            staging.swap_in(staged, path, token)
+            save_dirs.mark_complete(staged, token)
+            save_dirs.seal(staged, modes)
+            save_dirs.swap_in(staged, token)
         except Exception as exc:  # reported to every rank: none is left waiting below
-            swapped = [f"swapping {staged!r} in failed: {_reason(exc)}"]
+            swapped = [f"swapping {staged.shown!r} in failed: {_reason(exc)}"]
     _agree(f"save: swapping the new checkpoint in at {os.fspath(path)!r} failed (a load finds "
            f"the old checkpoint or the new one, complete)", swapped, group, distributed)
 
@@ -359,7 +380,7 @@ def _gather(item: Any, group: Any, distributed: bool) -> list[Any]:
 
 
 def _agree(what: str, problems: list[str], group: Any, distributed: bool, *,
-           cleanup: str | None = None) -> None:
+           cleanup: save_dirs.Staged | None = None) -> None:
     """Raise `PipelineError` on every rank alike if any rank has a problem, or if a rank does
     not answer (it died: the exchange fails rather than waits); first remove `cleanup`."""
     try:
@@ -368,7 +389,7 @@ def _agree(what: str, problems: list[str], group: Any, distributed: bool, *,
         lines = [f"a rank did not answer ({type(exc).__name__}: {exc})"]
     if lines:
         if cleanup is not None:
-            shutil.rmtree(cleanup, ignore_errors=True)
+            save_dirs.discard(cleanup)
         raise PipelineError(f"{what}: " + "; ".join(lines))
 
 

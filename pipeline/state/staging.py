@@ -21,6 +21,9 @@ if several; if none matches (there was no `ckpt` before), the greatest generatio
 directory without `.complete`, or not owned by this user (planted in a shared directory), is
 never read and never counts. So `ckpt` resolves to the old checkpoint or the new one, each
 complete; renames must be atomic on the filesystem (true of local POSIX filesystems).
+
+This module holds the names and rules; `pipeline.state.save_dirs` makes, writes and renames a
+save's directories relative to the descriptors it holds.
 """
 
 from __future__ import annotations
@@ -30,17 +33,15 @@ import errno
 import os
 import re
 import secrets
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeline.errors import PipeConfigError
 from schedules import files
-from schedules.files import fsync_directory, write_atomic
 
-__all__ = ["MARKER", "Modes", "clean", "mark_complete", "modes_for", "new_token", "normal",
-           "prepare", "resolve", "save_lock", "seal", "staged_path", "swap_in", "target_problem"]
+__all__ = ["MARKER", "Modes", "modes_for", "new_token", "normal", "own_siblings", "read_marker",
+           "resolve", "save_lock", "staged_path", "target_problem"]
 
 MARKER = ".complete"
 _LOCK = ".lock"
@@ -69,7 +70,7 @@ def new_token(path: Path) -> str:
     """The next generation of checkpoint `path` (one more than its own and its siblings'), then
     randomness. Call while holding `save_lock(path)`."""
     target = normal(path)
-    seen = [int(m.group(2), 16) for _, m in _own_siblings(target)]
+    seen = [int(m.group(2), 16) for _, m in own_siblings(target)]
     marker = read_marker(target)
     if marker is not None:
         seen.append(int(marker[:16], 16))
@@ -123,19 +124,24 @@ def target_problem(path: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def save_lock(path: Path) -> Iterator[None]:
-    """Hold `<path>.lock` for one save of `path`: a second save at the same time (another
-    process or thread) is refused with PipeConfigError, not queued (see docs/checkpoints.md)."""
+def save_lock(path: Path, directory: int | None = None) -> Iterator[None]:
+    """Hold `<path>.lock` for one save of `path` (in the held `directory`, its parent, if
+    given): a second save at the same time (another process or thread) is refused with
+    PipeConfigError, not queued (see docs/checkpoints.md)."""
     try:
         import fcntl  # noqa: F401
     except ImportError:  # no flock (Windows): one save at a time is the caller's to ensure
         yield
         return
     lock = normal(path) + _LOCK
-    try:  # its directory made as DCP would: `runs/step-1000`
-        directory, name = files.held_directory(lock, create=True)
-    except files.FileRefused as exc:
-        raise PipeConfigError(str(exc)) from None
+    own = directory is None
+    if directory is None:
+        try:  # its directory made as DCP would: `runs/step-1000`
+            directory, name = files.held_directory(lock, create=True)
+        except files.FileRefused as exc:
+            raise PipeConfigError(str(exc)) from None
+    else:
+        name = os.path.basename(lock)
     try:
         fd = _locked(directory, name, lock, normal(path))
         try:
@@ -145,7 +151,8 @@ def save_lock(path: Path) -> Iterator[None]:
                 os.unlink(name, dir_fd=directory)  # before unlocking: a waiter locks a new file
             os.close(fd)
     finally:
-        os.close(directory)
+        if own:
+            os.close(directory)
 
 
 def _locked(directory: int, name: str, lock: str, target: str) -> int:
@@ -207,63 +214,6 @@ def modes_for(path: Path) -> Modes:
                  group)
 
 
-def prepare(path: Path, token: str) -> str:
-    """Create the staged directory of this save, private (0700) until `seal`: the files DCP
-    creates in it with the umask's modes are never reachable by others."""
-    staged = staged_path(path, token)
-    os.makedirs(os.path.dirname(staged), exist_ok=True)  # as DCP would: `runs/step-1000`
-    os.mkdir(staged, 0o700)
-    os.chmod(staged, 0o700)  # the umask may have narrowed it further
-    return staged
-
-
-def seal(staged: Path, modes: Modes) -> None:
-    """Give the staged directory and its files their final `modes` (files first, so none is
-    ever wider than it ends)."""
-    for name in os.listdir(staged):
-        file = os.path.join(staged, name)
-        if stat.S_ISREG(os.lstat(file).st_mode):
-            _set_mode(file, modes.files, modes.group)
-    _set_mode(os.fspath(staged), modes.directory, modes.group)
-
-
-def _set_mode(path: str, mode: int, group: int | None) -> None:
-    if group is not None:
-        try:
-            os.chown(path, -1, group)
-        except OSError:  # not a member of the old group: nobody of that group gets in either
-            mode &= ~0o070
-    os.chmod(path, mode)
-
-
-def mark_complete(staged: Path, token: str) -> None:
-    """Record that every rank wrote its part of `staged` (call after they agreed)."""
-    fsync_directory(staged)  # the ranks' files are in it before the marker says so
-    write_atomic(os.path.join(staged, MARKER), token + "\n")
-
-
-def swap_in(staged: Path, path: Path, token: str) -> None:
-    """Replace checkpoint directory `path` by the complete `staged` one, then remove the old
-    one and what earlier, interrupted saves of `path` left."""
-    target = normal(path)
-    parent = os.path.dirname(target)
-    if os.path.lexists(target):
-        os.rename(target, staged_path(target, token, "old"))
-        fsync_directory(parent)
-    os.rename(staged, target)
-    fsync_directory(parent)
-    clean(target)
-
-
-def clean(path: Path) -> None:
-    """Remove this user's `<path>.tmp-<token>` and `<path>.old-<token>` siblings (only names
-    of exactly that form; call only once `path` holds a complete checkpoint). Another user's
-    are left alone: they never count (see `resolve`)."""
-    target = normal(path)
-    for name, _ in _own_siblings(target):
-        shutil.rmtree(os.path.join(os.path.dirname(target), name), ignore_errors=True)
-
-
 def resolve(path: Path) -> str:
     """The directory a load of `path` reads: `path` if it exists, else this user's complete
     staged sibling that the module's rule picks (a save died between its renames), else
@@ -272,7 +222,7 @@ def resolve(path: Path) -> str:
     if os.path.lexists(target):
         return target
     parent = os.path.dirname(target)
-    siblings = _own_siblings(target)
+    siblings = own_siblings(target)
     old = {m.group(2, 3) for _, m in siblings if m.group(1) == "old"}
     complete = [(int(m.group(2), 16), name, m.group(2, 3) in old) for name, m in siblings
                 if m.group(1) == "tmp" and _own_marker(os.path.join(parent, name))]
@@ -289,13 +239,14 @@ def _own_marker(staged: str) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
 
 
-def _own_siblings(target: str) -> list[tuple[str, re.Match[str]]]:
+def own_siblings(target: str, dir_fd: int | None = None) -> list[tuple[str, re.Match[str]]]:
     """The `.tmp-` / `.old-` siblings of `target` that are directories of this user (another
-    user's, planted in a shared directory, are not ours to read, count or remove)."""
+    user's, planted in a shared directory, are not ours to read, count or remove); looked up
+    in the held `dir_fd` (its parent) if given."""
     parent = os.path.dirname(target)
     pattern = re.compile(re.escape(os.path.basename(target)) + _PATTERN)
     try:
-        names = os.listdir(parent)
+        names = os.listdir(parent if dir_fd is None else dir_fd)
     except FileNotFoundError:
         return []
     found = []
@@ -304,7 +255,8 @@ def _own_siblings(target: str) -> list[tuple[str, re.Match[str]]]:
         if match is None:
             continue
         try:
-            info = os.lstat(os.path.join(parent, name))
+            info = (os.lstat(os.path.join(parent, name)) if dir_fd is None
+                    else os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
         except FileNotFoundError:
             continue
         if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():

@@ -12,17 +12,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from pipeline import Pipe
 from pipeline.state import sharded
+from pipeline.state.held_writer import HeldFileSystem
 from tests.pipeline.sharded_workers import adam, model, pack, snapshot, train_step
 
 __all__ = ["POINTS", "save_and_die", "save_twice"]
 
 # Where a rank dies while saving B: (the rank, the point). The points are in torch's
-# FileSystemWriter (common to any design) or counted renames (DCP renames `.metadata.tmp`
-# into place on rank 0; a swap renames directories after it).
+# FileSystemWriter and the held directory's filesystem it writes through, or counted renames
+# (DCP renames `.metadata.tmp` into place on rank 0; a swap renames directories after it).
 POINTS: dict[str, tuple[int, str]] = {
     "rank 1 before writing its shard": (1, "write:before"),
     "rank 1 with its shard half on disk": (1, "write:torn"),
@@ -53,17 +54,18 @@ def _arm(where: str) -> None:
 
         FileSystemWriter.write_data = patched_write  # type: ignore[method-assign]
     elif kind == "write":  # torn: the shard written, then cut to half before the rank dies
-        create_stream = FileSystem.create_stream
+        create_stream = HeldFileSystem.create_stream
 
         @contextlib.contextmanager
         def torn(self: Any, path: Any, mode: str) -> Iterator[Any]:
             with create_stream(self, path, mode) as stream:
                 yield stream
                 if "w" in mode and str(path).endswith(".distcp"):
-                    os.truncate(path, os.path.getsize(path) // 2)
+                    fd = os.open(path, os.O_WRONLY, dir_fd=self.directory)
+                    os.ftruncate(fd, os.fstat(fd).st_size // 2)
                     _die()
 
-        FileSystem.create_stream = torn  # type: ignore[method-assign]
+        HeldFileSystem.create_stream = torn  # type: ignore[method-assign]
     elif kind == "save":
         dcp_save = sharded.dcp_save  # type: ignore[attr-defined]
 

@@ -109,10 +109,10 @@ def test_a_failed_swap_is_raised_and_the_old_checkpoint_stays(
     first = save_trained(path, seed=0)
     real_rename = os.rename
 
-    def refused(source: str, destination: str) -> None:
+    def refused(source: str, destination: str, **held: int) -> None:
         if ".old-" in os.fspath(destination):  # the swap's first rename
             raise PermissionError(13, "Permission denied")
-        real_rename(source, destination)
+        real_rename(source, destination, **held)
 
     monkeypatch.setattr(os, "rename", refused)
     with pytest.raises(PipelineError, match=r"swapping the new checkpoint in at .*ckpt' failed "
