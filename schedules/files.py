@@ -54,8 +54,30 @@ class FileRefused(ValueError):
 
 
 def shared(info: os.stat_result) -> bool:
-    """Whether users other than a directory's owner may create or rename entries in it."""
-    return bool(stat.S_IMODE(info.st_mode) & 0o022)
+    """Whether users other than a directory's owner may create or rename entries in it: it is
+    writable by others, or by a group that is not the owner's own. Most distributions give
+    each user a group of their own (its name theirs, their primary group, no other member)
+    and a umask of 002, so a user's directories are group-writable by that group alone:
+    counting them as shared would refuse a save into a user's own project directory."""
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o002:
+        return True
+    return bool(mode & 0o020) and not _own_group(info.st_uid, info.st_gid)
+
+
+def _own_group(uid: int, gid: int) -> bool:
+    """Whether `gid` is the private group of user `uid`: named as the user, the user's primary
+    group, no other member listed. (Another account whose primary group it is would be a
+    member too; no distribution makes one, and such a system is counted as the user's.)"""
+    try:
+        import grp
+        import pwd
+
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return (user.pw_gid == gid and group.gr_name == user.pw_name
+            and set(group.gr_mem) <= {user.pw_name})
 
 
 def _trusted(entry: os.stat_result, directory: os.stat_result) -> bool:

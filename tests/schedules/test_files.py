@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from schedules import files
 from schedules.files import FileRefused, read_file, resolve, write_atomic
 from tests.other_user import other_user, run_as_other
 
@@ -231,3 +232,24 @@ def test_standard_output_is_written_through_the_process_own_descriptor() -> None
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False, cwd=Path(__file__).parents[2])
     assert (done.returncode, done.stdout) == (0, "a,b\n"), done.stderr
+
+
+def _directory(mode: int, uid: int, gid: int) -> os.stat_result:
+    return os.stat_result((stat.S_IFDIR | mode, 1, 1, 2, uid, gid, 4096, 0, 0, 0))
+
+
+def test_a_directory_writable_by_the_owners_own_group_alone_is_not_shared() -> None:
+    """A umask of 002 makes a user's directories 0775 in their own group (most
+    distributions): a save into their project directory was refused as a shared one."""
+    import grp
+    import pwd
+
+    me = pwd.getpwuid(os.getuid())
+    own = grp.getgrgid(me.pw_gid)
+    if own.gr_name != me.pw_name or set(own.gr_mem) - {me.pw_name}:
+        pytest.skip(f"this user's primary group {own.gr_name!r} is not a group of its own")
+    assert not files.shared(_directory(0o775, me.pw_uid, me.pw_gid))
+    assert files.shared(_directory(0o757, me.pw_uid, me.pw_gid))  # others may write
+    others = [g for g in grp.getgrall() if g.gr_gid != me.pw_gid]
+    assert files.shared(_directory(0o775, me.pw_uid, others[0].gr_gid))  # a group of several
+    assert not files.shared(_directory(0o755, me.pw_uid, others[0].gr_gid))

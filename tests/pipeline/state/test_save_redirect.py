@@ -14,6 +14,7 @@ import pytest
 
 from pipeline import PipeConfigError, PipelineError
 from pipeline.state import save_dirs, sharded
+from schedules import files
 from tests.other_user import other_user, start_as_other
 from tests.pipeline.sharded_workers import assert_same, load_fresh, save_trained
 
@@ -77,6 +78,10 @@ def test_a_save_into_a_directory_others_may_rename_in_is_refused(tmp_path: Path,
     team = tmp_path / "team"
     team.mkdir()
     team.chmod(mode)
+    if not mode & 0o002:  # writable by its group: one of other users, not the owner's own
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory a group of other users needs root")
+        os.chown(team, -1, 65534)
     path = team / "ckpt"
     with pytest.raises(PipeConfigError, match=(
             rf"cannot save to .*ckpt'.*'{team}' is writable by other users without the sticky "
@@ -90,6 +95,19 @@ def test_a_save_into_a_directory_others_may_rename_in_is_refused(tmp_path: Path,
         save_trained(path, seed=1)
     assert sorted(os.listdir(team)) == ["ckpt"]
     assert_same(load_fresh(path), saved, "the checkpoint the refused save left")
+
+
+def test_a_directory_writable_by_the_owners_own_group_alone_takes_saves(tmp_path: Path) -> None:
+    """A umask of 002 (most distributions' default for users) makes a project directory 0775
+    in the user's own group: nobody else may rename there, so a save goes on."""
+    own = tmp_path / "project"
+    own.mkdir()
+    own.chmod(0o775)
+    if not files.shared(os.stat(own)) and os.stat(own).st_mode & 0o020:
+        saved = save_trained(own / "ckpt", seed=0)
+        assert_same(load_fresh(own / "ckpt"), saved, "the checkpoint saved")
+    else:
+        pytest.skip("this user's directories are not in a group of its own")
 
 
 def test_a_directory_others_may_rename_in_above_the_checkpoint_is_refused(tmp_path: Path) -> None:
