@@ -83,14 +83,20 @@ def resolve(model: nn.Sequential, balance: Sequence[int] | str | None, stages: i
     per_rank = _stages_per_rank(schedule, stages, balance, count)
     resolved = _resolve_balance(model, balance, stages, count, per_rank, sample, group, world)
     num_stages = len(resolved)
+    what = "processes" if devices is None else "devices"
+    if isinstance(schedule, str) and count is not None:
+        _check_stage_count(schedule, num_stages, count, what)
     if num_stages % per_rank:
-        raise PipeConfigError(f"{num_stages} stages cannot be spread {per_rank} per rank")
+        raise PipeConfigError(
+            f"{num_stages} stages cannot be spread {per_rank} per rank: give a multiple of "
+            f"{per_rank} stages (a balance of {num_stages + per_rank - num_stages % per_rank} "
+            f"entries, say), {per_rank} per rank")
     num_ranks = num_stages // per_rank
     if count is not None and count != num_ranks:
-        what = "processes" if devices is None else f"devices ({list(devices)})"
         raise PipeConfigError(
             f"{num_stages} stages at {per_rank} per rank need {num_ranks} ranks, got "
-            f"{count} {what}: pass one device per rank (one process per rank)"
+            f"{count} {what}{f' ({list(devices)})' if devices is not None else ''}: pass one "
+            f"device per rank (one process per rank), or {per_rank} x {what} stages"
         )
     if isinstance(schedule, Schedule):
         schedules.validate(schedule)
@@ -110,6 +116,34 @@ def _resolve_devices(devices: Sequence[str | torch.device] | None,
             raise PipeConfigError(f"device {d} was asked for but CUDA is not available; "
                                   f"use devices=['cpu', ...]")
     return [bootstrap.indexed(d) for d in resolved]
+
+
+def _check_stage_count(name: str, num_stages: int, count: int, what: str) -> None:
+    """Refuse a stage count the named schedule cannot place on `count` ranks, saying how many
+    stages to give (its generator's own error names the rule, not the balance's length)."""
+    gen = schedules.info(name)
+    if gen.stages_option is None:
+        k = gen.stages_per_rank
+        if k > 1 and num_stages != k * count:
+            raise PipeConfigError(
+                f"schedule {name!r} places {k} stages on each rank, so {count} {what} take "
+                f"{k * count} stages (got {num_stages}): give {k} x {what} stages: a balance "
+                f"of {k * count} entries (or stages={k * count}) for {count} {what}")
+        return
+    least = gen.stages_per_rank  # the option's default: the least the generator takes
+    why = (f"{num_stages} stages do not spread evenly over {count} {what}"
+           if num_stages % count else None)
+    if why is None:
+        try:
+            schedules.get_schedule(name, count, 1, **gen.options_for(
+                stages_per_rank=num_stages // count))
+        except schedules.ScheduleError as exc:
+            why = getattr(exc, "reason", None) or str(exc).splitlines()[0]
+    if why is not None:
+        raise PipeConfigError(
+            f"schedule {name!r} cannot place {num_stages} stages on {count} {what}: {why}. "
+            f"Give {gen.stages_option} x ranks balance entries (or stages=), e.g. "
+            f"{least * count} for {count} {what}")
 
 
 def _stages_per_rank(schedule: str | Schedule, stages: int | None,

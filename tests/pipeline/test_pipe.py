@@ -336,3 +336,23 @@ def test_schedules_are_built_once_per_shape() -> None:
     assert first.has_comms  # the runtime executes the lowered form
     pipe.step(x, y, nn.MSELoss())
     assert pipe._programs.schedule(2, 1) is first
+
+
+def test_a_stage_count_that_misfits_the_schedule_says_what_to_give() -> None:
+    """One balance entry per rank for a schedule of two stages per rank was refused naming the
+    rule alone ("needs stages_per_rank >= 2", "2 stages at 2 per rank need 1 ranks"); the
+    message says how many entries to give for these ranks."""
+    with pytest.raises(PipeConfigError, match=r"Give stages_per_rank x ranks balance entries "
+                                              r".*e\.g\. 4 for 2 devices"):
+        Pipe(_mlp(), [3, 3], devices=["cpu"] * 2, schedule="interleaved")
+    with pytest.raises(PipeConfigError, match=r"e\.g\. 8 for 4 devices"):
+        Pipe(_mlp(), [1] * 6, devices=["cpu"] * 4, schedule="interleaved")
+    with pytest.raises(PipeConfigError, match=r"give 2 x devices stages: a balance of 4 "
+                                              r"entries \(or stages=4\) for 2 devices"):
+        Pipe(_mlp(), [3, 3], devices=["cpu"] * 2, schedule="zb-v")
+    with pytest.raises(PipeConfigError, match=r"give 2 x devices stages: a balance of 6 "):
+        Pipe(_mlp(), stages=4, devices=["cpu"] * 3, schedule="dualpipe-v")
+    with pytest.raises(PipeConfigError, match=r"a multiple of 2 stages"):
+        Pipe(_mlp(), [2, 2, 2], schedule="zb-v")
+    Pipe(_mlp(), [2, 1, 2, 1], devices=["cpu"] * 2, schedule="zb-v").close()
+    Pipe(_mlp(), [2, 1, 2, 1], devices=["cpu"] * 2, schedule="interleaved").close()
