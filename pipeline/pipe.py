@@ -228,7 +228,8 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         checks.check_loss_fn(loss_fn)
         if self._ft is not None:  # the quorum (and a heal) before anything is computed
             self._ft.before_step(scaler)
-        how = weighting.resolve(loss_fn, loss_reduction, loss_weight, self._io)
+        how = weighting.resolve(loss_fn, loss_reduction, loss_weight, self._io,
+                                whole_batch=self.chunks == 1 and self._replicas is None)
         if self._io is not None:  # the model's inputs flattened, its outputs rebuilt
             # None: a rank without the first stage (multi-process), as for nn.Sequential
             pairs = [(self._io.prepare(x), t) for x, t in pairs]

@@ -46,8 +46,15 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
     if loss_fn is not None and last in pipe.local_stages:
         assert how is not None
         if target is None and not how.model_loss:
-            raise PipeConfigError(f"rank {rank} holds the last stage and computes the loss: "
-                                  f"pass target (only other ranks may pass None)")
+            if how.inexact is not None:
+                raise PipeConfigError(weighting.inexact_message(how, refusing=True))
+            raise PipeConfigError(
+                "the last stage computes the loss from the target: pass target, as loss_fn "
+                "reads it (a loss_fn returning the model's own loss, lambda out, y: out.loss, "
+                "takes target None where Pipe can weigh that loss; docs/losses.md)"
+                if rank is None else
+                f"rank {rank} holds the last stage and computes the loss: pass target (only "
+                f"other ranks may pass None)")
         device = pipe.devices[pipe._probe.rank_of(last)]
         parts = ([(None,)] * chunks if target is None else
                  scatter(target, chunks) if cut is None else cut.target(target))
@@ -56,9 +63,10 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
         total, scale = (pipe._replicas.weighting(sum(measures)) if pipe._replicas
                         else (sum(measures), 1.0))
         weights = how.weights(measures, total, scale)
-        if not pipe._warned_padding and how.looks_padded(values):
+        if not pipe._warned_padding and (how.inexact or how.looks_padded(values)):
             pipe._warned_padding = True  # once per Pipe
-            warnings.warn(weighting.padding_warning(loss_fn), UserWarning, stacklevel=5)
+            warnings.warn(weighting.inexact_message(how, refusing=False) if how.inexact
+                          else weighting.padding_warning(loss_fn), UserWarning, stacklevel=5)
         targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
                                           for v in part))) for part in parts]
     return inputs, targets, weights

@@ -25,6 +25,7 @@ A micro-batch whose measure is 0 adds nothing (its own mean would be 0/0); a bat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -37,8 +38,10 @@ from torch.nn import functional as F
 
 from pipeline.errors import PipeConfigError, PipeTypeError
 from pipeline.runtime.microbatch import leading_rows
+from pipeline.splitting.positions import paths as output_paths
 
-__all__ = ["LossWeight", "Weighting", "from_model", "padding_warning", "resolve", "zero_loss"]
+__all__ = ["LossWeight", "Weighting", "from_model", "inexact_message", "padding_warning",
+           "resolve", "zero_loss"]
 
 LossWeight = Callable[[Any], Any]  # target -> a number >= 0 (int, float or 0-dim tensor)
 
@@ -59,6 +62,9 @@ class Weighting:
     # from a micro-batch's flattened inputs
     model_loss: bool = False
     from_inputs: Callable[[Sequence[Any]], float] | None = None
+    # The model's own loss that no weighting of micro-batches reproduces: (its output's
+    # path, why, the path of a mixture of experts' load-balancing loss it adds, or "")
+    inexact: tuple[str, str, str] | None = None
 
     def measures(self, targets: Sequence[Any], inputs: Sequence[Sequence[Any]] = ()
                  ) -> list[float]:
@@ -99,10 +105,12 @@ class Weighting:
 
 
 def resolve(loss_fn: object, loss_reduction: str | None,
-            loss_weight: LossWeight | None, model: Any = None) -> Weighting:
+            loss_weight: LossWeight | None, model: Any = None,
+            whole_batch: bool = False) -> Weighting:
     """The weighting of `loss_fn`: its reduction (a loss module's `reduction`, a partial's
     keyword, or `loss_reduction` for a plain function; default "mean") and its measure
-    (`model`: a SplitModel, whose own loss `loss_fn` may return; see `from_model`)."""
+    (`model`: a SplitModel, whose own loss `loss_fn` may return; see `from_model`;
+    `whole_batch`: the step runs the batch as one micro-batch)."""
     reduction = _reduction(loss_fn, loss_reduction)
     mean = _REDUCTIONS[reduction]
     if loss_weight is not None:
@@ -122,16 +130,18 @@ def resolve(loss_fn: object, loss_reduction: str | None,
     plain = not isinstance(loss_fn, nn.modules.loss._Loss)
     how = Weighting(mean, _rows, plain)
     if plain and loss_reduction is None and callable(loss_fn):
-        return from_model(how, loss_fn, model)
+        return from_model(how, loss_fn, model, whole_batch)
     return how
 
 
-def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any) -> Weighting:
+def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any,
+               whole_batch: bool = False) -> Weighting:
     """`how`, or, for a plain `loss_fn` with nothing said (no `loss_weight=`, no reduction)
     that returns a 0-dim output of `model` (a SplitModel) as it is, that output's own rule:
     its micro-batches weighted by what the graph's mean divides by (counted from the inputs),
     or added up for a sum. Where the graph cannot say (a loss that adds a token mean and a
-    row mean), `how` as before, and its warning."""
+    row mean), `how` as before, marked `inexact` (a warning, or a refusal without a target,
+    says so), unless the batch runs whole (`whole_batch`, or one packed row): weight 1."""
     if model is None or not (how.mean and how.by_rows):
         return how
     mode = model.mode
@@ -143,8 +153,12 @@ def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any) -
         # No weighting of micro-batches reproduces it; but a model captured with one row of
         # every input (a collator's single packed row) runs each batch as one micro-batch,
         # whose loss is the batch's: weight 1.
-        whole = len(model.broadcast) == len(model.input_names)
-        return Weighting(False, how.measure, False, model_loss=True) if whole else how
+        if whole_batch or len(model.broadcast) == len(model.input_names):
+            return Weighting(False, how.measure, False, model_loss=True)
+        paths = output_paths(model.out_specs[mode], scalars.num_leaves)
+        aux = next((f"output{paths[k]}" for k in scalars.refused if "aux_loss" in paths[k]), "")
+        return dataclasses.replace(how, inexact=(f"output{paths[leaf]}",
+                                                 scalars.refused[leaf], aux))
     kind = scalars.combine[leaf][0]
     if kind == "sum":
         return Weighting(False, how.measure, False, model_loss=True)
@@ -153,6 +167,34 @@ def from_model(how: Weighting, loss_fn: Callable[[Any, Any], Any], model: Any) -
         return how
     return Weighting(True, how.measure, False, model_loss=True,
                      from_inputs=functools.partial(counter, list(model.input_names)))
+
+
+def inexact_message(how: Weighting, refusing: bool) -> str:
+    """What to say of the model's own loss no weighting reproduces (`how.inexact`): what is
+    exact and what is not, and the ways out; `refusing`: a step without a target."""
+    assert how.inexact is not None
+    path, why, aux = how.inexact
+    if aux:
+        what = (f"it adds {aux}, the load-balancing loss of output_router_logits=True, a "
+                f"product of two means over the batch's tokens. Micro-batches weighted by the "
+                f"tokens they count (loss_weight=) give the token mean exactly, but {aux} is "
+                f"then taken per micro-batch and averaged: an approximation of the batch's")
+        exact = (", or build the model with output_router_logits=False (its loss is then the "
+                 "token mean alone, weighed exactly without a target; no load-balancing loss "
+                 "is trained)")
+        example = "lambda t: (t[:, 1:] != -100).sum(), the shifted tokens a causal LM counts"
+    else:
+        what = ("weighted by rows or by loss_weight=, it is its micro-batches' weighted mean, "
+                "an approximation of the batch's")
+        exact = ""
+        example = "lambda t: (t != -100).sum()"
+    head = ("" if refusing else "Pipe weighs its micro-batches by rows, and ")
+    target = " with the labels as target" if refusing else ""
+    return (f"{head}loss_fn returns the model's own {path}, which no weighting of "
+            f"micro-batches reproduces (a 0-dim value {why}): {what}. For it exactly, run the "
+            f"batch as one micro-batch (Pipe(..., chunks=1)){exact}; to accept the "
+            f"approximation, pass loss_weight={target} (what the loss averages over, e.g. "
+            f"loss_weight={example}; docs/losses.md)")
 
 
 def padding_warning(loss_fn: object) -> str:

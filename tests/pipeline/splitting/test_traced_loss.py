@@ -188,3 +188,81 @@ def test_the_last_stage_without_the_inputs_is_told_to_pass_them() -> None:
     rank = SimpleNamespace(balance=[1, 1], world=(1, 2), local_stages={1})
     with pytest.raises(PipeConfigError, match=r"rank 1 holds the last stage.*pass x"):
         batches.share(rank, None, None, model_loss, 2, how)
+
+
+def test_a_single_process_without_target_is_told_what_to_pass_not_a_rank() -> None:
+    """A single-process Pipe whose loss reads the target was refused with "rank None holds the
+    last stage": there is no rank in one process."""
+    torch.manual_seed(0)
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2)
+    with pytest.raises(PipeConfigError, match=r"^the last stage computes the loss from the "
+                                              r"target: pass target") as caught:
+        pipe.step(torch.randn(4, 4), None, nn.MSELoss())
+    assert "rank" not in str(caught.value)
+    pipe.close()
+
+
+def test_a_models_own_loss_no_weighting_reproduces_is_exact_in_one_micro_batch() -> None:
+    """A dict-returning model whose loss adds a token mean and a row mean: no weighting of
+    micro-batches makes it, and without a target it was refused as "rank None ... pass
+    target", which passing a target does not make exact. Now the refusal names the output and
+    the fixes, and in one micro-batch (chunks=1) it trains exactly without a target."""
+    ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[2:, 2:] = -100
+    inputs = {"ids": ids, "labels": labels}
+    pipe = Pipe(_Penalised(), example_inputs=inputs, split_points=["head"],
+                devices=["cpu", "cpu"], chunks=2)
+    try:
+        with pytest.raises(PipeConfigError, match=r"^loss_fn returns the model's own "
+                                                  r"output\['loss'\].*no weighting.*chunks=1.*"
+                                                  r"loss_weight=") as caught:
+            pipe.step(inputs, None, lambda out, y: out["loss"])
+        assert "rank" not in str(caught.value)
+    finally:
+        pipe.close()
+    torch.manual_seed(0)
+    model = _Penalised()
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, example_inputs=inputs, split_points=["head"], devices=["cpu", "cpu"],
+                chunks=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # exact: nothing to warn about
+            loss = pipe.step(inputs, None, lambda out, y: out["loss"])
+    finally:
+        pipe.close()
+    expected = reference(**inputs)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_a_load_balancing_loss_warns_what_is_exact_and_what_to_do() -> None:
+    """Mixtral with output_router_logits=True adds its load-balancing loss (a product of two
+    means over the batch's tokens) to `out.loss`. The warning said loss_weight= would make it
+    right, which it cannot: it says what is exact (the token mean) and what is not, and the
+    ways out."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[2:, 5:] = -100
+    inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    pipe = Pipe(model, example_inputs=inputs, split_points=["model.layers.1"],
+                devices=["cpu", "cpu"], chunks=2)
+    try:
+        with pytest.warns(UserWarning, match=r"aux_loss.*per micro-batch.*chunks=1.*"
+                                             r"output_router_logits=False") as got:
+            pipe.step(inputs, labels, model_loss)
+        assert not any("Pass loss_weight=lambda target" in str(w.message) for w in got)
+        with pytest.raises(PipeConfigError, match=r"output_router_logits=False"):
+            pipe.step(inputs, None, model_loss)
+    finally:
+        pipe.close()
