@@ -212,9 +212,26 @@ def _refusal(model: nn.Module, stack: list[str], exc: Exception, no_cache: bool 
             "in, as PEFT's prefix tuning passes its prefixes in past_key_values, comes back "
             "out; tune with an adapter that passes no cache, such as LoRA)" if no_cache else
             "(the model returns its key/value cache: pass use_cache=False in example_inputs)")
+    drops = _layerdrop(model)
+    seen = ", ".join(f"{k}={v:g}" for k, v in drops)
+    zeros = ", ".join(f"{k}=0" for k, _ in drops)
+    fix = (f"its config's LayerDrop ({seen}) skips layers by a random draw in Python, which "
+           f"export cannot capture: set them to 0 in the config the model is built from "
+           f"(from_pretrained(..., {zeros})), or split the model by hand into an "
+           f"nn.Sequential of stages" if drops else
+           "rewrite that construct (data-dependent Python control flow becomes torch.cond or "
+           "a tensor expression), or split the model by hand into an nn.Sequential of stages "
+           "and pass that to Pipe")
     return ExportError(
         f"torch.export could not capture {type(model).__name__}: in module {where!r}{line}: "
         f"{type(exc).__name__}: {said}. Pipe splits a model from its exported graph, so every "
-        f"module must be exportable: rewrite that construct (data-dependent Python control "
-        f"flow becomes torch.cond or a tensor expression), or split the model by hand into "
-        f"an nn.Sequential of stages and pass that to Pipe")
+        f"module must be exportable: {fix}")
+
+
+def _layerdrop(model: nn.Module) -> list[tuple[str, float]]:
+    """The model's config fields of LayerDrop that are not 0 (`encoder_layerdrop`, ...):
+    modules read them when built, so the config must say 0 before the model is made."""
+    config = getattr(model, "config", None)
+    fields = vars(config).items() if hasattr(config, "__dict__") else ()
+    return [(k, float(v)) for k, v in fields if k.endswith("layerdrop")
+            and isinstance(v, int | float) and not isinstance(v, bool) and v]
