@@ -34,10 +34,13 @@ from typing import Any
 from pipeline import private_net, settings
 from pipeline.comm.bootstrap import INIT_TIMEOUT_ENV, MAX_INIT_TIMEOUT
 
-__all__ = ["ALLOCATOR", "INIT_TIMEOUT_ENV", "RankFailed", "describe_exit", "exit_status",
-           "free_port", "host_store", "main", "rank_env", "spawn"]
+__all__ = ["ALLOCATOR", "GRACE_S", "INIT_TIMEOUT_ENV", "RankFailed", "describe_exit",
+           "exit_status", "free_port", "host_store", "main", "rank_env", "spawn"]
 
 _log = logging.getLogger(__name__)
+# Seconds the other ranks get after one fails, to report their own error: the CLI's and
+# `spawn`'s default alike.
+GRACE_S = 15.0
 
 
 class RankFailed(RuntimeError):
@@ -157,7 +160,7 @@ def _drain(results: Any, got: dict[int, tuple[str, Any]]) -> None:
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120.0,
-          backend: str = "gloo", grace: float = 15.0) -> list[Any]:
+          backend: str = "gloo", grace: float = GRACE_S) -> list[Any]:
     """Run `fn(rank, *args)` on `nproc` fresh ranks (gloo; or NCCL, rank r on cuda:r); return
     each rank's result in order.
 
@@ -222,18 +225,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start (>= 1)")
     parser.add_argument("--grace", type=settings.flag("--grace", low=0, high=86400,
-                                                      unit=" seconds"), default=10.0,
-                        help="seconds the other ranks get to exit after one fails")
+                                                      unit=" seconds"), default=GRACE_S,
+                        help="seconds the other ranks get to exit after one fails "
+                             "(default: %(default)g)")
     parser.add_argument("--init-timeout", default=300.0,
                         type=settings.flag("--init-timeout", low=0.001, high=MAX_INIT_TIMEOUT,
                                            unit=" seconds"),
                         help=f"seconds a rank waits for the others to join the process group "
-                             f"(sets {INIT_TIMEOUT_ENV}; Pipe reads it)")
+                             f"(sets {INIT_TIMEOUT_ENV}; Pipe reads it) (default: %(default)g)")
     parser.add_argument("--replicas", type=int, default=None,
                         help="replica groups of --nproc ranks each, under torchft (needs the "
-                             "[ft] extra; the script builds Pipe(..., fault_tolerance=True))")
+                             "[ft] extra; the script builds Pipe(..., fault_tolerance=True)) "
+                             "(default: none: one group of --nproc ranks, no torchft)")
     parser.add_argument("--max-restarts", type=int, default=3,
-                        help="with --replicas: restarts allowed per replica group")
+                        help="with --replicas: restarts allowed per replica group "
+                             "(default: %(default)s)")
     parser.add_argument("--heartbeat-timeout", default=None,
                         type=settings.flag("--heartbeat-timeout", low=0.001, high=86400,
                                            unit=" seconds"),
@@ -245,11 +251,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "servers (stores, gloo, the lighthouse and managers) out "
                              "of other local users' reach, and no other network "
                              "(docs/security.md)")
-    parser.add_argument("script")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.add_argument("script", help="the training script each rank runs, as `python "
+                                        "script ARGS` (a path; it must exist)")
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="arguments passed on to the script, as they are")
     ns = parser.parse_args(argv)
     if ns.nproc < 1:
         parser.error(f"--nproc must be >= 1 (got {ns.nproc})")
+    missing = _missing(ns.script)
+    if missing:  # before any rank, group or namespace starts: each would fail alike
+        parser.error(missing)
     if ns.private_network:  # inside only by the mark of the launcher outside, never a variable
         try:
             started_inside = private_net.inside()
@@ -287,6 +298,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, handler)
     del store  # served the ranks until they all exited
     return exit_status(code or next((p.returncode for p in procs if p.returncode), 0))
+
+
+def _missing(script: str) -> str:
+    """Why `python script` cannot run it, or "": a path that is not there, or a directory
+    without the __main__.py Python would run."""
+    if not os.path.exists(script):
+        return (f"script {script!r} does not exist (from {os.getcwd()!r}): give the path of "
+                f"the training script every rank runs")
+    if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+        return (f"script {script!r} is a directory without __main__.py: give the path of the "
+                f"training script every rank runs")
+    return ""
 
 
 def _watch(procs: list[subprocess.Popen[bytes]], grace: float, stopping: list[int]) -> int:

@@ -19,6 +19,7 @@ meet the same error.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -388,11 +389,29 @@ def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) 
     return 1
 
 
+def _record_parser() -> argparse.ArgumentParser:
+    """`python -m pipeline.replica_launch`'s options: `--record` alone (groups started by
+    this module's `run_replicas` come from `python -m pipeline.launch --replicas`)."""
+    from pipeline.parallel.ft_auth import BIND_ENV, SECRET_ENV
+    from pipeline.parallel.ft_record import RECORD_ENV
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.replica_launch",
+        description="Serve the job's coordinator (its lighthouse and record) alone, for replica "
+                    "groups started by hand (one torchrun per group); it prints the line each "
+                    f"group exports (TORCHFT_LIGHTHOUSE and {RECORD_ENV}) and serves until "
+                    "SIGTERM or Ctrl-C. Groups started together on one host: python -m "
+                    "pipeline.launch --replicas R --nproc N script.py (docs/fault-tolerance.md).",
+        epilog=f"environment: {SECRET_ENV} the job's secret, the same in every group (without "
+               f"it any local user may join); {BIND_ENV} the address to bind for groups on "
+               f"several hosts (default: loopback)")
+    parser.add_argument("--record", action="store_true", required=True,
+                        help="serve the job's lighthouse and record (the one mode)")
+    return parser
+
+
 if __name__ == "__main__":
-    # `python -m pipeline.replica_launch --record`: the job's lighthouse and record alone, for
-    # groups started by hand (docs/fault-tolerance.md); it prints what each group exports.
-    if sys.argv[1:] != ["--record"]:
-        raise SystemExit("usage: python -m pipeline.replica_launch --record")
+    _record_parser().parse_args()
     from pipeline.parallel.ft_record import serve
 
     raise SystemExit(serve())
