@@ -80,6 +80,9 @@ def _parser() -> _Parser:
     names = ", ".join(schedules.available())
     parser = _Parser(
         prog="pipeviz",
+        usage="pipeviz [options] SOURCE\n"
+              "       pipeviz compare SOURCE SOURCE [SOURCE ...] [options]\n"
+              "       pipeviz plan MODEL [options]   (pipeviz plan --help)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Draw a pipeline schedule, planned (simulated under a cost model) or "
                     "measured (a timeline a training run wrote).",
@@ -364,10 +367,15 @@ def _dot(source: Schedule | Timeline, args: argparse.Namespace, costs: Costs) ->
             out = out.with_suffix(".dot")
         _write(args, text, path=out)
         if shutil.which("dot") is None or image_format:
+            # The names of the files written and asked for (graph.* only for stdout).
             where = str(out) if out else "graph.dot"
-            print(f"pipeviz: wrote DOT source; graphviz's dot program (or the graphviz Python "
-                  f"package) is missing; install it (apt-get install graphviz; pip install "
-                  f"graphviz) and render with: dot -Tsvg {where} -o graph.svg", file=sys.stderr)
+            picture = (str(Path(args.output)) if image_format else
+                       str(Path(where).with_suffix(".svg")))
+            to = f" to {where}" if out else ""
+            print(f"pipeviz: wrote DOT source{to}; graphviz's dot program (or the graphviz "
+                  f"Python package) is missing; install it (apt-get install graphviz; pip "
+                  f"install graphviz) and render with: dot -T{image_format or 'svg'} {where} "
+                  f"-o {picture}", file=sys.stderr)
     failure = layout(source, costs=costs).failure
     if failure is not None:
         _say_invalid(source.name, failure.message)

@@ -18,6 +18,9 @@ class Comparison:
     title: str
     subtitle: str
     layouts: tuple[Layout, ...]
+    # Schedules set against each other: the table stars the best. False for one step drawn
+    # twice (measured over predicted), where there is nothing to choose between.
+    ranked: bool = True
 
     @property
     def span(self) -> float:
@@ -32,7 +35,8 @@ class Comparison:
         """Header and one row per layout: name, makespan, bubble, peak activations per rank.
 
         The smallest makespan, bubble and largest peak are starred (ties all get a star), so
-        the table reads as a choice: what each schedule buys and what it costs in memory.
+        the table reads as a choice: what each schedule buys and what it costs in memory
+        (only where schedules are compared: `ranked`).
         """
         factor, suffix = time_scale(self.unit, self.span)
         timed = [lay for lay in self.layouts if lay.bubble is not None]
@@ -45,11 +49,17 @@ class Comparison:
             if lay.bubble is None:
                 span, bubble = "-", "invalid"
             else:
-                span = format_number(lay.makespan * factor) + _star(lay.makespan == best_span)
-                bubble = f"{lay.bubble:.1%}" + _star(lay.bubble == best_bubble)
+                span = (format_number(lay.makespan * factor)
+                        + _star(self.ranked and lay.makespan == best_span))
+                bubble = f"{lay.bubble:.1%}" + _star(self.ranked and lay.bubble == best_bubble)
             peaks = "/".join(str(ln.peak) for ln in lay.lanes)
-            rows.append((lay.title, span, bubble, f"{peak}{_star(peak == best_peak)} ({peaks})"))
+            best = _star(self.ranked and peak == best_peak)
+            rows.append((lay.title, span, bubble, f"{peak}{best} ({peaks})"))
         return rows
+
+    def unit_name(self) -> str:
+        """The time axis's unit as drawn (ms for a measured step of a few ms)."""
+        return time_scale(self.unit, self.span)[1]
 
 
 def _star(best: bool) -> str:
@@ -57,7 +67,8 @@ def _star(best: bool) -> str:
 
 
 def compare(sources: Sequence[Timeline | Schedule | Layout], *, costs: Costs | None = None,
-            title: str | None = None, subtitle: str | None = None) -> Comparison:
+            title: str | None = None, subtitle: str | None = None,
+            ranked: bool = True) -> Comparison:
     """Lay out each source; refuse to put measured seconds and planned costs on one axis.
 
     `costs` are those of one rank's share of the model: a schedule with v stages per rank
@@ -78,7 +89,8 @@ def compare(sources: Sequence[Timeline | Schedule | Layout], *, costs: Costs | N
         ranks = sorted({lay.num_ranks for lay in layouts})
         subtitle = "/".join(map(str, ranks)) + " ranks; " + (
             "measured" if measured == {True} else f"costs per rank {format_costs(costs)}")
-    return Comparison(title or " vs ".join(lay.title for lay in layouts), subtitle, layouts)
+    return Comparison(title or " vs ".join(lay.title for lay in layouts), subtitle, layouts,
+                      ranked)
 
 
 def _share(costs: Costs, stages_per_rank: int) -> Costs:

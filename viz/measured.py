@@ -11,6 +11,7 @@ their median.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -114,8 +115,9 @@ def over_predicted(measured: Timeline) -> Comparison:
     """The measured step above its prediction, on one time axis (`pipeviz --predicted`)."""
     guess = predicted(measured)
     name = str(measured.meta.get("schedule", "timeline"))
-    return compare([layout(measured, title=f"{name}, measured"),
+    pair = compare([layout(measured, title=f"{name}, measured"),
                     layout(guess, title=f"{name}, predicted")],
-                   title=f"{name}: measured over predicted",
-                   subtitle=f"{measured.num_ranks} ranks; seconds; predicted: the simulator "
-                            f"under this step's own costs ({guess.meta['costs']})")
+                   title=f"{name}: measured over predicted", ranked=False)
+    return dataclasses.replace(
+        pair, subtitle=f"{measured.num_ranks} ranks; times in {pair.unit_name()}; predicted: "
+                       f"the simulator under this step's own costs ({guess.meta['costs']})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import re
 import sys
@@ -192,7 +193,9 @@ def _main(args: argparse.Namespace) -> int:
     if runner_up is not None:
         timelines.append(chosen.timeline_of(runner_up))
     drawing = compare(timelines, title="chosen vs runner-up" if runner_up else "chosen",
-                      subtitle="predicted (simulated from the profile), seconds")
+                      ranked=runner_up is not None)
+    drawing = dataclasses.replace(drawing, subtitle=f"predicted (simulated from the profile), "
+                                                    f"times in {drawing.unit_name()}")
     content: str | bytes
     if fmt == "text":
         content = render_text(drawing, width=max(40, args.width))

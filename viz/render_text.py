@@ -71,7 +71,8 @@ def _render_comparison(comparison: Comparison, width: int, color: bool) -> str:
     failed = any(lay.failure for lay in layouts)
     lines += ["", *_legend(kinds, chunks, failed, color, width), ""]
     lines += _table(comparison.table())
-    lines.append("* best of the compared schedules")
+    if comparison.ranked:
+        lines.append("* best of the compared schedules")
     for lay in layouts:
         lines += [line.replace("INVALID", f"INVALID {lay.title}", 1)
                   for line in _failure(lay, width)]

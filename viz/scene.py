@@ -193,7 +193,8 @@ def _table(items: list[Item], rows: Sequence[Sequence[str]], y: float) -> float:
         for i, cell in enumerate(row):
             items.append(Text(xs[i], y, cell, 12, bold=n == 0 or cell.endswith("*")))
         y += 21
-    items.append(Text(16, y, "* best of the compared schedules", 10, fill=MUTED))
+    if any(cell.endswith("*") for row in rows for cell in row):
+        items.append(Text(16, y, "* best of the compared schedules", 10, fill=MUTED))
     return y + 26
 
 

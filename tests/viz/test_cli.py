@@ -137,7 +137,8 @@ def test_dot_without_graphviz_writes_source_and_says_how_to_render(
     code, _, err = run(capsys, "1f1b", "-p", "2", "-m", "3", "-f", "dot", "-o", str(out_file))
     assert code == 0 and not out_file.exists()
     assert (tmp_path / "graph.dot").read_text().startswith("digraph")
-    assert f"dot -Tsvg {tmp_path / 'graph.dot'} -o graph.svg" in err
+    # The picture asked for, by its name: not graph.svg whatever was asked.
+    assert f"dot -Tpng {tmp_path / 'graph.dot'} -o {out_file}" in err
     code, out, err = run(capsys, "1f1b", "-p", "2", "-m", "3", "-f", "dot")
     assert code == 0 and out.startswith("digraph") and "dot -Tsvg" in err
 
@@ -389,3 +390,47 @@ def test_syncs_draw_the_program(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert ops >= schedules.SYNC_OPS
     assert main(["1f1b", "-p", "2", "-m", "2", "--syncs", "ties=0:5"]) == 2
     assert "name stage 5" in capsys.readouterr().err
+
+
+def test_dot_without_graphviz_names_the_files_it_wrote_and_asked_for(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-f dot -o g.svg` without graphviz wrote g.dot but said to render graph.svg."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    out_file = tmp_path / "g.svg"
+    code, _, err = run(capsys, "1f1b", "-p", "2", "-m", "3", "-f", "dot", "-o", str(out_file))
+    assert code == 0 and (tmp_path / "g.dot").read_text().startswith("digraph")
+    assert f"wrote DOT source to {tmp_path / 'g.dot'}" in err
+    assert f"dot -Tsvg {tmp_path / 'g.dot'} -o {out_file}" in err
+    assert "graph.svg" not in err
+
+
+def test_the_usage_line_names_compare_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    usage = out.split("\n\n")[0]
+    assert code == 0
+    assert "pipeviz compare SOURCE SOURCE" in usage and "pipeviz plan MODEL" in usage
+
+
+def _measured(tmp_path: Path) -> Path:
+    """A 1f1b step of 2 ranks timed in seconds (a few ms), as a run records it."""
+    planned = schedules.simulate(schedules.get_schedule("1f1b", 2, 3),
+                                 schedules.Costs(forward=0.002, backward=0.004, comm=0.0005))
+    meta = {"schedule": "1f1b", "num_ranks": 2, "num_microbatches": 3}
+    path = tmp_path / "run.json"
+    path.write_text(Timeline(planned.num_ranks, planned.events, "s", meta).to_json())
+    return path
+
+
+def test_measured_over_predicted_says_the_axis_unit_and_stars_nothing(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Its subtitle said "seconds" over an axis in ms, and "* best of the compared schedules"
+    was stamped on one schedule measured and predicted."""
+    code, out, err = run(capsys, str(_measured(tmp_path)), "--predicted", "--color", "never")
+    assert code == 0, err
+    assert "seconds" not in out and "2 ranks; times in ms;" in out
+    assert "best of the compared schedules" not in out and " *" not in out
+    code, out, _ = run(capsys, str(_measured(tmp_path)), "--predicted", "-f", "svg")
+    assert code == 0 and "seconds" not in out and "best of the compared" not in out
+    code, out, _ = run(capsys, "compare", "gpipe", "1f1b", "-p", "2", "-m", "3")
+    assert code == 0 and "* best of the compared schedules" in out
