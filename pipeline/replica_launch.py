@@ -40,7 +40,6 @@ from pipeline.parallel.fault_tolerance import (
     REPLICA_ID_ENV,
     check_installed,
 )
-from pipeline.parallel.ft_auth import job_secret, job_secret_env
 from pipeline.parallel.ft_coord import address, serve_coordinator
 from pipeline.parallel.ft_record import (
     LIVENESS_ENV,
@@ -50,6 +49,7 @@ from pipeline.parallel.ft_record import (
     group_key,
     read_record,
 )
+from pipeline.parallel.ft_tls import CERT_ENV, job_cert_env, job_tls, make_job_cert
 
 __all__ = ["CONFIG_EXIT", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RANK_TIMEOUT_FLOOR_S",
            "RUST_LOG_DEFAULT", "ReplicaGroup", "is_config_error", "rank_failed",
@@ -189,13 +189,15 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                               f"--replicas {replicas}, --max-restarts {max_restarts}")
     beats = (HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None
              else max(1, round(heartbeat_timeout * 1e3)))
-    # The job's secret (ft_auth): one per job, unless the user gave one to share it with
-    # groups started elsewhere; in the environment, never on a command line.
-    made = {} if job_secret() is not None else job_secret_env()
+    # The job's certificate and key (ft_tls): one per job, unless the user gave one to share
+    # it with groups started elsewhere; in the ranks' environment (readable by this uid
+    # alone), never on a command line or in a file.
+    made = {} if os.environ.get(CERT_ENV, "").strip() else job_cert_env()
+    tls = job_tls({**os.environ, **made})
     # The lighthouse and the job's record (its history outlives every group), in this
     # process, served on loopback to the job's processes alone (ft_coord).
     with serve_coordinator(heartbeat_timeout_s=beats / 1e3, join_timeout_s=JOIN_TIMEOUT_MS / 1e3,
-                           secret=job_secret(made) if made else None) as (server, _, record):
+                           tls=tls) as (server, _, record):
         record.set(REPLICAS_KEY, str(replicas))  # a group started with another count is refused
         rank_timeout = max(beats / 1e3, RANK_TIMEOUT_FLOOR_S)
         env = {LIGHTHOUSE_ENV: address(server), NUM_REPLICAS_ENV: str(replicas),
@@ -390,9 +392,9 @@ def _give_up(groups: list[ReplicaGroup], lost: ReplicaGroup, max_restarts: int) 
 
 
 def _record_parser() -> argparse.ArgumentParser:
-    """`python -m pipeline.replica_launch`'s options: `--record` alone (groups started by
-    this module's `run_replicas` come from `python -m pipeline.launch --replicas`)."""
-    from pipeline.parallel.ft_auth import BIND_ENV, SECRET_ENV
+    """`python -m pipeline.replica_launch`'s options: `--record` or `--make-cert` (groups
+    started by this module's `run_replicas` come from `python -m pipeline.launch --replicas`)."""
+    from pipeline.parallel.ft_auth import BIND_ENV
     from pipeline.parallel.ft_record import RECORD_ENV
 
     parser = argparse.ArgumentParser(
@@ -402,16 +404,24 @@ def _record_parser() -> argparse.ArgumentParser:
                     f"group exports (TORCHFT_LIGHTHOUSE and {RECORD_ENV}) and serves until "
                     "SIGTERM or Ctrl-C. Groups started together on one host: python -m "
                     "pipeline.launch --replicas R --nproc N script.py (docs/fault-tolerance.md).",
-        epilog=f"environment: {SECRET_ENV} the job's secret, the same in every group (without "
-               f"it any local user may join); {BIND_ENV} the address to bind for groups on "
-               f"several hosts (default: loopback)")
-    parser.add_argument("--record", action="store_true", required=True,
-                        help="serve the job's lighthouse and record (the one mode)")
+        epilog=f"environment: {CERT_ENV} the job's certificate and key (PEM, from --make-cert), "
+               f"the same in every group and the coordinator: every connection of the job is "
+               f"mutual TLS under it; {BIND_ENV} the address to bind for groups on several "
+               f"hosts (default: loopback)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--record", action="store_true",
+                      help=f"serve the job's lighthouse and record (needs {CERT_ENV})")
+    mode.add_argument("--make-cert", action="store_true",
+                      help=f"print a fresh job certificate and key (PEM) to export as {CERT_ENV} "
+                           f"to the coordinator and every group, privately")
     return parser
 
 
 if __name__ == "__main__":
-    _record_parser().parse_args()
+    options = _record_parser().parse_args()
+    if options.make_cert:
+        sys.stdout.write(make_job_cert())
+        raise SystemExit(0)
     from pipeline.parallel.ft_record import serve
 
     raise SystemExit(serve())

@@ -64,10 +64,10 @@ def _environment() -> tuple[int, int, str]:
 
 def _weights_only_transport(timeout: timedelta) -> Any:
     """The heal transport (ft_transport): a peer's checkpoint read as plain data
-    (`weights_only=True`, torchft's own unpickles it), both ends proving the job's secret."""
-    from pipeline.parallel.ft_transport import SignedTransport
+    (`weights_only=True`, torchft's own unpickles it), under the job's TLS."""
+    from pipeline.parallel.ft_transport import HealTransport
 
-    return SignedTransport(timeout)
+    return HealTransport(timeout)
 
 
 def _warnings_to_stderr() -> None:
@@ -131,7 +131,7 @@ class FaultTolerance:
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
         # Its manager, lighthouse and heals this library's, on loopback (or
-        # PIPELINE_FT_BIND), every connection proving the job's secret (ft_auth).
+        # PIPELINE_FT_BIND), every connection under the job's TLS (ft_tls).
         self.manager = ft_auth.build_manager(
             pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
             min_replica_size=1, use_async_quorum=False, timeout=wait, quorum_timeout=wait,

@@ -1,74 +1,29 @@
-"""Only the job's own processes in a replica job: its secret, and where its servers bind.
+"""Only the job's own processes in a replica job: where its servers bind, and its manager.
 
 torchft's lighthouse forms a quorum from whoever asks it, and its managers serve whoever calls
 them: another local user running torchft's own `ManagerServer` joined a job's quorum claiming
 step 10**6 and every rank healed from it, and ended ranks through the lighthouse's dashboard
 and the managers' `Kill`. This library replaces those pieces (ft_coord: the lighthouse and the
-job's record; ft_manager: each group's manager; ft_transport: heals), and every one of them
-proves the job's secret at both ends of each connection (ft_wire):
-
-- the secret is `PIPELINE_FT_SECRET` (64 hex digits), made by the launcher and handed to its
-  groups in their environment;
-- every server binds loopback, or the interface `PIPELINE_FT_BIND` names for replicas on
-  several hosts (`bind_host`), never every interface.
+job's record; ft_manager: each group's manager; ft_transport: heals), and every connection
+between them is mutual TLS under the job's certificate (ft_tls, ft_wire). Every server binds
+loopback, or the interface `PIPELINE_FT_BIND` names for replicas on several hosts
+(`bind_host`), never every interface.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import os
-import secrets
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from pipeline.errors import PipeConfigError
 
-__all__ = ["BIND_ENV", "SECRET_ENV", "bind_host", "build_manager", "host_port", "job_secret",
-           "job_secret_env", "signer"]
+__all__ = ["BIND_ENV", "bind_host", "build_manager", "host_port"]
 
-SECRET_ENV = "PIPELINE_FT_SECRET"
 BIND_ENV = "PIPELINE_FT_BIND"
-_SECRET_HEX = 64  # 32 bytes, as the launcher makes it
 _LOOPBACK = "127.0.0.1"
-
-
-def job_secret_env() -> dict[str, str]:
-    """A fresh secret for one job, as the environment its replica groups get."""
-    return {SECRET_ENV: secrets.token_hex(_SECRET_HEX // 2)}
-
-
-def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
-    """The job's secret from `PIPELINE_FT_SECRET` (None when unset or empty: nothing is
-    authenticated then, as in torchft)."""
-    raw = (os.environ if environ is None else environ).get(SECRET_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = bytes.fromhex(raw)
-    except ValueError:
-        value = b""
-    if len(value) * 2 != _SECRET_HEX:
-        # The value itself is never shown: it is the job's key.
-        raise PipeConfigError(
-            f"{SECRET_ENV} must be {_SECRET_HEX} hex digits (32 bytes), the same in every "
-            f"replica group; got {len(raw)} characters{'' if value else ' (not hex)'}: let "
-            f"`python -m pipeline.launch --replicas` make it, or export the output of "
-            f"`python -c 'import secrets; print(secrets.token_hex(32))'` to every group")
-    return value
-
-
-def signer(secret: bytes | None, label: str, *fields: object) -> hmac.HMAC:
-    """An HMAC-SHA256 over `label` and `fields` (each length-prefixed: no two field lists
-    encode alike), ready for more bytes. With no secret the key is empty: a check that
-    anyone passes, so that a job without one runs as before."""
-    mac = hmac.new(secret or b"", b"pipeline-ft\0" + label.encode(), hashlib.sha256)
-    for f in fields:
-        raw = str(f).encode()
-        mac.update(len(raw).to_bytes(4, "little") + raw)
-    return mac
 
 
 def bind_host(lighthouse: str | None = None, environ: Mapping[str, str] | None = None) -> str:
@@ -112,7 +67,7 @@ def host_port(host: str, port: int | str) -> str:
 
 def build_manager(**kwargs: Any) -> Any:
     """torchft's Manager built with `kwargs`, its server and clients this library's
-    (ft_manager: bound as `bind_host` says, both ends proving the job's secret)."""
+    (ft_manager: bound as `bind_host` says, under the job's TLS)."""
     import torchft.manager as torchft_manager
 
     from pipeline.parallel.ft_manager import install

@@ -2,7 +2,7 @@
 
 In place of torchft's lighthouse (a Rust gRPC server that forms a quorum from whoever asks,
 with a dashboard that lists the replicas and ends any of them on request), one server per job
-(ft_wire: only processes proving the job's secret are served) answers:
+(ft_wire: mutual TLS under the job's certificate; only the job's processes are served) answers:
 
 - `quorum`: a replica group's manager joins the next quorum and waits for it. The rule is
   torchft's: the participants whose heartbeats are fresh; at once when every member of the
@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline.parallel.ft_auth import host_port, job_secret
+from pipeline.parallel.ft_auth import host_port
+from pipeline.parallel.ft_tls import JobTLS
 from pipeline.parallel.ft_wire import Client, Server
 
 __all__ = ["KeyStore", "Lighthouse", "StoreClient", "address", "lighthouse_hostport",
@@ -195,15 +196,15 @@ def _coordinator(lighthouse: Lighthouse, store: KeyStore) -> Any:
 @contextmanager
 def serve_coordinator(*, host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1,
                       join_timeout_s: float = 60.0, heartbeat_timeout_s: float = 5.0,
-                      secret: bytes | None = None
+                      tls: JobTLS | None = None
                       ) -> Iterator[tuple[Server, Lighthouse, KeyStore]]:
     """The job's coordinator served on `host`:`port` (0: any free port) until the block
-    ends; `secret` defaults to `PIPELINE_FT_SECRET`'s."""
+    ends; `tls` defaults to `PIPELINE_FT_CERT`'s."""
     lighthouse = Lighthouse(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
                             heartbeat_timeout_s=heartbeat_timeout_s)
     store = KeyStore()
     server = Server(_coordinator(lighthouse, store),
-                    secret=job_secret() if secret is None else secret, host=host, port=port,
+                    tls=tls, host=host, port=port,
                     name="pipeline-ft-lighthouse")
     try:
         yield server, lighthouse, store
@@ -221,10 +222,9 @@ class StoreClient:
     methods ft_record calls)."""
 
     def __init__(self, host: str, port: int, timeout: float,
-                 secret: bytes | None = None) -> None:
+                 tls: JobTLS | None = None) -> None:
         self._timeout = timeout
-        self._client = Client(host, port, connect_timeout=timeout,
-                              secret=job_secret() if secret is None else secret)
+        self._client = Client(host, port, connect_timeout=timeout, tls=tls)
 
     def _call(self, op: str, **fields: Any) -> Any:
         return self._client.call({"op": op, **fields}, self._timeout)

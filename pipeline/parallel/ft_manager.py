@@ -4,7 +4,7 @@ torchft's Manager (Python) drives the step protocol through a `ManagerServer` on
 and a `ManagerClient` on every rank; both are gRPC in Rust, unauthenticated, and the server
 has a `Kill` call that ends the process for anyone who sends it. These two take their place
 (`install` puts them in torchft.manager's namespace, where the Manager looks them up) with the
-same calls, over ft_wire (both ends prove the job's secret) and with no kill:
+same calls, over ft_wire (mutual TLS under the job's certificate) and with no kill:
 
 - `quorum`: every rank of the group asks; once all have, the server asks the job's lighthouse
   (ft_coord) for the next quorum holding this group, and each rank gets its part of it:
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from pipeline.parallel.ft_auth import bind_host, host_port, job_secret
+from pipeline.parallel.ft_auth import bind_host, host_port
 from pipeline.parallel.ft_coord import lighthouse_hostport
 from pipeline.parallel.ft_wire import Client, Server
 
@@ -100,17 +100,16 @@ class ManagerServer:
                  connect_timeout: timedelta, quorum_retries: int = 0) -> None:
         del hostname  # the address advertised is the one bound
         self._replica_id, self._store_addr, self._world_size = replica_id, store_addr, world_size
-        secret = job_secret()
-        self._lighthouse = Client(*lighthouse_hostport(lighthouse_addr), secret=secret,
+        self._lighthouse = Client(*lighthouse_hostport(lighthouse_addr),
                                   connect_timeout=connect_timeout.total_seconds())
-        self._beats = Client(*lighthouse_hostport(lighthouse_addr), secret=secret,
+        self._beats = Client(*lighthouse_hostport(lighthouse_addr),
                              connect_timeout=connect_timeout.total_seconds())
         self._lock = threading.Lock()
         self._metadata: dict[int, str] = {}
         self._quorum = _Round()
         self._vote = _Round()
         host = bind_host(lighthouse_addr)
-        self._server = Server(self._handle, secret=secret, host=host,
+        self._server = Server(self._handle, host=host,
                               port=int(bind.rsplit(":", 1)[1]), name="pipeline-ft-manager")
         self._address = f"http://{host_port(host, self._server.port)}"
         self._stop = threading.Event()
@@ -201,8 +200,7 @@ class ManagerClient:
 
     def __init__(self, addr: str, connect_timeout: timedelta) -> None:
         host, port = lighthouse_hostport(addr)
-        self._client = Client(host, port, secret=job_secret(),
-                              connect_timeout=connect_timeout.total_seconds())
+        self._client = Client(host, port, connect_timeout=connect_timeout.total_seconds())
 
     def _call(self, request: dict[str, Any], timeout: timedelta) -> Any:
         seconds = timeout.total_seconds()

@@ -119,7 +119,7 @@ class JobRecord:
 
 def connect(port: int, timeout: float) -> Any:
     """A client of the record kept by the job's coordinator at `port` on the lighthouse's host
-    (ft_coord: the same server; both ends prove the job's secret)."""
+    (ft_coord: the same server, under the job's TLS)."""
     from pipeline.parallel.ft_coord import StoreClient, lighthouse_hostport
 
     host = (lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE")
@@ -218,19 +218,21 @@ def serve() -> int:
     import signal
     import sys
 
-    from pipeline.parallel.ft_auth import SECRET_ENV, bind_host, job_secret
+    from pipeline.parallel.ft_auth import bind_host
     from pipeline.parallel.ft_coord import address, serve_coordinator
+    from pipeline.parallel.ft_tls import job_tls
 
-    if job_secret() is None:
-        print(f"pipeline.replica_launch: {SECRET_ENV} is not set, so no connection proves "
-              f"the job's secret (any local user may join); export the same value here and "
-              f"in every group (docs/fault-tolerance.md)", file=sys.stderr, flush=True)
+    try:
+        tls = job_tls()  # the job's certificate, which every group holds too
+    except PipeConfigError as exc:
+        print(f"pipeline.replica_launch: {exc}", file=sys.stderr, flush=True)
+        return 2
     # The handlers first: a script that reads the line below and stops us at once must not
     # find the default action still in place (on a loaded host it killed this by the signal).
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: stop.set())
-    with serve_coordinator(host=bind_host()) as (server, _, _):
+    with serve_coordinator(host=bind_host(), tls=tls) as (server, _, _):
         print(f"export TORCHFT_LIGHTHOUSE={address(server)} {RECORD_ENV}={server.port}",
               flush=True)
         while not stop.wait(1.0):

@@ -1,30 +1,24 @@
-"""Requests between a replica job's own processes: both ends prove the job's secret first.
+"""Requests between a replica job's own processes, over mutual TLS under the job's certificate.
 
 The lighthouse, the job's record and every group's manager (ft_coord) talk over this, in
 place of torchft's gRPC servers, which answer anyone who connects (another local user joined
 quorums, fed heals, and ended ranks through the dashboard's kill and the managers' `Kill`).
-A connection:
-
-    server -> client   MAGIC, server nonce (16 bytes)
-    client -> server   client nonce (16 bytes), HMAC(k, "client", server nonce, client nonce)
-    server -> client   HMAC(k, "server", server nonce, client nonce)
-
-then requests and answers, each a JSON object behind its length (4 bytes, at most
-`MAX_FRAME`). The server drops a connection that has not proved the secret within
-`HANDSHAKE_S` (each connection has its own thread; at most `MAX_CONNECTIONS` are open at
-once, and further ones wait to be accepted), and reads nothing but the proof before it; the
-client uses a server only once it proved the secret too, so a planted address leads nowhere.
-With no secret the key is empty and anyone passes, as in torchft.
+A connection is TLS 1.3 with the job's certificate required and pinned at both ends (ft_tls):
+a process without the job's key completes no handshake, and a relay of the bytes reads nothing
+and changes nothing (a changed byte breaks the connection; the call raises). Inside it,
+requests and answers, each a JSON object behind its length (4 bytes, at most `MAX_FRAME`).
+The server drops a connection whose handshake is not done within `HANDSHAKE_S` (each
+connection has its own thread; at most `MAX_CONNECTIONS` are open at once, and further ones
+wait to be accepted), and reads no request before it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
-import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -32,34 +26,31 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.parallel.ft_auth import signer
+from pipeline.parallel.ft_tls import CERT_ENV, JobTLS, NotTheJob, job_tls
 
 __all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "MAX_FRAME", "Client", "RemoteError", "Server",
-           "WireRefused"]
+           "WireBroken", "WireRefused"]
 
 _log = logging.getLogger(__name__)
 
-MAGIC = b"pipeline-ft-wire1"
-_NONCE = 16
-_MAC = 32
 _LEN = struct.Struct("<I")
 MAX_FRAME = 8 << 20  # bytes of one request or answer (a quorum of many groups fits)
-HANDSHAKE_S = 5.0  # seconds a connection has to prove the secret
+HANDSHAKE_S = 5.0  # seconds a connection has to complete the TLS handshake
 MAX_CONNECTIONS = 256  # open at once; a further one waits in the listen queue
 
 Handler = Callable[[dict[str, Any]], Any]  # a request to its answer (JSON data)
 
 
-class WireRefused(PipelineError):
-    """The other end did not prove the job's secret (or spoke another protocol)."""
+class WireRefused(NotTheJob):
+    """The other end is not one of the job's processes (no TLS under the job's certificate)."""
+
+
+class WireBroken(PipelineError, ConnectionError):
+    """A connection under TLS broke mid-exchange: closed, or its bytes altered in transit."""
 
 
 class RemoteError(PipelineError):
     """The server answered a request with an error."""
-
-
-def _mac(secret: bytes | None, side: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return signer(secret, "wire", side, server_nonce.hex(), client_nonce.hex()).digest()
 
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
@@ -86,8 +77,9 @@ def _send_frame(sock: socket.socket, obj: dict[str, Any], deadline: float) -> No
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _read_frame(sock: socket.socket, deadline: float) -> dict[str, Any]:
-    (size,) = _LEN.unpack(_read(sock, _LEN.size, deadline))
+def _read_frame(sock: socket.socket, deadline: float, first: bytes = b"") -> dict[str, Any]:
+    """One message, `first` its bytes already read."""
+    (size,) = _LEN.unpack(first + _read(sock, _LEN.size - len(first), deadline))
     if size > MAX_FRAME:
         raise ConnectionError(f"a message of {size} bytes announced, over the bound of "
                               f"{MAX_FRAME}")
@@ -99,11 +91,13 @@ def _read_frame(sock: socket.socket, deadline: float) -> dict[str, Any]:
 
 class Server:
     """Serves `handler` (a request to its answer; an exception becomes an error answer) on
-    `host`:`port` to clients that prove `secret`, a thread per connection."""
+    `host`:`port` to the job's processes (`tls`: the job's, from `PIPELINE_FT_CERT` by
+    default), a thread per connection."""
 
-    def __init__(self, handler: Handler, *, secret: bytes | None, host: str = "127.0.0.1",
+    def __init__(self, handler: Handler, *, tls: JobTLS | None = None, host: str = "127.0.0.1",
                  port: int = 0, name: str = "pipeline-ft") -> None:
-        self._handler, self._secret, self._name = handler, secret, name
+        self._handler, self._name = handler, name
+        self._tls = job_tls() if tls is None else tls
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -113,7 +107,7 @@ class Server:
         self._open: set[socket.socket] = set()
         self._slots = threading.Condition()
         self._closed = threading.Event()
-        self.refused = 0  # connections that did not prove the secret
+        self.refused = 0  # connections that did not complete the job's handshake
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept",
                                         daemon=True)
         self._thread.start()
@@ -132,21 +126,28 @@ class Server:
             threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn",
                              daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, raw: socket.socket) -> None:
+        conn: socket.socket = raw
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._handshake(conn):
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn = self._tls.server(raw, HANDSHAKE_S)
+            except NotTheJob as exc:
+                self._refuse(str(exc))
                 return
+            with self._slots:  # shut down by `close` under its TLS from now on
+                self._open.discard(raw)
+                self._open.add(conn)
             while not self._closed.is_set():
                 try:
                     conn.settimeout(None)
-                    head = conn.recv(_LEN.size, socket.MSG_PEEK)
+                    first = conn.recv(1)  # waits for the next request, as long as it takes
                 except OSError:
                     return
-                if not head:
+                if not first:
                     return
                 # A request, once it began, arrives within the handshake's time.
-                request = _read_frame(conn, time.monotonic() + HANDSHAKE_S)
+                request = _read_frame(conn, time.monotonic() + HANDSHAKE_S, first)
                 answer: dict[str, Any]
                 try:
                     answer = {"ok": self._handler(request)}
@@ -157,28 +158,11 @@ class Server:
             return
         finally:
             with self._slots:
+                self._open.discard(raw)
                 self._open.discard(conn)
                 self._slots.notify_all()
             with contextlib.suppress(OSError):
                 conn.close()
-
-    def _handshake(self, conn: socket.socket) -> bool:
-        deadline = time.monotonic() + HANDSHAKE_S
-        server_nonce = secrets.token_bytes(_NONCE)
-        try:
-            conn.settimeout(HANDSHAKE_S)
-            conn.sendall(MAGIC + server_nonce)
-            hello = _read(conn, _NONCE + _MAC, deadline)
-        except (OSError, TimeoutError, ConnectionError):
-            self._refuse("it did not complete the handshake in time")
-            return False
-        client_nonce, proof = hello[:_NONCE], hello[_NONCE:]
-        if not hmac.compare_digest(proof, _mac(self._secret, "client", server_nonce,
-                                               client_nonce)):
-            self._refuse("it did not prove the job's secret")
-            return False
-        conn.sendall(_mac(self._secret, "server", server_nonce, client_nonce))
-        return True
 
     def _refuse(self, why: str) -> None:
         self.refused += 1
@@ -200,12 +184,13 @@ class Server:
 
 class Client:
     """Requests to a `Server` at `host`:`port`, one at a time on one connection (made again
-    after a failure), the server proving `secret` before the first."""
+    after a failure), under TLS with the job's certificate (`tls`, as `Server`'s)."""
 
-    def __init__(self, host: str, port: int, *, secret: bytes | None,
+    def __init__(self, host: str, port: int, *, tls: JobTLS | None = None,
                  connect_timeout: float = 30.0) -> None:
         self.host, self.port = host.strip("[]"), int(port)
-        self._secret, self._connect_timeout = secret, connect_timeout
+        self._tls = job_tls() if tls is None else tls
+        self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -213,11 +198,22 @@ class Client:
         """The server's answer to `request` within `timeout` seconds (TimeoutError after)."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            sock = self._sock or self._connect(deadline)
+            fresh, sock = self._sock is None, self._sock or self._connect(deadline)
             self._sock = None  # kept again only after a whole exchange
             try:
                 _send_frame(sock, request, deadline)
                 answer = _read_frame(sock, deadline)
+            except (ssl.SSLError, ConnectionError) as exc:
+                sock.close()
+                reason = str(getattr(exc, "reason", ""))
+                if fresh and "ALERT" in reason:
+                    # TLS 1.3: the server judges our certificate after the client's side of
+                    # the handshake is done, and says so at the first read.
+                    raise self._refused(f"it refused our certificate ({reason})") from None
+                raise WireBroken(
+                    f"the connection to {self.host}:{self.port} broke mid-request ({exc}): "
+                    f"closed, or its bytes altered on the way; the request may not have "
+                    f"been served") from None
             except BaseException:
                 sock.close()
                 raise
@@ -237,33 +233,18 @@ class Client:
                 if time.monotonic() >= until:
                     raise
                 time.sleep(0.1)  # the server may be starting
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                greeting = _read(sock, len(MAGIC), until)
-            except ConnectionError:
-                greeting = b""
-            if greeting != MAGIC:
-                raise WireRefused(
-                    f"{self.host}:{self.port} does not speak this library's protocol (torchft's "
-                    f"own lighthouse is not used: start the job's with `python -m "
-                    f"pipeline.replica_launch --record`, docs/fault-tolerance.md)")
-            server_nonce, client_nonce = _read(sock, _NONCE, until), secrets.token_bytes(_NONCE)
-            sock.sendall(client_nonce + _mac(self._secret, "client", server_nonce,
-                                             client_nonce))
-            try:
-                answer = _read(sock, _MAC, until)
-            except ConnectionError:
-                answer = b""
-            if not hmac.compare_digest(answer, _mac(self._secret, "server", server_nonce,
-                                                    client_nonce)):
-                raise WireRefused(
-                    f"{self.host}:{self.port} did not prove the job's secret (or refused "
-                    f"ours): every process of one job needs the same PIPELINE_FT_SECRET")
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+            return self._tls.client(sock, max(0.001, until - time.monotonic()))
+        except NotTheJob as exc:
+            raise self._refused(str(exc)) from None
+
+    def _refused(self, why: str) -> WireRefused:
+        return WireRefused(
+            f"{self.host}:{self.port} is not one of the job's processes, or does not take us "
+            f"for one: {why}; every process of one job needs the same {CERT_ENV} (torchft's "
+            f"own lighthouse is not used: start the job's with `python -m "
+            f"pipeline.replica_launch --record`, docs/fault-tolerance.md)")
 
     def close(self) -> None:
         with self._lock:

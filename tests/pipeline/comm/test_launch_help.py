@@ -72,7 +72,7 @@ def test_replica_launch_help_shows_its_options_and_environment() -> None:
                           check=False)
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
-    for shown in ("--record", "-h, --help", "PIPELINE_FT_SECRET", "PIPELINE_FT_BIND",
+    for shown in ("--record", "--make-cert", "-h, --help", "PIPELINE_FT_CERT", "PIPELINE_FT_BIND",
                   "python -m pipeline.launch --replicas"):
         assert shown in text, shown
     bad = subprocess.run([sys.executable, "-m", "pipeline.replica_launch", "--recrod"],

@@ -1,6 +1,6 @@
 """The job's lighthouse, record and managers (ft_coord, ft_manager over ft_wire): torchft's
 quorum rule, TCPStore's semantics, and only the job's own processes served: no dashboard, no
-kill, no quorum or vote or record entry from a process without the job's secret."""
+kill, no quorum or vote or record entry from a process without the job's certificate."""
 
 from __future__ import annotations
 
@@ -23,22 +23,22 @@ from tests.other_user import other_user, start_as_other
 
 pytest.importorskip("torchft")
 
-from pipeline.parallel import ft_auth, ft_wire
+from pipeline.parallel import ft_auth, ft_tls, ft_wire
 from pipeline.parallel.ft_coord import Lighthouse, StoreClient, address, serve_coordinator
 from pipeline.parallel.ft_coord import lighthouse_hostport as address_of
 from pipeline.parallel.ft_manager import ManagerClient, ManagerServer, quorum_result
-from pipeline.parallel.ft_transport import SignedTransport
-from pipeline.parallel.ft_wire import MAGIC, Client, Server, WireRefused
+from pipeline.parallel.ft_transport import HealTransport
+from pipeline.parallel.ft_wire import Client, Server, WireRefused
+from tests.pipeline.parallel.conftest import JOB_PEM
 from tests.pipeline.parallel.test_ft_strangers import _listening
 
-SECRET, OTHER = bytes(range(32)), bytes(32)
+OTHER = ft_tls.JobTLS(ft_tls.make_job_cert())  # another job's certificate
 WAIT = timedelta(seconds=10)
 
 
 @pytest.fixture
-def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Server, Lighthouse, Any]]:
-    """The job's coordinator, this process holding the job's secret."""
-    monkeypatch.setenv(ft_auth.SECRET_ENV, SECRET.hex())
+def job(job_cert: ft_tls.JobTLS) -> Iterator[tuple[Server, Lighthouse, Any]]:
+    """The job's coordinator, this process holding the job's certificate."""
     with serve_coordinator(join_timeout_s=1.0, heartbeat_timeout_s=2.0) as served:
         yield served
 
@@ -173,38 +173,41 @@ def test_the_record_answers_as_tcpstore(job: tuple[Server, Lighthouse, Any]) -> 
 
 
 # -- only the job's processes --------------------------------------------------------------------
-def test_a_process_without_the_secret_reaches_nothing(
+def test_a_process_without_the_certificate_reaches_nothing(
         job: tuple[Server, Lighthouse, Any], caplog: pytest.LogCaptureFixture) -> None:
     server, _, held = job
     with caplog.at_level(logging.WARNING, logger="pipeline"):
-        stranger = StoreClient("127.0.0.1", server.port, 5.0, secret=OTHER)
-        with pytest.raises(WireRefused, match="did not prove the job's secret"):
+        stranger = StoreClient("127.0.0.1", server.port, 5.0, tls=OTHER)
+        with pytest.raises(WireRefused, match="not one of the job's processes"):
             stranger.set("commit/1", "666")
-        quorum = Client("127.0.0.1", server.port, secret=OTHER)
+        quorum = Client("127.0.0.1", server.port, tls=OTHER)
         with pytest.raises(WireRefused):
             quorum.call({"op": "quorum", "member": _member("s", 10**6), "timeout": 1}, 5.0)
+    deadline = time.monotonic() + 10  # counted by the server's thread
+    while server.refused < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not held.check(["commit/1"]) and server.refused == 2
-    assert "refused (it did not prove the job's secret)" in caplog.text
+    assert "refused (no TLS handshake under the job's certificate" in caplog.text
     # And the job's own client is not fooled by a server of another job.
-    other = Server(lambda request: {"weights": "mine"}, secret=OTHER)
+    other = Server(lambda request: {"weights": "mine"}, tls=OTHER)
     try:
-        with pytest.raises(WireRefused, match="did not prove the job's secret"):
-            Client("127.0.0.1", other.port, secret=SECRET).call({"op": "get"}, 5.0)
+        with pytest.raises(WireRefused, match="not one of the job's processes"):
+            Client("127.0.0.1", other.port).call({"op": "get"}, 5.0)
     finally:
         other.close()
     plain = socket.create_server(("127.0.0.1", 0))  # torchft's lighthouse, say
     try:
         threading.Thread(target=lambda: plain.accept()[0].sendall(b"HTTP/1.1 400\r\n\r\n"),
                          daemon=True).start()
-        with pytest.raises(WireRefused, match="does not speak this library's protocol"):
-            Client("127.0.0.1", plain.getsockname()[1], secret=SECRET).call({}, 5.0)
+        with pytest.raises(WireRefused, match="not one of the job's processes"):
+            Client("127.0.0.1", plain.getsockname()[1]).call({}, 5.0)
     finally:
         plain.close()
 
 
 def test_silent_connections_do_not_hold_a_quorum_up(job: tuple[Server, Lighthouse, Any]) -> None:
     """One fake quorum request froze torchft's lighthouse for a minute: here a connection
-    that proves nothing holds a thread of its own until the handshake's deadline, no lock."""
+    that completes no handshake holds a thread of its own until its deadline, no lock."""
     server, lighthouse, _ = job
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
     idle[0].sendall(b"\0" * 10)  # half a hello
@@ -254,8 +257,8 @@ def test_a_groups_commit_needs_every_ranks_yes_and_its_servers_bind_loopback(
 
 
 # A local user who found the job's ports (any user may list listening sockets): torchft's
-# dashboard and kill requests, a gRPC preface, and a handshake with a made-up proof. It prints
-# what each port answered.
+# dashboard and kill requests, a gRPC preface, and 48 bytes of zeros. It prints what each port
+# answered.
 _PROBE = """
 import socket, sys
 for port in sys.argv[1:]:
@@ -285,9 +288,9 @@ def test_a_stranger_finds_no_dashboard_no_kill_and_no_quorum(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """torchft's lighthouse lists the replicas (`/status`) and ends one on a POST to
     `/replica/<id>/kill`; its managers end the process on a gRPC `Kill`: any local user
-    could do both. Here each port answers a stranger its greeting and closes."""
+    could do both. Here each port answers a stranger no more than a TLS alert, and closes."""
     server, _, _ = job
-    monkeypatch.setattr(ft_wire, "HANDSHAKE_S", 1.0)  # what proves nothing is closed sooner
+    monkeypatch.setattr(ft_wire, "HANDSHAKE_S", 1.0)  # what completes nothing is closed sooner
     manager = _manager("pipeline_replica_0:a", lighthouse=address(server))
     manager_port = manager.address().rsplit(":", 1)[1]
     try:
@@ -296,9 +299,8 @@ def test_a_stranger_finds_no_dashboard_no_kill_and_no_quorum(
             out, err = stranger.communicate(timeout=120)
         lines = out.splitlines()
         assert len(lines) == 8, err
-        greeting = MAGIC.decode()
-        assert all(line.split()[1] == greeting and line.split()[2] == str(len(MAGIC) + 16)
-                   for line in lines), lines
+        # No answer, or a TLS alert (7 bytes): no HTTP, no gRPC, nothing of the job.
+        assert all(int(line.split()[-1]) <= 7 and "HTTP" not in line for line in lines), lines
         # The job goes on: its group forms a quorum through its manager.
         client = ManagerClient(manager.address(), WAIT)
         part = client._quorum(group_rank=0, step=0, checkpoint_metadata="m",
@@ -314,7 +316,7 @@ def test_a_stranger_finds_no_dashboard_no_kill_and_no_quorum(
 def test_a_manager_built_for_the_job_trains_beside_a_stranger(
         job: tuple[Server, Lighthouse, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """torchft's Manager as FaultTolerance builds it: a process of another job (another
-    secret) asking the lighthouse for a quorum at step 10**6 in a loop is refused; the group
+    certificate) asking the lighthouse for a quorum at step 10**6 in a loop is refused; the group
     forms its quorum alone, heals nothing and commits its step."""
     from torch.distributed import TCPStore
     from torchft.process_group import ProcessGroupGloo
@@ -326,7 +328,7 @@ def test_a_manager_built_for_the_job_trains_beside_a_stranger(
     leave, refused = threading.Event(), []
 
     def join_forever() -> None:
-        stranger = Client("127.0.0.1", server.port, secret=OTHER)
+        stranger = Client("127.0.0.1", server.port, tls=OTHER)
         while not leave.is_set():
             try:
                 stranger.call({"op": "quorum", "member": _member("z", 10**6),
@@ -341,7 +343,7 @@ def test_a_manager_built_for_the_job_trains_beside_a_stranger(
         pg=ProcessGroupGloo(timeout=WAIT), load_state_dict=None, state_dict=None,
         min_replica_size=1, use_async_quorum=False, timeout=WAIT, quorum_timeout=WAIT,
         connect_timeout=WAIT, rank=0, world_size=1,
-        checkpoint_transport=SignedTransport(WAIT, secret=SECRET),
+        checkpoint_transport=HealTransport(WAIT),
         lighthouse_addr=address(server), replica_id="pipeline_replica_0")
     try:
         manager.register_state_dict_fn("pipe", loaded.append, lambda: {"w": torch.ones(2)})
@@ -357,15 +359,15 @@ def test_a_manager_built_for_the_job_trains_beside_a_stranger(
 
 
 def _serve_alone() -> subprocess.Popen[str]:
-    """`python -m pipeline.replica_launch --record` with the job's secret."""
-    env = {**os.environ, ft_auth.SECRET_ENV: SECRET.hex()}
+    """`python -m pipeline.replica_launch --record` with the job's certificate."""
+    env = {**os.environ, ft_tls.CERT_ENV: JOB_PEM}
     return subprocess.Popen([sys.executable, "-m", "pipeline.replica_launch", "--record"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_the_coordinator_served_alone_prints_what_groups_export() -> None:
     """`python -m pipeline.replica_launch --record`, for groups started by hand: its
-    lighthouse and record answer the job's secret only, and SIGTERM ends it."""
+    lighthouse and record answer the job's processes only, and SIGTERM ends it."""
     served = _serve_alone()
     try:
         assert served.stdout is not None
@@ -375,10 +377,10 @@ def test_the_coordinator_served_alone_prints_what_groups_export() -> None:
                                                         "PIPELINE_FT_RECORD"}
         port = int(exports["PIPELINE_FT_RECORD"])
         assert address_of(exports["TORCHFT_LIGHTHOUSE"]) == ("127.0.0.1", port)
-        store = StoreClient("127.0.0.1", port, 10.0, secret=SECRET)
+        store = StoreClient("127.0.0.1", port, 10.0, tls=ft_tls.JobTLS(JOB_PEM))
         assert store.add("n", 1) == 1
         with pytest.raises(WireRefused):
-            StoreClient("127.0.0.1", port, 10.0, secret=OTHER).add("n", 1)
+            StoreClient("127.0.0.1", port, 10.0, tls=OTHER).add("n", 1)
         store.close()
         served.send_signal(signal.SIGTERM)
         assert served.wait(timeout=30) == 0
@@ -396,7 +398,7 @@ def test_the_coordinator_served_alone_takes_sigterm_from_the_moment_its_line_is_
     raised as the line is written: served in this process, it must end `serve` with 0."""
     from pipeline.parallel import ft_record
 
-    monkeypatch.setenv(ft_auth.SECRET_ENV, SECRET.hex())
+    monkeypatch.setenv(ft_tls.CERT_ENV, JOB_PEM)
     seen: list[Any] = []
 
     class Out:
@@ -420,3 +422,16 @@ def test_the_coordinator_served_alone_takes_sigterm_from_the_moment_its_line_is_
         for sig, handler in before.items():
             signal.signal(sig, handler)
     assert seen and seen[0] is not signal.SIG_DFL, "SIGTERM's default action was still set"
+
+
+def test_groups_started_by_hand_make_the_jobs_certificate_and_need_it() -> None:
+    """`--make-cert` prints a certificate and key to export everywhere; the coordinator served
+    alone without one says so and serves nothing (no job runs in clear)."""
+    env = {k: v for k, v in os.environ.items() if k != ft_tls.CERT_ENV}
+    made = subprocess.run([sys.executable, "-m", "pipeline.replica_launch", "--make-cert"],
+                          env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert ft_tls.job_tls({ft_tls.CERT_ENV: made.stdout}).cert_der
+    bare = subprocess.run([sys.executable, "-m", "pipeline.replica_launch", "--record"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and bare.stdout == "", bare.stdout
+    assert "PIPELINE_FT_CERT is not set" in bare.stderr and "--make-cert" in bare.stderr

@@ -30,8 +30,9 @@ LAUNCH_TIMEOUT = 240  # a hang guard, never an expected duration
 
 
 @pytest.fixture
-def record() -> Iterator[tuple[Any, int]]:
-    """The job's record, kept by a coordinator as the launcher keeps it."""
+def record(job_cert: Any) -> Iterator[tuple[Any, int]]:
+    """The job's record, kept by a coordinator as the launcher keeps it (this process and
+    the ranks it starts hold the job's certificate)."""
     with serve_coordinator() as (server, _, store):
         yield store, server.port
 
