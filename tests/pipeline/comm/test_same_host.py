@@ -699,3 +699,71 @@ def test_a_planted_dial_announcement_holds_the_listener_only_briefly(
     assert links == [{}, {}] and errors == []
     assert any(s.startswith("rank 0 has no same-host link with rank 1: rank 1 announced its "
                             "dial but no connection of it proved itself in time") for s in said)
+
+
+# Runs as this user, in another job: listens on a socket of the links' kind, prints its name
+# and pid, then relays its first connection to the socket named argv[1] and reports how many
+# bytes came back from there.
+_RELAY = """
+import os, socket, sys, threading
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+name = "pipeline-" + os.urandom(16).hex()
+sock.bind("\\0" + name)
+sock.listen(8)
+print(name, os.getpid(), flush=True)
+sock.settimeout(120)  # a hang guard
+near, _ = sock.accept()
+far = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+far.connect("\\0" + sys.argv[1])
+back = []
+def pipe(a, b, kept):
+    try:
+        while chunk := a.recv(65536):
+            kept.append(len(chunk))
+            b.sendall(chunk)
+    except OSError:
+        pass
+    finally:
+        try:
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+thread = threading.Thread(target=pipe, args=(far, near, back))
+thread.start()
+pipe(near, far, [])
+thread.join(120)
+print(sum(back), flush=True)
+"""
+
+
+def test_a_relay_of_our_own_uid_in_another_job_is_refused_on_its_pid() -> None:
+    # A process of this user in another job plants, as rank 0's address, its own socket and
+    # its own pid (the store is open to it), keeping rank 0's secrets, and relays what comes
+    # to rank 0's real socket. The uid check passes at both ends; rank 1 takes the relay for
+    # rank 0 (the pid planted), but rank 0 sees the relay's pid, not the one rank 1
+    # announced, and refuses it before a byte of data: the pair falls back with a warning,
+    # and nothing came back through the relay.
+    relays: list[subprocess.Popen[str]] = []
+
+    def planted(record: str) -> str:
+        host, name, _, secrets = record.split("\n")
+        relay = subprocess.Popen([sys.executable, "-c", _RELAY, name], stdout=subprocess.PIPE,
+                                 text=True)
+        relays.append(relay)
+        assert relay.stdout is not None
+        relay_name, relay_pid = relay.stdout.readline().split()
+        return "\n".join([host, relay_name, relay_pid, secrets])
+
+    try:
+        links, errors, said = _connect_named(_Redirected(planted), [0, 1], timeout=10)
+        assert links == [{}, {}] and errors == []
+        assert any(s.startswith("rank 0 has no same-host link with rank 1: a connection "
+                                "claiming rank 1 was refused: the peer is pid ") and
+                   "the pid the rank announced" in s for s in said), said
+        assert any(s.startswith("rank 1 has no same-host link with rank 0") for s in said), said
+        assert len(relays) == 1 and relays[0].stdout is not None
+        assert relays[0].stdout.readline().strip() == "0"  # rank 0 answered it nothing
+    finally:
+        for relay in relays:
+            relay.kill()
+            relay.wait()
