@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from pipeline.parallel.ft_auth import host_port
 from pipeline.parallel.ft_tls import JobTLS
-from pipeline.parallel.ft_wire import Client, Server
+from pipeline.parallel.ft_wire import Client, Server, expect
 
 __all__ = ["KeyStore", "Lighthouse", "StoreClient", "address", "lighthouse_hostport",
            "serve_coordinator"]
@@ -163,32 +163,38 @@ class Lighthouse:
         return members
 
 
+_OPS = frozenset({"quorum", "heartbeat", "set", "get", "check", "add", "compare_set", "delete"})
+
+
 def _coordinator(lighthouse: Lighthouse, store: KeyStore) -> Any:
     """The server's handler: one request to its answer."""
 
     def handle(request: dict[str, Any]) -> Any:
-        op = request.get("op")
+        op = expect(request, "op", str)
+        if op not in _OPS:
+            raise ValueError(f"no operation {ascii(op)[:80]}; the operations: {sorted(_OPS)}")
         if op == "quorum":
-            return lighthouse.quorum(request["member"], float(request["timeout"]))
+            member = expect(request, "member", dict)
+            expect(member, "replica_id", str)
+            return lighthouse.quorum(member, expect(request, "timeout", float))
         if op == "heartbeat":
-            lighthouse.heartbeat(str(request["replica_id"]))
+            lighthouse.heartbeat(expect(request, "replica_id", str))
             return None
-        key = str(request.get("key"))
+        if op == "check":
+            keys = expect(request, "keys", list)
+            return store.check([expect({"keys": k}, "keys", str) for k in keys])
+        key = expect(request, "key", str)
         if op == "set":
-            store.set(key, str(request["value"]))
+            store.set(key, expect(request, "value", str))
             return None
         if op == "get":
-            return store.get(key, float(request["timeout"])).decode()
-        if op == "check":
-            return store.check([str(k) for k in request["keys"]])
+            return store.get(key, expect(request, "timeout", float)).decode()
         if op == "add":
-            return store.add(key, int(request["amount"]))
+            return store.add(key, expect(request, "amount", int))
         if op == "compare_set":
-            return store.compare_set(key, str(request["expected"]),
-                                     str(request["desired"])).decode()
-        if op == "delete":
-            return store.delete_key(key)
-        raise ValueError(f"no operation {op!r}")
+            return store.compare_set(key, expect(request, "expected", str),
+                                     expect(request, "desired", str)).decode()
+        return store.delete_key(key)  # "delete"
 
     return handle
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline.parallel.ft_auth import bind_host, host_port
 from pipeline.parallel.ft_coord import lighthouse_hostport
-from pipeline.parallel.ft_wire import Client, Server
+from pipeline.parallel.ft_wire import Client, Server, expect
 
 __all__ = ["ManagerClient", "ManagerServer", "QuorumResult", "install", "quorum_result"]
 
@@ -137,23 +137,27 @@ class ManagerServer:
             self._stop.wait(self._interval)
 
     def _handle(self, request: dict[str, Any]) -> Any:
-        op = request.get("op")
+        op = expect(request, "op", str)
         if op == "quorum":
             return self._gather_quorum(request)
         if op == "should_commit":
             return self._gather_vote(request)
         if op == "checkpoint_metadata":
+            rank = expect(request, "rank", int)
             with self._lock:
-                rank = int(request["rank"])
                 if rank not in self._metadata:
                     raise KeyError(f"no checkpoint metadata for rank {rank}")
                 return self._metadata[rank]
-        raise ValueError(f"no operation {op!r}")
+        raise ValueError(f"no operation {ascii(op)[:80]}")
 
     def _gather_quorum(self, request: dict[str, Any]) -> Any:
-        rank, timeout = int(request["rank"]), float(request["timeout"])
+        rank, timeout = expect(request, "rank", int), expect(request, "timeout", float)
+        metadata = expect(request, "checkpoint_metadata", str)
+        step, shrink_only = expect(request, "step", int), expect(request, "shrink_only", bool)
+        failures, init_sync = expect(request, "commit_failures", int), expect(request,
+                                                                            "init_sync", bool)
         with self._lock:
-            self._metadata[rank] = str(request["checkpoint_metadata"])
+            self._metadata[rank] = metadata
             gathering = self._quorum
             gathering.ranks.add(rank)
             last = len(gathering.ranks) >= self._world_size
@@ -161,10 +165,9 @@ class ManagerServer:
                 self._quorum = _Round()
         if last:  # this rank's request completes the group: it asks the lighthouse
             member = {"replica_id": self._replica_id, "address": self._address,
-                      "store_address": self._store_addr, "step": int(request["step"]),
-                      "world_size": self._world_size,
-                      "shrink_only": bool(request["shrink_only"]),
-                      "commit_failures": int(request["commit_failures"])}
+                      "store_address": self._store_addr, "step": step,
+                      "world_size": self._world_size, "shrink_only": shrink_only,
+                      "commit_failures": failures}
             try:
                 gathering.value = self._lighthouse.call(
                     {"op": "quorum", "member": member, "timeout": timeout}, timeout + 5.0)
@@ -176,15 +179,15 @@ class ManagerServer:
                                f"{timeout:g}s")
         if gathering.error is not None:
             raise RuntimeError(gathering.error)
-        return asdict(quorum_result(self._replica_id, rank, gathering.value,
-                                    bool(request["init_sync"])))
+        return asdict(quorum_result(self._replica_id, rank, gathering.value, init_sync))
 
     def _gather_vote(self, request: dict[str, Any]) -> Any:
-        rank, timeout = int(request["rank"]), float(request["timeout"])
+        rank, timeout = expect(request, "rank", int), expect(request, "timeout", float)
+        yes = expect(request, "should_commit", bool)
         with self._lock:
             gathering = self._vote
             gathering.ranks.add(rank)
-            if not request["should_commit"]:
+            if not yes:
                 gathering.noes.add(rank)
             if len(gathering.ranks) >= self._world_size:
                 gathering.value = not gathering.noes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import socket
 import ssl
 import struct
@@ -25,11 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel.ft_tls import CERT_ENV, JobTLS, NotTheJob, job_tls
 
-__all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "MAX_FRAME", "Client", "RemoteError", "Server",
-           "WireBroken", "WireRefused"]
+__all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "MAX_FRAME", "BadRequest", "Client", "RemoteError",
+           "Server", "WireBroken", "WireRefused", "expect"]
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +52,26 @@ class WireBroken(PipelineError, ConnectionError):
 
 class RemoteError(PipelineError):
     """The server answered a request with an error."""
+
+
+class BadRequest(PipeConfigError):
+    """A request field of the wrong kind (the client is told which, and what came)."""
+
+
+_KINDS = {str: "text", int: "a whole number", float: "a finite number", bool: "true or false",
+          list: "a list", dict: "an object"}
+
+
+def expect(request: dict[str, Any], name: str, kind: type) -> Any:
+    """`request[name]`, if it is of `kind` (an int is a float too; a bool is neither)."""
+    value = request.get(name)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        raise BadRequest(f"request field {name!r} must be {_KINDS[kind]}; got "
+                         f"{ascii(value)[:80]}")
+    return value
 
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytes:

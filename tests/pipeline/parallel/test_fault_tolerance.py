@@ -449,43 +449,29 @@ class _Payload:
 
 
 @needs_torchft
-def test_a_heal_reads_its_peers_checkpoint_as_plain_data(tmp_path: Path) -> None:
+def test_a_heal_reads_its_peers_checkpoint_as_plain_data(tmp_path: Path,
+                                                         job_cert: Any) -> None:
     # torchft's own transport loads a peer's checkpoint with weights_only=False, and its
     # servers authenticate no one: whoever answers the healing rank could run code in it.
-    import http.server
-    import io
-    import threading
+    # Here even a peer holding the job's certificate sends plain data or nothing.
     from datetime import timedelta
 
-    from torch.distributed._serialization import _streaming_save
-
+    wait = timedelta(seconds=10)
     planted = tmp_path / "ran"
-    bodies = {"/good": {"step": 3, "w": torch.arange(4.0)}, "/evil": _Payload(str(planted))}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            buffer = io.BytesIO()
-            _streaming_save(bodies[self.path], buffer)  # the transport's format
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(buffer.getvalue())
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    transport = fault_tolerance._weights_only_transport(timedelta(seconds=10))
+    source = fault_tolerance._weights_only_transport(wait)
+    transport = fault_tolerance._weights_only_transport(wait)
     try:
-        good = transport._load_from_address(f"{base}/good", timedelta(seconds=10))
-        assert good["step"] == 3 and torch.equal(good["w"], torch.arange(4.0))
+        source.send_checkpoint([1], 3, {"torchft": {"step": 3}, "w": torch.arange(4.0)}, wait)
+        good = transport.recv_checkpoint(0, source.metadata(), 3, wait)
+        assert torch.equal(good["w"], torch.arange(4.0))
+        source.send_checkpoint([1], 4, {"torchft": {"step": 4}, "x": _Payload(str(planted))},
+                               wait)
         with pytest.raises(Exception, match=r"Weights only load failed|Unsupported global"):
-            transport._load_from_address(f"{base}/evil", timedelta(seconds=10))
+            transport.recv_checkpoint(0, source.metadata(), 4, wait)
         assert not planted.exists()
     finally:
         transport.shutdown(wait=False)
-        server.shutdown()
+        source.shutdown()
 
 
 # -- under load, with the defaults -------------------------------------------------------------

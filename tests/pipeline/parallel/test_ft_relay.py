@@ -23,7 +23,7 @@ pytest.importorskip("torchft")
 from pipeline.parallel import ft_tls
 from pipeline.parallel.ft_coord import Lighthouse, StoreClient, address, serve_coordinator
 from pipeline.parallel.ft_manager import ManagerClient, ManagerServer
-from pipeline.parallel.ft_wire import Client, Server, WireBroken, WireRefused
+from pipeline.parallel.ft_wire import Client, RemoteError, Server, WireBroken, WireRefused
 from tests.pipeline.parallel.conftest import Relay
 
 WAIT = timedelta(seconds=10)
@@ -157,3 +157,45 @@ def test_the_connections_of_many_clients_at_once_all_get_their_answers(
     for t in threads:
         t.join(timeout=60)
     assert sorted(got) == list(range(1, 17))
+
+
+@pytest.mark.parametrize(("request_", "refusal"), [
+    ({"op": "get", "key": "k", "timeout": "abc"}, "'timeout' must be a finite number; got 'abc'"),
+    ({"op": "add", "key": "n", "amount": "\u00e9"},
+     "'amount' must be a whole number; got '\\xe9'"),
+    ({"op": "set", "key": 7, "value": "v"}, "'key' must be text; got 7"),
+    ({"op": "check", "keys": "k"}, "'keys' must be a list"),
+    ({"op": "quorum", "member": {"replica_id": None}, "timeout": 1},
+     "'replica_id' must be text; got None"),
+    ({"op": "get", "key": "k", "timeout": float("nan")}, "'timeout' must be a finite number"),
+    ({"op": "\u00e9t\u00e9"}, "no operation '\\xe9t\\xe9'"),
+])
+def test_a_malformed_request_field_is_refused_by_name(
+        job: tuple[Server, Lighthouse, Any], request_: dict[str, Any], refusal: str) -> None:
+    server, _, _ = job
+    client = Client("127.0.0.1", server.port)
+    try:
+        with pytest.raises(RemoteError) as refused:
+            client.call(request_, 10.0)
+        assert refusal in str(refused.value) and "Traceback" not in str(refused.value)
+        assert client.call({"op": "add", "key": "n", "amount": 1}, 10.0) == 1  # served on
+    finally:
+        client.close()
+
+
+def test_a_malformed_vote_is_refused_by_name(job: tuple[Server, Lighthouse, Any]) -> None:
+    server, _, _ = job
+    manager = ManagerServer(replica_id="g0:a", lighthouse_addr=address(server),
+                            hostname="ignored", bind="[::]:0", store_addr="127.0.0.1:1",
+                            world_size=1, heartbeat_interval=timedelta(seconds=0.2),
+                            connect_timeout=WAIT)
+    client = Client("127.0.0.1", int(manager.address().rsplit(":", 1)[1]))
+    try:
+        with pytest.raises(RemoteError, match="'should_commit' must be true or false; got 'no'"):
+            client.call({"op": "should_commit", "rank": 0, "step": 1, "should_commit": "no",
+                         "timeout": 5}, 10.0)
+        with pytest.raises(RemoteError, match="'rank' must be a whole number; got True"):
+            client.call({"op": "checkpoint_metadata", "rank": True}, 10.0)
+    finally:
+        client.close()
+        manager.shutdown()
