@@ -45,18 +45,20 @@ import argparse
 import json
 import os
 import signal
+import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipeline import Pipe
+from pipeline.parallel.ft_tls import job_tls
 
 WIDTH = 16
 LR = 0.01
@@ -219,10 +221,17 @@ def _kill_during_heal(pipe: Pipe, killer: Killer, i: int) -> None:
     transport = type(pipe._ft.manager._checkpoint_transport)
 
     def load(cls: Any, address: str, timeout: timedelta) -> object:
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-            f.read(64)  # the transfer has begun
+        # The heal's own request, on a TLS connection of the job's (ft_tls).
+        url = urlsplit(address)
+        assert url.hostname is not None and url.port is not None
+        seconds = timeout.total_seconds()
+        sock = job_tls().client(socket.create_connection((url.hostname, url.port), seconds),
+                                seconds)
+        with sock:
+            sock.sendall(f"GET {url.path}?{url.query} HTTP/1.0\r\n\r\n".encode())
+            sock.recv(64)  # the transfer has begun
             # ".../checkpoint/<step>/full": the step the peer is at
-            killer.kill(i, int(address.rstrip("/").split("/")[-2]))
+            killer.kill(i, int(url.path.rstrip("/").split("/")[-2]))
         raise AssertionError("unreachable: the kill above ends the process")
 
     transport._load_from_address = classmethod(load)
