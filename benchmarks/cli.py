@@ -10,13 +10,14 @@ import queue
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from benchmarks import data_parallel, lengths, one_gpu
+from benchmarks import contention, data_parallel, lengths, one_gpu
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.gate import StartGate
@@ -29,7 +30,7 @@ from pipeline.launch import RankFailed, spawn
 from schedules import Timeline, available
 from schedules.files import write_atomic
 
-__all__ = ["main", "run_data_parallel", "run_group", "write_outputs"]
+__all__ = ["advance", "load_summary", "main", "run_data_parallel", "run_group", "write_outputs"]
 
 _GROUP_TIMEOUT = 7200.0
 _log = logging.getLogger(__name__)
@@ -66,12 +67,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def advance(bar: tqdm[Any], n: int = 1) -> None:
+    """Count `n` units done. The unit that completes the bar is counted without drawing it:
+    `close()` draws the bar once more, so a bar already drawn at 100 % would show its last
+    line twice wherever carriage returns do not overwrite it (a log, CI)."""
+    if bar.total is not None and bar.n + n >= bar.total:
+        bar.n += n
+    else:
+        bar.update(n)
+
+
 def run_group(group: Group, bar: tqdm[Any]) -> dict[int, Measured]:
     """Spawn the group's processes, advance the bar as each micro-batch count finishes, and
-    return the merged measurements. Raises RankFailed if a process fails."""
+    return the merged measurements, with the load average before and after them. Raises
+    RankFailed if a process fails."""
     n = len(roles(group))
     ctx = mp.get_context("spawn")
     gate, progress = StartGate(ctx, n), ctx.Queue()
+    load_before = contention.load_average()
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(spawn, run_rank, n, group, gate, progress,
                              timeout=_GROUP_TIMEOUT)
@@ -79,12 +92,28 @@ def run_group(group: Group, bar: tqdm[Any]) -> dict[int, Measured]:
             try:
                 m = progress.get(timeout=0.2)
                 bar.set_postfix_str(f"{group.name} m={m}", refresh=False)
-                bar.update()
+                advance(bar)
             except queue.Empty:
                 if future.done():
                     break
         per_rank = future.result()
-    return merge_ranks(per_rank)
+    load = (load_before, contention.load_average())
+    return {m: replace(measured, load=load) for m, measured in merge_ranks(per_rank).items()}
+
+
+def load_summary(run: contention.Reading | None, records: Sequence[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """environment.json's `load`: the load average before and after the run, its CPU and
+    wall seconds, and the configurations with a figure measured under contention."""
+    flagged = [r["id"] for r in records
+               if any((cell or {}).get("contended") for cell in
+                      (r.get("contention") or {}).values())]
+    return {"cores": contention.cores(),
+            "load_before": None if run is None else run.load_before,
+            "load_after": None if run is None else run.load_after,
+            "cpu_s": None if run is None else run.cpu_s,
+            "wall_s": None if run is None else run.wall_s,
+            "cpu_share_floor": contention.CPU_SHARE_FLOOR, "contended_cells": flagged}
 
 
 def _device(choice: str) -> str:
@@ -168,10 +197,12 @@ def run_data_parallel(suite: data_parallel.DpSuite, out: Path, *, command: str) 
     env = environment(suite.device)
     gpus = torch.cuda.device_count() if suite.device == "cuda" else 0
     try:
-        records, notes = data_parallel.run_suite(suite, env, num_gpus=gpus)
+        with contention.Meter(contention.cores(), children=True) as meter:
+            records, notes = data_parallel.run_suite(suite, env, num_gpus=gpus)
     except RankFailed as exc:
         print(f"python -m benchmarks: the dp suite failed:\n{exc}", file=sys.stderr)
         return 1
+    env["load"] = load_summary(meter.reading, records)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "results.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n"
                                                 for r in records))
@@ -188,8 +219,9 @@ def run_lengths(args: argparse.Namespace, command: str) -> int:
     suite = lengths.LengthsSuite(**{k: v for k, v in (("warmup", args.warmup),
                                                       ("repeats", args.repeats))
                                     if v is not None})
-    result = lengths.run_suite(suite)
-    env = environment("cpu")
+    with contention.Meter(contention.cores(), children=True) as meter:
+        result = lengths.run_suite(suite)
+    env = {**environment("cpu"), "load": load_summary(meter.reading, [])}
     table = lengths.render(result, command, f"{env.get('cpu', 'cpu')}, torch "
                                             f"{torch.__version__}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,8 +237,9 @@ def run_one_device(args: argparse.Namespace, device: str, command: str) -> int:
               if v is not None}
     if args.microbatches:
         chosen["microbatches"] = [int(m) for m in args.microbatches.split(",")]
-    result = one_gpu.run_suite(torch.device(device), **chosen)
-    env = environment(device)
+    with contention.Meter(contention.cores(), children=True) as meter:
+        result = one_gpu.run_suite(torch.device(device), **chosen)
+    env = {**environment(device), "load": load_summary(meter.reading, [])}
     where = ", ".join(env["gpu"]) if env.get("gpu") else env.get("cpu", device)
     table = one_gpu.render(result, command, f"{where}, torch {torch.__version__}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +247,31 @@ def run_one_device(args: argparse.Namespace, device: str, command: str) -> int:
     write_atomic(args.out / "results.json", json.dumps({**result, "environment": env}) + "\n")
     print(table)
     return 0
+
+
+def _measure(chosen: Sequence[Group], bar: tqdm[Any], env: dict[str, Any]
+             ) -> tuple[list[dict[str, Any]], dict[str, Timeline], list[str]]:
+    """Run each group: its records, the timelines of their median steps, and the failures."""
+    records: list[dict[str, Any]] = []
+    timelines: dict[str, Timeline] = {}
+    failures: list[str] = []
+    for group in chosen:
+        group = resolve_balances(group)
+        _log.info("group %s: %d processes, micro-batches %s", group.name,
+                  len(roles(group)), list(group.microbatches))
+        try:
+            measured = run_group(group, bar)
+        except RankFailed as exc:
+            failures.append(f"{group.name}: {str(exc).splitlines()[0]}")
+            bar.write(f"group {group.name} failed:\n{exc}", file=sys.stderr)
+            bar.set_postfix_str(f"{group.name} failed", refresh=False)
+            advance(bar, len(group.microbatches))
+            continue
+        for record, timeline in build_records(group, measured, env):
+            records.append(record)
+            if timeline is not None:
+                timelines[record["id"]] = timeline
+    return records, timelines, failures
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -254,26 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One unit per (group, micro-batch count), on stderr.
     bar = tqdm(total=num_units(chosen), disable=args.no_progress, unit="run",
                dynamic_ncols=True)
-    records: list[dict[str, Any]] = []
-    timelines: dict[str, Timeline] = {}
-    failures: list[str] = []
-    for group in chosen:
-        group = resolve_balances(group)
-        _log.info("group %s: %d processes, micro-batches %s", group.name,
-                  len(roles(group)), list(group.microbatches))
-        try:
-            measured = run_group(group, bar)
-        except RankFailed as exc:
-            failures.append(f"{group.name}: {str(exc).splitlines()[0]}")
-            bar.write(f"group {group.name} failed:\n{exc}", file=sys.stderr)
-            bar.set_postfix_str(f"{group.name} failed", refresh=False)
-            bar.update(len(group.microbatches))
-            continue
-        for record, timeline in build_records(group, measured, env):
-            records.append(record)
-            if timeline is not None:
-                timelines[record["id"]] = timeline
+    # The whole run's CPU time: this process and the groups' processes (its children).
+    with contention.Meter(contention.cores(), children=True) as meter:
+        records, timelines, failures = _measure(chosen, bar, env)
     bar.close()
+    env = {**env, "load": load_summary(meter.reading, records)}
     write_outputs(args.out, records, timelines, env, suite=suite.name, command=command,
                   failures=failures, notes=notes, plots=not args.no_plots)
     print(f"{len(records)} configurations measured; report: {args.out / 'report.md'}, "

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks import contention
 from benchmarks.config import Group, stages_per_rank
 from benchmarks.gate import StartGate, quiet
 from benchmarks.models import balance_for, get_model
@@ -69,6 +70,10 @@ class Measured:
     samples: dict[str, list[Sample | None]]  # per variant key, one entry per timed round
     memory: dict[str, dict[str, list[int]]]  # "transport/schedule" -> per-rank peaks
     skipped: dict[str, str]  # variant key -> why it did not run
+    # Per variant key and timed round, the CPU seconds its processes used in the step
+    # (benchmarks/contention.py), and the load average before and after the group's run.
+    cpu: dict[str, list[float | None]] = field(default_factory=dict)
+    load: tuple[float | None, float | None] = (None, None)
 
 
 @cache
@@ -119,14 +124,18 @@ def variant_keys(group: Group, m: int) -> tuple[list[str], dict[str, str]]:
 
 def alternate(variants: Sequence[Variant], *, warmup: int, repeats: int,
               prepare: Callable[[], None], barrier: Callable[[bool], None],
-              sync: Callable[[], None], settle: Callable[[], object] = quiet
+              sync: Callable[[], None], settle: Callable[[], object] = quiet,
+              cpu: dict[str, list[float | None]] | None = None
               ) -> dict[str, list[Sample | None]]:
     """Round after round, each variant one step (the order rotates every round); after
     `warmup` rounds, record each step's start and end and what `collect` returns.
     `barrier(taking)` precedes every step on every process (`taking`: whether this process
     takes it; see gate.StartGate.start), and `settle()` follows each step this process took
-    (untimed: see gate.quiet)."""
+    (untimed: see gate.quiet). `cpu`, if given, gets the CPU seconds this process used in
+    each recorded step (None where it sat out), to tell a contended step (contention.py)."""
     out: dict[str, list[Sample | None]] = {v.key: [] for v in variants}
+    if cpu is not None:
+        cpu.update({v.key: [] for v in variants})
     gc.collect()
     gc.disable()  # a collection inside one variant's step would be charged to it alone
     try:
@@ -136,14 +145,18 @@ def alternate(variants: Sequence[Variant], *, warmup: int, repeats: int,
                 if v.step is not None:
                     prepare()
                 barrier(v.step is not None)
+                used = contention.cpu_seconds()
                 start = time.perf_counter()
                 if v.step is not None:
                     v.step()
                     sync()
                 end = time.perf_counter()
+                used = contention.cpu_seconds() - used
                 if v.step is not None:
                     settle()
                 if r >= warmup:
+                    if cpu is not None:
+                        cpu[v.key].append(None if v.step is None else used)
                     if v.step is None:
                         out[v.key].append(None)
                     else:
@@ -366,15 +379,16 @@ def run_rank(rank: int, group: Group, gate: StartGate, progress: Any = None
         results: dict[int, Measured] = {}
         for m in group.microbatches:
             variants, pipes, peers = me.variants(m)
+            cpu: dict[str, list[float | None]] = {}
             samples = alternate(variants, warmup=group.warmup, repeats=group.repeats,
                                 prepare=me.prepare,
                                 barrier=lambda taking: gate.start(taking, _TIMEOUT),
-                                sync=me.sync)
+                                sync=me.sync, cpu=cpu)
             memory = _memory(pipes, lambda pipe: pipe.step(me.x, me.y, me.loss_fn), me.prepare)
             for key, peer in peers.items():  # the same keys, in the same order, on every rank
                 me.prepare()
                 memory[key] = peer.memory_step(me.x, me.y)
-            results[m] = Measured(samples, memory, variant_keys(group, m)[1])
+            results[m] = Measured(samples, memory, variant_keys(group, m)[1], cpu)
             gate.wait(_TIMEOUT)  # the pipelines' memory steps are done everywhere
             if progress is not None and rank == 0:
                 progress.put(m)
@@ -386,7 +400,8 @@ def run_rank(rank: int, group: Group, gate: StartGate, progress: Any = None
 
 def merge_ranks(per_rank: Sequence[dict[int, Measured]]) -> dict[int, Measured]:
     """One Measured per micro-batch count from every process's: a step starts when the first
-    process starts it and ends when the last one finishes; events of all ranks together."""
+    process starts it and ends when the last one finishes; events of all ranks together, and
+    the CPU seconds of all its processes summed."""
     merged: dict[int, Measured] = {}
     for m, first in per_rank[0].items():
         samples: dict[str, list[Sample | None]] = {}
@@ -401,11 +416,18 @@ def merge_ranks(per_rank: Sequence[dict[int, Measured]]) -> dict[int, Measured]:
                 out.append((min(t[0] for t in present), max(t[1] for t in present),
                             events if any(t[2] is not None for t in present) else None))
             samples[key] = out
+        cpu: dict[str, list[float | None]] = {}
+        for key, rounds_cpu in first.cpu.items():
+            cpu[key] = []
+            for i in range(len(rounds_cpu)):
+                used = [c for r in per_rank for c in r[m].cpu.get(key, [])[i:i + 1]
+                        if c is not None]
+                cpu[key].append(sum(used) if used else None)
         memory: dict[str, dict[str, list[int]]] = {}
         for r in per_rank:
             for key, entry in r[m].memory.items():
                 into = memory.setdefault(key, {k: [] for k in entry})
                 for k, values in entry.items():
                     into[k] += values
-        merged[m] = Measured(samples, memory, first.skipped)
+        merged[m] = Measured(samples, memory, first.skipped, cpu)
     return merged

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from benchmarks.config import Group, stages_per_rank
+from benchmarks.contention import Reading
 from benchmarks.harness import Measured, Sample, bound_key
 from benchmarks.models import get_model
 from benchmarks.stats import (
@@ -46,6 +47,19 @@ def _summary(values: list[float]) -> dict[str, Any] | None:
     return summarize(values).to_dict() if values else None
 
 
+def _contention(samples: list[Sample | None] | None, cpu: list[float | None] | None, *,
+                threads: int, busy: float, cores: int,
+                load: tuple[float | None, float | None]) -> dict[str, Any] | None:
+    """One cell's rounds as one contention reading (benchmarks/contention.py); None where
+    its CPU time was not measured."""
+    if not samples or not cpu:  # measurements from before CPU time was counted
+        return None
+    rounds = [Reading(s[1] - s[0], c, threads, cores, load[0], load[1], busy)
+              for s, c in zip(samples, cpu, strict=True) if s is not None and c is not None]
+    total = Reading.total(rounds)
+    return None if total is None else total.to_dict()
+
+
 def _median_index(values: list[float]) -> int:
     order = sorted(range(len(values)), key=values.__getitem__)
     return order[(len(order) - 1) // 2]
@@ -75,6 +89,14 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
     torch_memory = measured.memory.get(torch_key, {})
     plain1_s = summarize(plain1) if plain1 else None
     bound_s = summarize(bound_t) if bound_t else None
+    cores = int(environment.get("num_cpus") or 1)
+
+    def contended(key: str, threads: int, busy: float = 1.0) -> dict[str, Any] | None:
+        return _contention(samples.get(key), measured.cpu.get(key), threads=threads,
+                           busy=busy, cores=cores, load=measured.load)
+
+    # The pipelines' ranks have work outside the schedule's bubble only.
+    pipe_busy = 1 - predicted.bubble_fraction
     record = {
         "schema": SCHEMA,
         "id": record_id(group.model, group.balance_method, transport, p, s, m),
@@ -130,6 +152,14 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
             "efficiency_hardware_bound": None if bound_s is None else bound_s.min / step.median,
             "overhead_vs_plain_1_thread": ratio(step, plain1_s) if p == 1 else None,
         },
+        # Whether each figure was measured with the CPUs it needed (contention.py).
+        "contention": {
+            "ours": contended(f"{transport}/ours/{s}", p, pipe_busy),
+            "torch": contended(torch_key, p, pipe_busy),
+            "plain_1_thread": contended("plain/1", 1),
+            "plain_all_threads": contended(
+                "plain/all", int(environment.get("plain_all_threads") or cores)),
+            "hardware_bound": contended(bound_key(transport, balance), p)},
         "timeline": None,
     }
     best = timelines[_median_index(ours_t)] if timelines else None
@@ -207,6 +237,11 @@ def validate_record(record: Any) -> None:
     for key in ("predicted_step_s", "error"):
         if not isinstance(sim.get(key), int | float):
             raise ValueError(f"simulator.{key} must be a number (got {sim.get(key)!r})")
+    for key, cell in (record.get("contention") or {}).items():
+        if cell is not None and not (isinstance(cell, dict)
+                                     and isinstance(cell.get("contended"), bool)):
+            raise ValueError(f"contention.{key} must be null or an object with a boolean "
+                             f"'contended' (got {cell!r})")
     if len(record["peak_stashed_bytes"]) != record["config"]["num_ranks"]:
         raise ValueError(f"peak_stashed_bytes needs one entry per rank "
                          f"(got {record['peak_stashed_bytes']!r})")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.contention import MARK, footnote
 from pipeline.planner.memory import format_bytes
 
 __all__ = ["Target", "data_parallel_table", "evaluate_targets", "format_bytes", "format_ms",
@@ -24,6 +25,7 @@ class Target:
     goal: float
     at_most: bool  # True: value <= goal passes; False: value >= goal passes
     unit: str = "x"  # "x" (a ratio) or "%" (a fraction shown in percent)
+    contended: bool = False  # a figure it comes from was measured under contention
 
     @property
     def met(self) -> bool | None:
@@ -48,6 +50,8 @@ class Target:
     def row(self) -> str:
         goal = ("<= " if self.at_most else ">= ") + self._show(self.goal)
         value = "-" if self.value is None else self._show(self.value)
+        if self.contended:
+            value += f" {MARK}"
         return f"| {self.name} | {goal} | {value} | {self.status} |"
 
 
@@ -72,39 +76,48 @@ def evaluate_targets(records: Sequence[Record], *, microbatches: Sequence[int] =
         return []
     base = {"model": model, "transport": "processes"}
 
-    def ratio(key: str, **config: Any) -> float | None:
+    def ratio(key: str, *cells: str, **config: Any) -> tuple[float | None, bool]:
         r = _find(records, **base, **config)
-        return None if r is None else r["ratios"].get(key)
+        return (None, False) if r is None else (r["ratios"].get(key), contended(r, *cells))
 
     out: list[Target] = []
     same: list[float] = []
+    any_contended = False
     for s in ("gpipe", "1f1b"):
         for m in microbatches:
-            value = ratio("ours_over_torch", schedule=s, num_ranks=2, num_microbatches=m)
-            out.append(Target(f"ours / torch, {s}, p=2, m={m}", value, 1.0, True))
+            value, flag = ratio("ours_over_torch", "ours", "torch", schedule=s, num_ranks=2,
+                                num_microbatches=m)
+            out.append(Target(f"ours / torch, {s}, p=2, m={m}", value, 1.0, True,
+                              contended=flag))
+            any_contended |= flag
             if value is not None:
                 same.append(value)
     out.append(Target("ours / torch, median of the gpipe and 1f1b cells above",
-                      statistics.median(same) if same else None, 0.90, True))
+                      statistics.median(same) if same else None, 0.90, True,
+                      contended=any_contended))
     for m in microbatches:
         # 1F1B itself caps any implementation at m / (m + p - 1) of the bound.
-        share = ratio("efficiency_hardware_bound", schedule="1f1b", num_ranks=2,
-                      num_microbatches=m)
+        share, flag = ratio("efficiency_hardware_bound", "ours", "hardware_bound",
+                            schedule="1f1b", num_ranks=2, num_microbatches=m)
         out.append(Target(f"share of 1F1B's cap (hardware bound x (m + 1) / m), p=2, m={m}",
-                          None if share is None else share * (m + 1) / m, 0.90, False, "%"))
+                          None if share is None else share * (m + 1) / m, 0.90, False, "%",
+                          contended=flag))
     for m in microbatches:
         zb = _find(records, **base, schedule="zb-h1", num_ranks=2, num_microbatches=m)
         ofb = _find(records, **base, schedule="1f1b", num_ranks=2, num_microbatches=m)
         value = (None if zb is None or ofb is None else
                  zb["step_time_s"]["median"] / ofb["step_time_s"]["median"])
-        out.append(Target(f"zb-h1 / 1f1b step time, p=2, m={m}", value, 1.0, True))
+        flag = any(contended(r, "ours") for r in (zb, ofb) if r is not None)
+        out.append(Target(f"zb-h1 / 1f1b step time, p=2, m={m}", value, 1.0, True,
+                          contended=flag))
     errors = [abs(r["simulator"]["error"]) for r in records if r["config"]["num_ranks"] > 1]
     out.append(Target("simulator median |error|, all runs with p >= 2",
                       statistics.median(errors) if errors else None, 0.10, True, "%"))
     for m in microbatches:
-        out.append(Target(f"1-stage overhead (Pipe / plain, 1 thread), m={m}",
-                          ratio("overhead_vs_plain_1_thread", schedule="1f1b", num_ranks=1,
-                                num_microbatches=m), 1.03, True))
+        value, flag = ratio("overhead_vs_plain_1_thread", "ours", "plain_1_thread",
+                            schedule="1f1b", num_ranks=1, num_microbatches=m)
+        out.append(Target(f"1-stage overhead (Pipe / plain, 1 thread), m={m}", value, 1.03,
+                          True, contended=flag))
     return out
 
 
@@ -139,12 +152,24 @@ def _activations(r: Record) -> str:
     return _per_rank_bytes(ours) + (f" ({_per_rank_bytes(theirs)})" if theirs else "")
 
 
+def contended(r: Record, *cells: str) -> bool:
+    """Whether any of the record's `cells` (ours, torch, plain_1_thread, plain_all_threads,
+    hardware_bound) was measured under contention (benchmarks/contention.py)."""
+    table = r.get("contention") or {}
+    return any((table.get(c) or {}).get("contended", False) for c in cells)
+
+
+def _flag(r: Record, *cells: str) -> str:
+    return f" {MARK}" if contended(r, *cells) else ""
+
+
 _COLUMNS: list[tuple[str, Callable[[Record], str]]] = [
     ("transport", lambda r: r["config"]["transport"]),
     ("p", lambda r: str(r["config"]["num_ranks"])),
     ("schedule", lambda r: r["config"]["schedule"]),
     ("m", lambda r: str(r["config"]["num_microbatches"])),
-    ("step ms: median (min-max)", lambda r: format_ms(r["step_time_s"], spread=True)),
+    ("step ms: median (min-max)", lambda r: format_ms(r["step_time_s"], spread=True)
+     + _flag(r, "ours")),
     ("samples/s", lambda r: f"{r['samples_per_s']['median']:.0f}"),
     ("bubble", lambda r: f"{r['bubble_fraction']['median']:.0%}"),
     ("peak stash per rank", lambda r: _per_rank_bytes(r["peak_stashed_bytes"])),
@@ -152,14 +177,19 @@ _COLUMNS: list[tuple[str, Callable[[Record], str]]] = [
                                  f"({r['simulator']['error']:+.0%})"),
     ("msg wait µs", lambda r: _message_wait(r)),
     ("peak activations per rank (torch's)", lambda r: _activations(r)),
-    ("torch ms", lambda r: format_ms(r["torch"]["step_time_s"])),
+    ("torch ms", lambda r: format_ms(r["torch"]["step_time_s"]) + _flag(r, "torch")),
     ("torch peak stash", lambda r: _per_rank_bytes(r["torch"].get("peak_stashed_bytes") or [])),
-    ("ours/torch", lambda r: _num(r["ratios"]["ours_over_torch"])),
-    ("speedup vs 1 thread", lambda r: _num(r["ratios"]["speedup_vs_plain_1_thread"])),
-    ("vs all threads", lambda r: _num(r["ratios"]["speedup_vs_plain_all_threads"])),
-    ("eff. ideal", lambda r: _num(r["ratios"]["efficiency_ideal"], "{:.0%}")),
-    ("eff. bound", lambda r: _num(r["ratios"]["efficiency_hardware_bound"], "{:.0%}")),
+    ("ours/torch", lambda r: _num(r["ratios"]["ours_over_torch"]) + _flag(r, "ours", "torch")),
+    ("speedup vs 1 thread", lambda r: _num(r["ratios"]["speedup_vs_plain_1_thread"])
+     + _flag(r, "ours", "plain_1_thread")),
+    ("vs all threads", lambda r: _num(r["ratios"]["speedup_vs_plain_all_threads"])
+     + _flag(r, "ours", "plain_all_threads")),
+    ("eff. ideal", lambda r: _num(r["ratios"]["efficiency_ideal"], "{:.0%}")
+     + _flag(r, "ours", "plain_1_thread")),
+    ("eff. bound", lambda r: _num(r["ratios"]["efficiency_hardware_bound"], "{:.0%}")
+     + _flag(r, "ours", "hardware_bound")),
 ]
+_CELLS = ("ours", "torch", "plain_1_thread", "plain_all_threads", "hardware_bound")
 
 
 def _order(r: Record) -> tuple[Any, ...]:
@@ -174,6 +204,8 @@ def results_table(records: Sequence[Record]) -> str:
              "|" + "|".join("---" for _ in _COLUMNS) + "|"]
     for r in sorted(records, key=_order):
         lines.append("| " + " | ".join(cell(r) for _, cell in _COLUMNS) + " |")
+    if any(contended(r, *_CELLS) for r in records):
+        lines += ["", footnote()]
     return "\n".join(lines)
 
 
@@ -188,12 +220,16 @@ def _baselines(records: Sequence[Record]) -> str:
         c = r["config"]
         key = (c["num_ranks"], c["num_microbatches"], tuple(c["balance"]), c["transport"])
         b = r["baselines"]
-        rows[key] = (format_ms(b["plain_1_thread_s"]), format_ms(b["plain_all_threads_s"]),
-                     _bound_ms(b["hardware_bound_s"]))
+        rows[key] = (format_ms(b["plain_1_thread_s"]) + _flag(r, "plain_1_thread"),
+                     format_ms(b["plain_all_threads_s"]) + _flag(r, "plain_all_threads"),
+                     _bound_ms(b["hardware_bound_s"]) + _flag(r, "hardware_bound"))
     lines = ["| p | m | balance | transport | plain, 1 thread ms | plain, all threads ms | "
              "hardware bound ms (fastest round) |", "|---|---|---|---|---|---|---|"]
     for (p, m, balance, transport), cells in sorted(rows.items()):
         lines.append(f"| {p} | {m} | {list(balance)} | {transport} | " + " | ".join(cells) + " |")
+    if any(contended(r, "plain_1_thread", "plain_all_threads", "hardware_bound")
+           for r in records):
+        lines += ["", footnote()]
     return "\n".join(lines)
 
 
@@ -205,7 +241,24 @@ def _environment(env: dict[str, Any]) -> list[str]:
             f"backend {env.get('backend')}",
             f"- threads: {env.get('threads_per_rank')} per rank; the plain model on 1 and on "
             f"{env.get('plain_all_threads')}",
-            f"- git commit: {env.get('git_commit')}", ""]
+            f"- git commit: {env.get('git_commit')}", *_load(env), ""]
+
+
+def _load(env: dict[str, Any]) -> list[str]:
+    """The machine's load around the run and the CPU time it got (environment.json's
+    `load`), and how many figures were measured under contention."""
+    load = env.get("load")
+    if not load:
+        return []
+    line = (f"- load: 1-minute load average {_num(load.get('load_before'), '{:.1f}')} before "
+            f"the run, {_num(load.get('load_after'), '{:.1f}')} after, on {load.get('cores')} "
+            f"cores; the run's processes used {_num(load.get('cpu_s'), '{:.1f}')} s of CPU "
+            f"in {_num(load.get('wall_s'), '{:.1f}')} s")
+    flagged = load.get("contended_cells") or []
+    if flagged:
+        line += (f"; **{len(flagged)} configuration(s) measured under contention**, their "
+                 f"figures marked {MARK}: not reliable, rerun on an idle machine")
+    return [line]
 
 
 def latency_targets(records: Sequence[Record]) -> list[Target]:
@@ -258,7 +311,8 @@ def render_markdown(records: Sequence[Record], environment: dict[str, Any], *,
         out += ["## Targets", "", f"{where}, ours and torch's "
                 "steps taken in turn on the same processes.", "",
                 "| target | goal | measured | status |", "|---|---|---|---|",
-                *(t.row() for t in targets), ""]
+                *(t.row() for t in targets), "",
+                *([footnote(), ""] if any(t.contended for t in targets) else [])]
     if failures:
         out += ["## Failures", "", *(f"- {f}" for f in failures), ""]
     if notes:

@@ -29,9 +29,12 @@ def group(num_ranks: int = 2, *, model: str = "tiny", microbatches: tuple[int, .
                  balances=balances)
 
 
-def measured(g: Group, m: int, repeats: int = 3) -> Measured:
+def measured(g: Group, m: int, repeats: int = 3, *, cpu_share: float | None = None,
+             load: tuple[float | None, float | None] = (None, None)) -> Measured:
     """Ours takes its simulated makespan (unit costs above) plus OVERHEAD; torch 1.25x that;
-    the bound is the busiest rank's work (+1 ms a round); the plain model fixed times."""
+    the bound is the busiest rank's work (+1 ms a round); the plain model fixed times. With
+    `cpu_share`, each step's processes used that share of its wall time x the threads it
+    ran on (the plain model on every thread: ENV's plain_all_threads) as CPU time."""
     keys, skipped = variant_keys(g, m)
     samples: dict[str, list[Sample | None]] = {}
     for key in keys:
@@ -62,7 +65,14 @@ def measured(g: Group, m: int, repeats: int = 3) -> Measured:
     memory.update({key: {"peak_stashed_bytes": [1500 * (r + 1) for r in range(g.num_ranks)],
                          "peak_stashed_microbatches": [2] * g.num_ranks}
                    for key in keys if "/torch/" in key})
-    return Measured(samples, memory, skipped)
+    cpu: dict[str, list[float | None]] = {}
+    if cpu_share is not None:
+        for key, rounds in samples.items():
+            threads = (1 if key == "plain/1" else ENV["plain_all_threads"]
+                       if key == "plain/all" else g.num_ranks)
+            cpu[key] = [None if t is None else cpu_share * (t[1] - t[0]) * threads
+                        for t in rounds]
+    return Measured(samples, memory, skipped, cpu, load)
 
 
 def no_run(*args: object, **kwargs: object) -> None:

@@ -54,6 +54,19 @@ def test_alternate_rotates_skips_warmup_and_marks_who_sat_out() -> None:
     assert d0 is not None and d0[2] == [(0, "0F0", d0[0], d0[0])]
 
 
+def test_alternate_counts_each_steps_cpu_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each recorded step gets the CPU seconds this process used in it (contention.py); a
+    step it sat out gets None."""
+    used = iter(float(i) for i in range(100))
+    monkeypatch.setattr("benchmarks.contention.cpu_seconds", lambda: next(used) ** 2)
+    cpu: dict[str, list[float | None]] = {}
+    alternate([Variant("a", lambda: None), Variant("b", None)], warmup=0, repeats=2,
+              prepare=lambda: None, barrier=lambda taking: None, sync=lambda: None,
+              settle=lambda: None, cpu=cpu)
+    # Readings 0,1 | 2,3 | 4,5 | 6,7 around the steps a b | b a: squares' differences.
+    assert cpu == {"a": [1.0, 13.0], "b": [None, None]}
+
+
 def test_roles_and_variant_keys() -> None:
     g = fakes.group(2, schedules=("gpipe", "1f1b", "2bw"))
     assert roles(g) == ["pipe", "pipe", "plain:1", "plain:all", "threads"]
@@ -76,7 +89,10 @@ def test_merge_ranks_spans_from_first_start_to_last_end() -> None:
     b = {4: Measured({"x": [(0.9, 1.5, [(1, "1F0", 1.3, 1.4)]), None], "y": [None, None]},
                      {"processes/ours/1f1b": {"peak_stashed_bytes": [20],
                                               "peak_stashed_microbatches": [1]}}, {"t": "why"})}
+    a[4].cpu.update({"x": [0.5, None], "y": [None, None]})
+    b[4].cpu.update({"x": [0.25, None], "y": [None, None]})
     merged = merge_ranks([a, b])[4]
+    assert merged.cpu == {"x": [0.75, None], "y": [None, None]}  # every process's CPU time
     assert merged.samples["x"][0] == (0.9, 2.0, [(0, "0F0", 1.1, 1.2), (1, "1F0", 1.3, 1.4)])
     assert merged.samples["x"][1] is None and merged.samples["y"] == [None, None]
     assert merged.memory == {"processes/ours/1f1b": {"peak_stashed_bytes": [10, 20],
