@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                     "the hardware bound, side by side, and check the simulator.")
     p.add_argument("--suite", choices=[*sorted(SUITES), "dp", "gpu", "lengths"],
                    default="quick",
-                   help="quick: a tiny model for CI (about a minute); full: the README's "
+                   help="quick: a tiny model for CI (about half a minute on an idle 2-core "
+                        "machine, 2 minutes on a busy one); full: the README's "
                         "numbers; dp: pipeline x data parallelism on 4 processes (2x2, 1x4 "
                         "and DDP 4x1); gpu: one device, one process: the plain model, ours "
                         "(1, 2, 4 stages) and torch's, at a launch-bound and a compute-bound "

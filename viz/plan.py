@@ -8,9 +8,12 @@ import importlib
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from schedules.files import FileRefused, write_atomic
+
+if TYPE_CHECKING:
+    from benchmarks.contention import Reading
 
 __all__ = ["main", "parse_bytes", "parse_tp_plan", "resolve_model"]
 
@@ -96,6 +99,21 @@ def _styles(plan: Mapping[str, str]) -> dict[str, Any]:
     return {pattern: getattr(parallel, _STYLES[style])() for pattern, style in plan.items()}
 
 
+def _say_load(reading: Reading | None) -> str:
+    """One line on stderr: the profile's wall and CPU seconds and the load around it; returns
+    why it was contended ('' if it was not)."""
+    if reading is None:
+        return ""
+    from benchmarks import contention
+
+    share = reading.cpu_share
+    load = "unknown" if reading.load is None else f"{reading.load:.1f}"
+    print(f"pipeviz plan: profiled and planned in {reading.wall_s:.1f} s, {reading.cpu_s:.1f} s "
+          f"of CPU ({'-' if share is None else f'{share:.0%}'} of a thread); load average "
+          f"{load} on {reading.cores} cores", file=sys.stderr)
+    return "; ".join(reading.reasons(contention.CPU_SHARE_FLOOR))
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -157,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     import torch  # planning profiles the model: torch only for this command
 
+    from benchmarks import contention
     from pipeline.planner import PlanError, format_table, plan
     from viz.compare import compare
     from viz.render_png import render_png
@@ -172,19 +191,29 @@ def _main(args: argparse.Namespace) -> int:
     model, sample, target, loss_fn = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The profile is timed: one thread's CPU time beside the wall time says whether the
+    # process had a CPU while it was measured (benchmarks/contention.py).
+    meter = contention.Meter(1)
     try:
-        chosen = plan(model, sample, target, loss_fn, ranks=args.ranks,
-                      memory_per_rank=args.memory, schedules=args.schedules,
-                      optimizer=args.optimizer, transport=args.transport, chunks=args.chunks,
-                      tp_plan=_styles(args.tp_plan) if args.tp_plan else None,
-                      tp_sizes=args.tp_sizes, ranks_per_host=args.ranks_per_host)
+        with meter:
+            chosen = plan(model, sample, target, loss_fn, ranks=args.ranks,
+                          memory_per_rank=args.memory, schedules=args.schedules,
+                          optimizer=args.optimizer, transport=args.transport,
+                          chunks=args.chunks,
+                          tp_plan=_styles(args.tp_plan) if args.tp_plan else None,
+                          tp_sizes=args.tp_sizes, ranks_per_host=args.ranks_per_host)
     except PlanError as exc:
         print(f"pipeviz plan: {exc}", file=sys.stderr)
+        _say_load(meter.reading)
         print(format_table(exc.candidates, args.rows or None))
         return 1
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     print(chosen.summary())
+    flagged = _say_load(meter.reading)
+    if flagged:  # beside the figures it puts in doubt
+        print(f"{contention.MARK} profiled under contention ({flagged}): the times above are "
+              f"not reliable; rerun on an idle machine")
     print()
     print(chosen.table(args.rows or None))
     print()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,32 @@ def test_plan_prints_the_plan_the_candidates_and_the_two_best(
     assert "schedule" in out and "chosen" in out and "status" in out
     assert "chosen vs runner-up" in out and "; predicted" in out
     assert "rank 1 |" in out
+
+
+def test_a_profile_measured_under_contention_is_flagged(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's times come from a profile: a load above the cores puts them in doubt."""
+    monkeypatch.setattr("benchmarks.contention.load_average", lambda: 99.0)
+    assert main(_TINY) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"^pipeviz plan: profiled and planned in [\d.]+ s, [\d.]+ s of CPU "
+                     r"\(\d+% of a thread\); load average 99.0 on \d+ cores$", captured.err,
+                     flags=re.M)
+    flag = next(line for line in captured.out.splitlines() if line.startswith("* "))
+    assert "profiled under contention" in flag and "the load average was 99.0" in flag
+
+
+def test_a_profile_that_had_its_cpu_is_not_flagged(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("benchmarks.contention.load_average", lambda: 0.5)
+    # As if this process ran all the time it was timed (on a loaded machine it need not).
+    monkeypatch.setattr("benchmarks.contention.cpu_seconds",
+                        lambda *, children=False: time.perf_counter())
+    monkeypatch.setattr("benchmarks.contention.wall_clock", time.perf_counter)
+    assert main(_TINY) == 0
+    captured = capsys.readouterr()
+    assert "load average 0.5 on" in captured.err
+    assert "contention" not in captured.out
 
 
 def test_a_budget_nothing_fits_names_the_least(capsys: pytest.CaptureFixture[str]) -> None:
