@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 TORCH_PIN := torch==2.13.0
 
 .PHONY: demo test test-busy lint unit random docs bench bench-full gpu-check clean
@@ -15,7 +16,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs less than the tests: the pinned torch and the package itself (tqdm, numpy; its
+# picture is drawn by viz's SVG renderer, written by hand, so no extra). A first install
+# downloads torch (about 200 MB): pip shows its progress. With the full install already made
+# (`make test`), nothing is installed.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then \
+		echo "make demo: the full install ($(STAMP)) has what the demo needs"; \
+	else \
+		echo "make demo: installing $(TORCH_PIN), then this package (tqdm, numpy) into $(VENV)"; \
+		$(PY) -m pip install --upgrade pip && \
+		$(PY) -m pip install $(TORCH_PIN) && \
+		$(PY) -m pip install -e . ; \
+	fi
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m benchmarks.demo
 
 lint: $(STAMP)

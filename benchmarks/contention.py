@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-__all__ = ["CPU_SHARE_FLOOR", "MARK", "Meter", "Reading", "cores", "cpu_seconds", "footnote",
-           "load_average", "wall_clock"]
+__all__ = ["CPU_SHARE_FLOOR", "MARK", "Meter", "Reading", "cores", "cpu_seconds", "describe",
+           "footnote", "load_average", "wall_clock"]
 
 # Under half the CPU time the threads could have used: half the run waited for a CPU (or
 # slept). The pipelines' own idle time (their bubbles) stays well above it on an idle
@@ -154,3 +154,20 @@ def footnote(floor: float = CPU_SHARE_FLOOR) -> str:
             f"they have work)), or the 1-minute load "
             f"average was above the machine's {cores()} cores. Other programs took the CPUs: "
             f"the figure is not reliable; rerun on an idle machine.")
+
+
+def describe(readings: Mapping[str, Reading]) -> list[str]:
+    """Lines for a report beside named figures: the load and each one's CPU share, then, if
+    any was contended, the footnote and why each was."""
+    first = next(iter(readings.values()), None)
+    if first is None:
+        return []
+    load = "unknown" if first.load is None else f"{first.load:.1f}"
+    lines = [f"load average {load} on {first.cores} cores; CPU time / (wall x threads): "
+             + ", ".join(f"{name} {'-' if r.cpu_share is None else f'{r.cpu_share:.0%}'}"
+                         for name, r in readings.items())]
+    flagged = {name: r.reasons() for name, r in readings.items() if r.contended()}
+    if flagged:
+        lines.append(footnote())
+        lines += [f"  {name}: {'; '.join(why)}" for name, why in flagged.items()]
+    return lines

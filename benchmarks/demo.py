@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from benchmarks import contention
+from benchmarks.contention import MARK, Reading
 from benchmarks.gpt import gpt, lm_loss
 from pipeline.launch import spawn
 from pipeline.pipe import Pipe
@@ -163,13 +165,18 @@ def _generate(pipe: Pipe, ranks: _Ranks, prompt: torch.Tensor, *, length: int, c
 
 
 def _side_by_side(pipe: Pipe, ranks: _Ranks, plain: nn.Sequential | None, x: torch.Tensor,
-                  y: torch.Tensor, rounds: int = 5) -> dict[str, float]:
+                  y: torch.Tensor, rounds: int = 5
+                  ) -> tuple[dict[str, float], dict[str, Reading]]:
     """Median step seconds of the Pipe and of the plain model on one thread and on every core,
     round after round (the plain model runs on rank 0 while the other rank waits), so the
-    machine's noise hits all three alike."""
+    machine's noise hits all three alike; and for each, the CPU time its rounds got beside
+    their wall time and the load around them (benchmarks/contention.py)."""
     cores = os.cpu_count() or 1
     times: dict[str, list[float]] = {"pipe": [], "plain, 1 thread": [],
                                      f"plain, {cores} threads": []}
+    cpu: dict[str, list[float]] = {name: [] for name in times}
+    threads = {"pipe": 2, "plain, 1 thread": 1, f"plain, {cores} threads": cores}
+    load_before = contention.load_average()
 
     def plain_step() -> None:
         assert plain is not None
@@ -178,24 +185,37 @@ def _side_by_side(pipe: Pipe, ranks: _Ranks, plain: nn.Sequential | None, x: tor
 
     for i in range(rounds + 1):  # the first round warms up
         ranks.barrier()
+        used = contention.cpu_seconds()
         start = time.perf_counter()
         pipe.zero_grad(set_to_none=True)
         pipe.step(x, y, lm_loss)
         took = {"pipe": time.perf_counter() - start}
+        got = {"pipe": contention.cpu_seconds() - used}
         ranks.barrier()
         if plain is not None:
-            for threads in (1, cores):
-                torch.set_num_threads(threads)
+            for n in (1, cores):
+                torch.set_num_threads(n)
+                name = f"plain, {n} thread{'s' if n > 1 else ''}"
+                used = contention.cpu_seconds()
                 start = time.perf_counter()
                 plain_step()
-                took[f"plain, {threads} thread{'s' if threads > 1 else ''}"] = (
-                    time.perf_counter() - start)
+                took[name] = time.perf_counter() - start
+                got[name] = contention.cpu_seconds() - used
             torch.set_num_threads(1)
         ranks.barrier()
         if i:
             for name, seconds in took.items():
                 times[name].append(seconds)
-    return {name: statistics.median(v) for name, v in times.items() if v}
+                cpu[name].append(got[name])
+    # The Pipe's CPU time is every rank's (its other rank is another process, or a thread of
+    # this one, counted already).
+    cpu["pipe"] = [sum(round_) for round_ in zip(*ranks.gather(cpu["pipe"]), strict=True)]
+    load = (load_before, contention.load_average())
+    # The Pipe's ranks have work outside 1f1b's bubble only: (p - 1) / (m + p - 1), p = 2.
+    busy = {"pipe": 1 - 1 / (pipe.chunks + 1)}
+    readings = {name: Reading(sum(v), sum(cpu[name]), threads[name], contention.cores(),
+                              *load, busy.get(name, 1.0)) for name, v in times.items() if v}
+    return {name: statistics.median(v) for name, v in times.items() if v}, readings
 
 
 def _merged_timeline(pipe: Pipe, ranks: _Ranks) -> Timeline:
@@ -213,7 +233,8 @@ def _merged_timeline(pipe: Pipe, ranks: _Ranks) -> Timeline:
 
 
 def _explain(args: argparse.Namespace, pipe: Pipe, ranks: _Ranks, speed: dict[str, float],
-             bubble: float, x: torch.Tensor, y: torch.Tensor, total: int) -> None:
+             readings: dict[str, Reading], bubble: float, x: torch.Tensor, y: torch.Tensor,
+             total: int) -> None:
     """Say plainly what pipelining buys on this machine and on accelerators."""
     stage_params = [sum(p.numel() for p in part.parameters()) for part in pipe.partitions]
     pipe.track_memory = True  # one more step, counting what autograd saved too
@@ -222,12 +243,15 @@ def _explain(args: argparse.Namespace, pipe: Pipe, ranks: _Ranks, speed: dict[st
     peaks = [s["peak_stashed_bytes"] for stats in ranks.gather(pipe.memory_stats())
              for s in stats]
     how = "2 processes (same-host links)" if args.ranks == "processes" else "2 threads"
+    flag = {name: f" {MARK}" if r.contended() else "" for name, r in readings.items()}
     lines = [f"step time, median of 5 rounds side by side: Pipe over {how}, 1f1b, "
-             f"m={args.chunks}: {speed['pipe'] * 1e3:.1f} ms"]
+             f"m={args.chunks}: {speed['pipe'] * 1e3:.1f} ms{flag.get('pipe', '')}"]
     for name, seconds in speed.items():
         if name != "pipe":
-            lines.append(f"  {name}: {seconds * 1e3:.1f} ms (the Pipe's speedup "
-                         f"{seconds / speed['pipe']:.2f}x)")
+            lines.append(f"  {name}: {seconds * 1e3:.1f} ms{flag.get(name, '')} (the Pipe's "
+                         f"speedup {seconds / speed['pipe']:.2f}x"
+                         f"{MARK if flag.get(name) or flag.get('pipe') else ''})")
+    lines += ["  " + line for line in contention.describe(readings)]
     cores = os.cpu_count() or 1
     lines += [
         f"what the pipeline buys here: each rank holds one stage "
@@ -338,26 +362,40 @@ def _train(rank: int | None, options: dict[str, Any]) -> None:
 
     x, y = _windows(train, args.batch, args.context, g)
     plain = gpt(dropout=args.dropout, **config) if ranks.printer else None
-    speed = _side_by_side(pipe, ranks, plain, x, y)
+    speed, readings = _side_by_side(pipe, ranks, plain, x, y)
     timeline = _merged_timeline(pipe, ranks)
-    _explain(args, pipe, ranks, speed, timeline.bubble_fraction, x, y, total)
+    _explain(args, pipe, ranks, speed, readings, timeline.bubble_fraction, x, y, total)
     pipe.close()
     if not ranks.printer:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "demo-timeline.json", timeline.to_json())
     write_atomic(args.out / "demo-trace.json", json.dumps(timeline.to_chrome_trace()))
+    # The step times and what the machine gave them, for a later look at a suspect figure.
+    write_atomic(args.out / "demo-speed.json", json.dumps(
+        {"step_s": speed, "contention": {k: r.to_dict() for k, r in readings.items()}},
+        indent=2) + "\n")
     print(f"measured bubble {timeline.bubble_fraction:.1%}; timeline written to "
-          f"{args.out / 'demo-timeline.json'} (Chrome trace: {args.out / 'demo-trace.json'})")
-    _draw(timeline)
+          f"{args.out / 'demo-timeline.json'} (Chrome trace: {args.out / 'demo-trace.json'}; "
+          f"step times and their load: {args.out / 'demo-speed.json'})")
+    _draw(timeline, args.out)
 
 
-def _draw(timeline: Timeline) -> None:
+def _draw(timeline: Timeline, out: Path) -> None:
+    """The measured step as text, and as a picture: an SVG by the visualizer's own renderer
+    (written by hand, no extra package), the path and the command that redraws it last."""
     try:
-        from viz import render_text
+        from viz import render_svg, render_text
     except ImportError:  # the visualizer is optional for the demo itself
         return
     print(render_text(timeline))
+    svg = out / "demo-timeline.svg"
+    write_atomic(svg, render_svg(timeline))
+    source = out / "demo-timeline.json"
+    print(f"picture of the measured step: {svg}\n"
+          f"  redraw it: pipeviz {source} -o {svg}\n"
+          f"  beside the simulator's prediction: pipeviz {source} --predicted "
+          f"-o {out / 'demo-predicted.svg'}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +61,38 @@ def test_demo_trains_untied_with_thread_ranks(tmp_path: Path,
     timeline = json.loads((tmp_path / "demo-timeline.json").read_text())
     assert timeline["format"] == "pipeline-timeline/1"
     assert (tmp_path / "demo-trace.json").is_file()
+    # The picture of the measured step, drawn by the visualizer, and how to draw it again.
+    svg = (tmp_path / "demo-timeline.svg").read_text()
+    assert svg.startswith("<svg") or svg.startswith("<?xml")
+    assert svg.count('class="action') == len(timeline["events"])
+    assert f"picture of the measured step: {tmp_path / 'demo-timeline.svg'}" in out
+    assert (f"redraw it: pipeviz {tmp_path / 'demo-timeline.json'} -o "
+            f"{tmp_path / 'demo-timeline.svg'}") in out
+    # The step times carry the load and the CPU time they got.
+    assert re.search(r"load average [\d.]+ on \d+ cores; CPU time / \(wall x threads\): "
+                     r"pipe \d+%, plain, 1 thread \d+%", out)
+    speed = json.loads((tmp_path / "demo-speed.json").read_text())
+    assert set(speed["step_s"]) == set(speed["contention"]) and "pipe" in speed["step_s"]
+    assert {"cpu_s", "wall_s", "load_before", "contended"} <= set(speed["contention"]["pipe"])
+
+
+def test_the_demo_marks_step_times_measured_under_contention(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain model on 2 threads once printed 3885.7 ms beside 387.2 ms on 1 thread, with
+    nothing to say the machine was busy: a load above the cores now marks every figure."""
+    monkeypatch.setattr("benchmarks.contention.load_average", lambda: 99.0)
+    assert main([*_SMALL, "--sample", "0", "--ranks", "threads", "--out", str(tmp_path)]) == 0
+    out = capfd.readouterr().out
+    cores = os.cpu_count()
+    assert re.search(r"Pipe over 2 threads, 1f1b, m=2: [\d.]+ ms \*$", out, flags=re.M)
+    assert re.search(rf"^  plain, {cores} threads: [\d.]+ ms \* \(the Pipe's speedup "
+                     rf"[\d.]+x\*\)$", out, flags=re.M), out
+    assert "* measured under contention" in out
+    assert re.search(rf"^    plain, 1 thread: (.*; )?the load average was 99.0 on {cores} "
+                     rf"cores$", out, flags=re.M), out
+    speed = json.loads((tmp_path / "demo-speed.json").read_text())
+    assert all(r["contended"] for r in speed["contention"].values())
 
 
 @pytest.mark.dist
@@ -80,3 +114,23 @@ def test_demo_runs_its_ranks_as_processes_with_the_head_tied_across_them(
 def test_depth_below_two_is_refused() -> None:
     with pytest.raises(SystemExit):
         main(["--depth", "1"])
+
+
+def test_make_demo_installs_only_what_the_demo_needs_and_says_so(tmp_path: Path) -> None:
+    """`make demo` once installed the development stack (pytest, hypothesis, ruff, mypy,
+    transformers, peft, torchft) with `pip -q`: minutes without a word. Now: the pinned torch,
+    then the package, each shown, into a stamp of its own; `make test` keeps its own."""
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    root = Path(__file__).resolve().parents[2]
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(root / name, tmp_path / name)
+    plan = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True,
+                          text=True, check=True, timeout=60).stdout
+    installs = [line.strip(" \t\\&;") for line in plan.splitlines() if "pip install" in line]
+    assert installs == [".venv/bin/python -m pip install --upgrade pip",
+                        ".venv/bin/python -m pip install torch==2.13.0",
+                        ".venv/bin/python -m pip install -e ."], plan
+    assert "make demo: installing torch==2.13.0, then this package" in plan
+    assert "touch .venv/.demo-installed" in plan and "[dev]" not in plan
+    assert plan.rstrip().endswith(".venv/bin/python -m benchmarks.demo")
