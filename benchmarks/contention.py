@@ -92,7 +92,8 @@ class Reading:
         out = []
         share = self.cpu_share
         if share is not None and share < floor:
-            out.append(f"it got {share:.0%} of the CPU time its {self.threads} thread"
+            # One decimal: 49.6% must not read as 50% beside "under 50%".
+            out.append(f"it got {share:.1%} of the CPU time its {self.threads} thread"
                        f"{'s' if self.threads > 1 else ''} could use (under {floor:.0%})")
         if self.load is not None and self.load > self.cores:
             out.append(f"the load average was {self.load:.1f} on {self.cores} cores")
@@ -163,7 +164,8 @@ def describe(readings: Mapping[str, Reading]) -> list[str]:
     if first is None:
         return []
     load = "unknown" if first.load is None else f"{first.load:.1f}"
-    lines = [f"load average {load} on {first.cores} cores; CPU time / (wall x threads): "
+    lines = [f"load average {load} on {first.cores} cores; share of the CPU time the threads "
+             f"could use: "
              + ", ".join(f"{name} {'-' if r.cpu_share is None else f'{r.cpu_share:.0%}'}"
                          for name, r in readings.items())]
     flagged = {name: r.reasons() for name, r in readings.items() if r.contended()}

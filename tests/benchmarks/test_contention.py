@@ -52,7 +52,7 @@ def test_a_step_that_waited_for_its_cpus_is_flagged(monkeypatch: pytest.MonkeyPa
     assert meter.reading is not None
     assert meter.reading.cpu_share == pytest.approx(0.3)
     assert meter.reading.reasons() == [
-        "it got 30% of the CPU time its 2 threads could use (under 50%)"]
+        "it got 30.0% of the CPU time its 2 threads could use (under 50%)"]
     facts = meter.reading.to_dict()
     assert facts["contended"] is True and facts["cpu_s"] == pytest.approx(0.6)
 

@@ -69,8 +69,8 @@ def test_demo_trains_untied_with_thread_ranks(tmp_path: Path,
     assert (f"redraw it: pipeviz {tmp_path / 'demo-timeline.json'} -o "
             f"{tmp_path / 'demo-timeline.svg'}") in out
     # The step times carry the load and the CPU time they got.
-    assert re.search(r"load average [\d.]+ on \d+ cores; CPU time / \(wall x threads\): "
-                     r"pipe \d+%, plain, 1 thread \d+%", out)
+    assert re.search(r"load average [\d.]+ on \d+ cores; share of the CPU time the threads "
+                     r"could use: pipe \d+%, plain, 1 thread \d+%", out)
     speed = json.loads((tmp_path / "demo-speed.json").read_text())
     assert set(speed["step_s"]) == set(speed["contention"]) and "pipe" in speed["step_s"]
     assert {"cpu_s", "wall_s", "load_before", "contended"} <= set(speed["contention"]["pipe"])
