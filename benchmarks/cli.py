@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks import contention, data_parallel, lengths, one_gpu
+from benchmarks import data_parallel, lengths, one_gpu
 from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_units
 from benchmarks.env import environment
 from benchmarks.gate import StartGate
@@ -27,6 +27,7 @@ from benchmarks.plots import write_plots
 from benchmarks.records import build_records, validate_record
 from benchmarks.report import render_data_parallel, render_markdown
 from pipeline.launch import RankFailed, spawn
+from pipeline.planner import contention
 from schedules import Timeline, available
 from schedules.files import write_atomic
 

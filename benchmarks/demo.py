@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks import contention
-from benchmarks.contention import MARK, Reading
 from benchmarks.gpt import gpt, lm_loss
 from pipeline.launch import spawn
 from pipeline.pipe import Pipe
+from pipeline.planner import contention
+from pipeline.planner.contention import MARK, Reading
 from schedules import Timeline
 from schedules.files import write_atomic
 
@@ -170,7 +170,7 @@ def _side_by_side(pipe: Pipe, ranks: _Ranks, plain: nn.Sequential | None, x: tor
     """Median step seconds of the Pipe and of the plain model on one thread and on every core,
     round after round (the plain model runs on rank 0 while the other rank waits), so the
     machine's noise hits all three alike; and for each, the CPU time its rounds got beside
-    their wall time and the load around them (benchmarks/contention.py)."""
+    their wall time and the load around them (pipeline/planner/contention.py)."""
     cores = os.cpu_count() or 1
     times: dict[str, list[float]] = {"pipe": [], "plain, 1 thread": [],
                                      f"plain, {cores} threads": []}

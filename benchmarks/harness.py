@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import contention
 from benchmarks.config import Group, stages_per_rank
 from benchmarks.gate import StartGate, quiet
 from benchmarks.models import balance_for, get_model
@@ -43,6 +42,7 @@ from benchmarks.stats import RawEvent
 from benchmarks.torch_baseline import TorchPipeline, unsupported
 from pipeline import Pipe
 from pipeline.comm import same_host
+from pipeline.planner import contention
 from pipeline.runtime.microbatch import scatter
 
 __all__ = ["Measured", "Sample", "Variant", "alternate", "bound_key", "merge_ranks",
@@ -71,7 +71,7 @@ class Measured:
     memory: dict[str, dict[str, list[int]]]  # "transport/schedule" -> per-rank peaks
     skipped: dict[str, str]  # variant key -> why it did not run
     # Per variant key and timed round, the CPU seconds its processes used in the step
-    # (benchmarks/contention.py), and the load average before and after the group's run.
+    # (pipeline/planner/contention.py), and the load average before and after the group's run.
     cpu: dict[str, list[float | None]] = field(default_factory=dict)
     load: tuple[float | None, float | None] = (None, None)
 

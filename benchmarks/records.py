@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from benchmarks.config import Group, stages_per_rank
-from benchmarks.contention import Reading
 from benchmarks.harness import Measured, Sample, bound_key
 from benchmarks.models import get_model
 from benchmarks.stats import (
@@ -21,6 +20,7 @@ from benchmarks.stats import (
     summarize,
 )
 from benchmarks.torch_baseline import TORCH_PEERS
+from pipeline.planner.contention import Reading
 from schedules import Schedule, Timeline, get_schedule, info
 
 __all__ = ["SCHEMA", "build_records", "record_id", "schedule_for", "validate_record"]
@@ -50,7 +50,7 @@ def _summary(values: list[float]) -> dict[str, Any] | None:
 def _contention(samples: list[Sample | None] | None, cpu: list[float | None] | None, *,
                 threads: int, busy: float, cores: int,
                 load: tuple[float | None, float | None]) -> dict[str, Any] | None:
-    """One cell's rounds as one contention reading (benchmarks/contention.py); None where
+    """One cell's rounds as one contention reading (pipeline/planner/contention.py); None where
     its CPU time was not measured."""
     if not samples or not cpu:  # measurements from before CPU time was counted
         return None

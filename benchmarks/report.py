@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.contention import MARK, footnote
+from pipeline.planner.contention import MARK, footnote
 from pipeline.planner.memory import format_bytes
 
 __all__ = ["Target", "data_parallel_table", "evaluate_targets", "format_bytes", "format_ms",
@@ -154,7 +154,7 @@ def _activations(r: Record) -> str:
 
 def contended(r: Record, *cells: str) -> bool:
     """Whether any of the record's `cells` (ours, torch, plain_1_thread, plain_all_threads,
-    hardware_bound) was measured under contention (benchmarks/contention.py)."""
+    hardware_bound) was measured under contention (pipeline/planner/contention.py)."""
     table = r.get("contention") or {}
     return any((table.get(c) or {}).get("contended", False) for c in cells)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from schedules.files import FileRefused, write_atomic
 
 if TYPE_CHECKING:
-    from benchmarks.contention import Reading
+    from pipeline.planner.contention import Reading
 
 __all__ = ["main", "parse_bytes", "parse_tp_plan", "resolve_model"]
 
@@ -104,7 +104,7 @@ def _say_load(reading: Reading | None) -> str:
     why it was contended ('' if it was not)."""
     if reading is None:
         return ""
-    from benchmarks import contention
+    from pipeline.planner import contention
 
     share = reading.cpu_share
     load = "unknown" if reading.load is None else f"{reading.load:.1f}"
@@ -175,8 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     import torch  # planning profiles the model: torch only for this command
 
-    from benchmarks import contention
-    from pipeline.planner import PlanError, format_table, plan
+    from pipeline.planner import PlanError, contention, format_table, plan
     from viz.compare import compare
     from viz.render_png import render_png
     from viz.render_svg import render_svg
@@ -192,7 +191,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # The profile is timed: one thread's CPU time beside the wall time says whether the
-    # process had a CPU while it was measured (benchmarks/contention.py).
+    # process had a CPU while it was measured (pipeline/planner/contention.py).
     meter = contention.Meter(1)
     try:
         with meter:

@@ -1,5 +1,6 @@
-"""benchmarks.contention: a measurement that did not get its CPUs is flagged, one that did is
-not; the benchmarks' records, report and environment.json carry the figures."""
+"""Contention (pipeline/planner/contention.py) in the benchmarks: a measurement that did not
+get its CPUs is flagged, one that did is not; the records, report and environment.json carry
+the figures."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from benchmarks import contention
 from benchmarks.cli import load_summary, main, write_outputs
 from benchmarks.config import Group
-from benchmarks.contention import MARK, Meter, Reading
 from benchmarks.records import build_records, validate_record
 from benchmarks.report import render_markdown
+from pipeline.planner import contention
+from pipeline.planner.contention import MARK, Meter, Reading
 from tests.benchmarks import fakes
 
 

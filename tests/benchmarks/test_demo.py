@@ -81,7 +81,7 @@ def test_the_demo_marks_step_times_measured_under_contention(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain model on 2 threads once printed 3885.7 ms beside 387.2 ms on 1 thread, with
     nothing to say the machine was busy: a load above the cores now marks every figure."""
-    monkeypatch.setattr("benchmarks.contention.load_average", lambda: 99.0)
+    monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 99.0)
     assert main([*_SMALL, "--sample", "0", "--ranks", "threads", "--out", str(tmp_path)]) == 0
     out = capfd.readouterr().out
     cores = os.cpu_count()

@@ -58,7 +58,7 @@ def test_alternate_counts_each_steps_cpu_time(monkeypatch: pytest.MonkeyPatch) -
     """Each recorded step gets the CPU seconds this process used in it (contention.py); a
     step it sat out gets None."""
     used = iter(float(i) for i in range(100))
-    monkeypatch.setattr("benchmarks.contention.cpu_seconds", lambda: next(used) ** 2)
+    monkeypatch.setattr("pipeline.planner.contention.cpu_seconds", lambda: next(used) ** 2)
     cpu: dict[str, list[float | None]] = {}
     alternate([Variant("a", lambda: None), Variant("b", None)], warmup=0, repeats=2,
               prepare=lambda: None, barrier=lambda taking: None, sync=lambda: None,

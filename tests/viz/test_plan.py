@@ -45,7 +45,7 @@ def test_plan_prints_the_plan_the_candidates_and_the_two_best(
 def test_a_profile_measured_under_contention_is_flagged(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's times come from a profile: a load above the cores puts them in doubt."""
-    monkeypatch.setattr("benchmarks.contention.load_average", lambda: 99.0)
+    monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 99.0)
     assert main(_TINY) == 0
     captured = capsys.readouterr()
     assert re.search(r"^pipeviz plan: profiled and planned in [\d.]+ s, [\d.]+ s of CPU "
@@ -57,11 +57,11 @@ def test_a_profile_measured_under_contention_is_flagged(
 
 def test_a_profile_that_had_its_cpu_is_not_flagged(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("benchmarks.contention.load_average", lambda: 0.5)
+    monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 0.5)
     # As if this process ran all the time it was timed (on a loaded machine it need not).
-    monkeypatch.setattr("benchmarks.contention.cpu_seconds",
+    monkeypatch.setattr("pipeline.planner.contention.cpu_seconds",
                         lambda *, children=False: time.perf_counter())
-    monkeypatch.setattr("benchmarks.contention.wall_clock", time.perf_counter)
+    monkeypatch.setattr("pipeline.planner.contention.wall_clock", time.perf_counter)
     assert main(_TINY) == 0
     captured = capsys.readouterr()
     assert "load average 0.5 on" in captured.err
