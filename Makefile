@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-busy lint unit random docs bench bench-full gpu-check clean
+.PHONY: demo test test-busy lint unit random cpu-paths docs bench bench-full gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,7 +50,13 @@ random: $(STAMP)
 		tests/test_transparency.py::test_pipe_equals_single_device \
 		tests/test_transparency.py::test_any_stage_graph_equals_single_device
 
-test: lint unit random
+# The numerically sensitive tests once more under each of torch's other CPU kernels that this
+# CPU has (ATEN_CPU_CAPABILITY=default, avx2, avx512; tests/cpu_paths.py): a tolerance that
+# holds on one CPU's kernels only fails on every machine, not only on another one.
+cpu-paths: $(STAMP)
+	$(PY) -m tests.cpu_paths
+
+test: lint unit random cpu-paths
 
 # `make test` beside one spinning process per core, stopped when the run ends however it ends
 # (tests/busy.py): what must hold on a laptop or a shared runner must hold here too. The exit
