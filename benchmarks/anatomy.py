@@ -36,9 +36,9 @@ from benchmarks.config import stages_per_rank
 from benchmarks.env import environment
 from benchmarks.gate import StartGate, quiet
 from benchmarks.harness import _bound_work, _chunks
-from benchmarks.models import MODELS, balance_for, get_model
 from benchmarks.records import schedule_for
 from pipeline import Pipe
+from pipeline.examples.models import MODELS, balance_for, get_model
 from pipeline.launch import spawn
 from schedules.files import write_atomic
 from viz.cli import main as pipeviz

@@ -22,10 +22,10 @@ from benchmarks.config import SUITES, Group, fit_to_gpus, groups, narrow, num_un
 from benchmarks.env import environment
 from benchmarks.gate import StartGate
 from benchmarks.harness import Measured, merge_ranks, resolve_balances, roles, run_rank
-from benchmarks.models import get_model
 from benchmarks.plots import write_plots
 from benchmarks.records import build_records, validate_record
 from benchmarks.report import render_data_parallel, render_markdown
+from pipeline.examples.models import get_model
 from pipeline.launch import RankFailed, spawn
 from pipeline.planner import contention
 from schedules import Timeline, available

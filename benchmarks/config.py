@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from benchmarks.models import get_model
+from pipeline.examples.models import get_model
 from schedules import info
 
 __all__ = ["SUITES", "TRANSPORTS", "Group", "Suite", "fit_to_gpus", "groups", "narrow",

@@ -28,9 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.config import Group, fit_to_gpus
 from benchmarks.gate import StartGate
 from benchmarks.harness import Measured, Variant, alternate, merge_ranks
-from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent, summarize
 from pipeline import Pipe
+from pipeline.examples.models import balance_for, get_model
 from pipeline.launch import spawn
 from pipeline.runtime.saved_bytes import SavedBytes
 

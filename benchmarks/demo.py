@@ -17,7 +17,6 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks.gpt import gpt, lm_loss
+from pipeline.examples.gpt import gpt, lm_loss
+from pipeline.examples.text import CharTokenizer, load_text
 from pipeline.launch import spawn
 from pipeline.pipe import Pipe
 from pipeline.planner import contention
@@ -34,30 +34,7 @@ from pipeline.planner.contention import MARK, Reading
 from schedules import Timeline
 from schedules.files import write_atomic
 
-__all__ = ["CharTokenizer", "load_text", "main"]
-
-
-def load_text() -> str:
-    """The shipped public-domain text (benchmarks/data/shakespeare.txt)."""
-    return (resources.files("benchmarks") / "data" / "shakespeare.txt").read_text("utf-8")
-
-
-class CharTokenizer:
-    """One id per distinct character of a text, in sorted order."""
-
-    def __init__(self, text: str) -> None:
-        self.chars = sorted(set(text))
-        self._ids = {c: i for i, c in enumerate(self.chars)}
-
-    @property
-    def vocab(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor([self._ids[c] for c in text], dtype=torch.int64)
-
-    def decode(self, ids: torch.Tensor) -> str:
-        return "".join(self.chars[i] for i in ids.tolist())
+__all__ = ["main"]
 
 
 def _windows(data: torch.Tensor, rows: int, context: int,

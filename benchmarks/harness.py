@@ -37,11 +37,11 @@ from torch import nn
 
 from benchmarks.config import Group, stages_per_rank
 from benchmarks.gate import StartGate, quiet
-from benchmarks.models import balance_for, get_model
 from benchmarks.stats import RawEvent
 from benchmarks.torch_baseline import TorchPipeline, unsupported
 from pipeline import Pipe
 from pipeline.comm import same_host
+from pipeline.examples.models import balance_for, get_model
 from pipeline.planner import contention
 from pipeline.runtime.microbatch import scatter
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass
-from importlib import resources
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch.nn import functional as F
 
 from benchmarks.lengths_torch import check, step, torch_peer
 from pipeline import Pipe
+from pipeline.examples.text import load_text
 from pipeline.launch import spawn
 from pipeline.runtime.tokens import plan
 
@@ -53,7 +53,7 @@ class LengthsSuite:
 
 def speeches(max_length: int) -> list[list[int]]:
     """The play cut at each speech (blank lines), as bytes, each at most `max_length`."""
-    text = (resources.files("benchmarks") / "data" / "shakespeare.txt").read_text("utf-8")
+    text = load_text()
     parts = [p.strip() for p in text.split("\n\n") if p.strip()]
     return [list(p.encode("utf-8"))[:max_length] for p in parts]
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from benchmarks.config import Group, stages_per_rank
 from benchmarks.harness import Measured, Sample, bound_key
-from benchmarks.models import get_model
 from benchmarks.stats import (
     comm_latency,
     costs_to_dict,
@@ -20,6 +19,7 @@ from benchmarks.stats import (
     summarize,
 )
 from benchmarks.torch_baseline import TORCH_PEERS
+from pipeline.examples.models import get_model
 from pipeline.planner.contention import Reading
 from schedules import Schedule, Timeline, get_schedule, info
 

@@ -35,7 +35,7 @@ def _png(path: Path) -> None:
 
 
 def _plan(path: Path) -> None:
-    _cli("plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--chunks", "1",
+    _cli("plan", "pipeline.examples.models:MODELS.tiny", "--ranks", "2", "--chunks", "1",
          "--schedules", "1f1b", "--threads", "1", "-o", str(path))
 
 

@@ -103,7 +103,7 @@ examples:
   pipeviz 1f1b -p 4 -m 8 --format chrome -o trace.json      (open in ui.perfetto.dev)
   pipeviz 1f1b -p 2 -m 3 --format dot -o graph.svg          (dependency graph, critical path)
   pipeviz compare gpipe 1f1b interleaved zb-h1 -p 4 -m 8 --format svg -o compare.svg
-  pipeviz plan benchmarks.models:MODELS.mlp --ranks 2 --memory 80MiB   (pipeviz plan --help)
+  pipeviz plan pipeline.examples.models:MODELS.mlp --ranks 2 --memory 80MiB   (pipeviz plan --help)
 
 exit status: 0 drawn; 1 the schedule is invalid (drawn, failing step marked); 2 bad arguments.""",
     )

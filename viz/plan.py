@@ -47,11 +47,12 @@ def parse_bytes(text: str) -> float | None:
 def resolve_model(spec: str) -> tuple[Any, Any, Any, Any]:
     """'package.module:name[.attr...]' -> (model, sample, target, loss_fn). The object named
     is a function returning those four, or has `build()`, `batch()` and `loss()` (a benchmark
-    `ModelSpec`, e.g. `benchmarks.models:MODELS.mlp`); a mapping is indexed by the next name."""
+    `ModelSpec`, e.g. `pipeline.examples.models:MODELS.mlp`); a mapping is indexed by the next
+    name."""
     module_name, sep, path = spec.partition(":")
     if not sep or not module_name or not path:
-        raise _UsageError(f"give the model as module:name (e.g. benchmarks.models:MODELS.mlp), "
-                          f"got {spec!r}")
+        raise _UsageError(f"give the model as module:name (e.g. "
+                          f"pipeline.examples.models:MODELS.mlp), got {spec!r}")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -131,7 +132,7 @@ def _parser() -> _Parser:
         "budget per rank, print the plan and every candidate, and draw the chosen schedule's "
         "predicted timeline beside the runner-up."))
     parser.add_argument("model", help="module:name giving (model, sample, target, loss_fn), "
-                                      "e.g. benchmarks.models:MODELS.mlp")
+                                      "e.g. pipeline.examples.models:MODELS.mlp")
     parser.add_argument("-p", "--ranks", type=int, required=True, help="ranks (devices)")
     parser.add_argument("-M", "--memory", type=parse_bytes, default=None,
                         help="budget per rank, e.g. 512MiB (default: unbounded)")

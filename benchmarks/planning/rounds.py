@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 import schedules
-from benchmarks.models import get_model
 from benchmarks.planning.space import Config
 from benchmarks.stats import RawEvent, merge_events
 from pipeline import Pipe
+from pipeline.examples.models import get_model
 from pipeline.launch import spawn
 from pipeline.planner.time_model import compute_spans
 from schedules import Timeline

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from benchmarks.env import environment
-from benchmarks.models import get_model
 from benchmarks.planning.calibrate import calibrate
 from benchmarks.planning.held_out import time_model_what_if
 from benchmarks.planning.record import (
@@ -35,6 +34,7 @@ from benchmarks.planning.space import (
     from_candidate,
     predictor,
 )
+from pipeline.examples.models import get_model
 from pipeline.launch import spawn
 from pipeline.planner import (
     ModelProfile,

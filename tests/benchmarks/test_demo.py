@@ -1,4 +1,4 @@
-"""benchmarks.demo: the tokenizer, the batches, and a short run end to end."""
+"""benchmarks.demo: the batches, and a short run end to end."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.demo import CharTokenizer, _windows, load_text, main
+from benchmarks.demo import _windows, main
 
 # A small model and few steps: the whole run takes a few seconds.
 _SMALL = ["--steps", "4", "--batch", "4", "--chunks", "2", "--context", "16", "--width", "32",
@@ -26,15 +26,6 @@ def _keep_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-def test_the_shipped_text_and_its_tokenizer_round_trip() -> None:
-    text = load_text()
-    assert len(text) > 100_000 and text.startswith("First Citizen:")
-    tokenizer = CharTokenizer(text)
-    assert tokenizer.vocab == len(set(text))
-    ids = tokenizer.encode(text[:500])
-    assert ids.dtype == torch.int64 and tokenizer.decode(ids) == text[:500]
 
 
 def test_windows_are_contiguous_and_shifted_by_one() -> None:

@@ -12,7 +12,7 @@ import pytest
 from viz import main
 from viz.plan import parse_bytes, resolve_model
 
-_TINY = ["plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--chunks", "1,2",
+_TINY = ["plan", "pipeline.examples.models:MODELS.tiny", "--ranks", "2", "--chunks", "1,2",
          "--schedules", "1f1b,gpipe,zb-h1", "--threads", "1"]
 
 
@@ -27,7 +27,7 @@ def test_budgets_read_with_units() -> None:
 
 
 def test_models_are_named_as_module_and_attribute() -> None:
-    model, x, y, loss = resolve_model("benchmarks.models:MODELS.tiny")
+    model, x, y, loss = resolve_model("pipeline.examples.models:MODELS.tiny")
     assert len(model) == 5 and x.shape[0] == y.shape[0] == 16 and callable(loss)
 
 
@@ -84,10 +84,11 @@ def test_svg_goes_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize("args, message", [
     (["plan", "nomodule", "--ranks", "2"], "module:name"),
-    (["plan", "benchmarks.models:MODELS.nope", "--ranks", "2"], "no 'nope'"),
-    (["plan", "benchmarks.models:MODELS.tiny", "--ranks", "0"], "--ranks must be >= 1"),
-    (["plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--memory", "x"], "bytes like"),
-    (["plan", "benchmarks.models:MODELS.tiny", "--ranks", "2", "--schedules", "2f2b"],
+    (["plan", "pipeline.examples.models:MODELS.nope", "--ranks", "2"], "no 'nope'"),
+    (["plan", "pipeline.examples.models:MODELS.tiny", "--ranks", "0"], "--ranks must be >= 1"),
+    (["plan", "pipeline.examples.models:MODELS.tiny", "--ranks", "2", "--memory", "x"],
+     "bytes like"),
+    (["plan", "pipeline.examples.models:MODELS.tiny", "--ranks", "2", "--schedules", "2f2b"],
      "registered schedules"),
 ])
 def test_bad_arguments_get_one_line(args: list[str], message: str,
@@ -107,7 +108,7 @@ def test_tp_plans_read_as_patterns_and_styles() -> None:
             parse_tp_plan(bad)
 
 
-_TP = ["plan", "benchmarks.models:MODELS.transformer", "--ranks", "2", "--chunks", "1,2",
+_TP = ["plan", "pipeline.examples.models:MODELS.transformer", "--ranks", "2", "--chunks", "1,2",
        "--schedules", "1f1b,gpipe", "--threads", "1", "--tp-plan",
        "*.qkv=colwise,*.proj=rowwise,*.up=colwise,*.down=rowwise"]
 

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks.models import get_model
 from pipeline import Pipe
+from pipeline.examples.models import get_model
 
 
 def step_planned(rank: int, dp: int, pp: int, kwargs: dict[str, Any]) -> float:

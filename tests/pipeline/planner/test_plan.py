@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import schedules
-from benchmarks.models import get_model
 from pipeline import Pipe, Plan, PlanError, plan
+from pipeline.examples.models import get_model
 from pipeline.planner import Link, ModelProfile, measure_contention, profile_model
 
 _CHUNKS = [1, 2, 4]

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from benchmarks.models import get_model
 from pipeline.errors import PipeConfigError
+from pipeline.examples.models import get_model
 from pipeline.planner import (
     Link,
     ModelProfile,

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import pipeline.pipe
-from benchmarks.models import get_model
 from pipeline import Plan, plan
 from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
+from pipeline.examples.models import get_model
 from pipeline.planner import Link, ModelProfile, profile_model
 from tests.benchmarks import fakes
 from tests.pipeline.in_turn import InTurn, in_turn, ranks

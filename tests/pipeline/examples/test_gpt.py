@@ -1,4 +1,4 @@
-"""benchmarks.gpt: shapes, causality, the tied head, GPT-2's init, one step that learns."""
+"""pipeline.examples.gpt: shapes, causality, the tied head, GPT-2's init, one step that learns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.gpt import Block, Embedding, Head, gpt, lm_loss
+from pipeline.examples.gpt import Block, Embedding, Head, gpt, lm_loss
 
 VOCAB, CONTEXT, WIDTH, DEPTH, HEADS = 11, 8, 16, 2, 4
 
