@@ -12,7 +12,7 @@ from pipeline import assembly
 from pipeline.comm import bootstrap
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
-from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from pipeline.parallel import tensor_parallel
 from pipeline.parallel.clipping import clip_grad_norm
 from pipeline.parallel.fault_tolerance import FaultTolerance
@@ -171,7 +171,8 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
 
     def step(self, x: Any, target: Any, loss_fn: LossFn, *,
              loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
-             scaler: Any = None, tokens: Any = None) -> torch.Tensor:
+             scaler: Any = None, tokens: Any = None,
+             losses: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the batch's loss.
 
         Leaves in each parameter's `.grad` what `loss_fn(model(x), target).backward()` would
@@ -185,9 +186,18 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         (PipeDream-2BW). Runs under the caller's autocast. With a `torch.amp.GradScaler`, each
         micro-batch's loss is scaled before its backward (the returned loss is not):
         `scaler.step(optimizer)` and `scaler.update()` follow as in plain training.
+
+        `losses`, a list, is cleared and given each micro-batch's own loss (`loss_fn`'s value,
+        unweighted, detached; NaN for one where nothing was counted), in micro-batch order, on
+        the ranks that compute the loss (every rank in one process), as torch.distributed.
+        pipelining's `step(..., losses=)`; elsewhere it is left as it is.
         """
+        if losses is not None and not isinstance(losses, list):
+            raise PipeTypeError(f"losses must be a list for the step to fill with each "
+                                f"micro-batch's loss (got {type(losses).__name__}): pass "
+                                f"losses=[]")
         return self._steps([(x, target)], loss_fn, None, loss_reduction, loss_weight,
-                           scaler, tokens)[0]
+                           scaler, tokens, losses)[0]
 
     def step_many(self, batches: Iterable[tuple[Any, Any]], loss_fn: LossFn,
                   optimizer: torch.optim.Optimizer, *, loss_reduction: str | None = None,
@@ -222,9 +232,11 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
     def _steps(self, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
                optimizer: torch.optim.Optimizer | None,
                loss_reduction: str | None = None, loss_weight: LossWeight | None = None,
-               scaler: Any = None, tokens: Any = None) -> list[torch.Tensor]:
-        """Check, build the program, run it, return the loss: everything a step does across
-        ranks is an action of the program (schedules/program.py)."""
+               scaler: Any = None, tokens: Any = None,
+               losses: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Check, build the program, run it, return the loss (and each micro-batch's in
+        `losses`): everything a step does across ranks is an action of the program
+        (schedules/program.py)."""
         checks.check_loss_fn(loss_fn)
         if self._ft is not None:  # the quorum (and a heal) before anything is computed
             self._ft.before_step(scaler)
@@ -244,6 +256,9 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         result = self._run(program, step, optimizer)
         if result.input_grads:
             backward_inputs([x for x, _ in pairs], result.input_grads, self.chunks)
+        if losses is not None and result.own_losses:  # this rank computed the loss
+            losses.clear()
+            losses.extend(result.own_losses[m] for m in sorted(result.own_losses))
         return self._losses(result, len(pairs))
 
     def _seed(self) -> int:

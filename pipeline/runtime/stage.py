@@ -59,7 +59,10 @@ class StepInputs:
 class StepResult:
     """What the ranks of one step produce: losses and outputs of the last stage, per micro-batch."""
 
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # weighted: they add up
+    # Each micro-batch's own loss as loss_fn returned it (`pipe.step(losses=...)`, torch's
+    # `losses=`); NaN where nothing was counted and loss_fn did not run (runtime/weighting.py).
+    own_losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     # First stage: the gradient of each micro-batch's input entries (None where none is needed).
     input_grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
@@ -295,8 +298,8 @@ class StageRuntime:
             return
         loss = None
         if last:
-            loss = self._loss(outputs, m, step)
-            result.losses[m] = loss.detach()
+            loss, own = self._loss(outputs, m, step)
+            result.losses[m], result.own_losses[m] = loss.detach(), own.detach()
         elif keep_graph:
             self._give(("F", s + 1, m), outputs)
         else:
@@ -318,7 +321,9 @@ class StageRuntime:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
         self._bytes[(s, m)] = (input_bytes + saved.bytes, held)
 
-    def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs) -> torch.Tensor:
+    def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `m`'s loss weighted by its share of the batch's, and its own loss."""
         assert step.loss_fn is not None and step.targets is not None
         target = step.targets[m]
         rows, target_rows = self._rows.get(m), leading_rows(target)
@@ -333,7 +338,8 @@ class StageRuntime:
         if weight == 0 or math.isnan(weight):
             # Nothing counted in this micro-batch (its own mean would be 0/0), or in the whole
             # batch (NaN, as torch's mean over nothing): add nothing, pass zero gradients.
-            return zero_loss(outputs) + weight
+            zero = zero_loss(outputs) + weight
+            return zero, torch.full_like(zero.detach(), math.nan)
         with step.caller.forward():  # plain training computes the loss under autocast too
             loss = step.loss_fn(from_tuple(outputs), target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -341,14 +347,14 @@ class StageRuntime:
                 f"loss_fn must return a 0-dim tensor (a mean over the micro-batch); got "
                 f"{type(loss).__name__} with shape {getattr(loss, 'shape', None)}"
             )
-        return loss * weight
+        return loss * weight, loss
 
     # -- backward -----------------------------------------------------------------------------
     def _recompute(self, action: Action, stash: _Stash, step: StepInputs) -> None:
         with torch.enable_grad(), recomputing():
             stash.outputs = self._call(action, stash.inputs, step, replay=True)
         if action.stage == self.num_stages - 1:
-            stash.loss = self._loss(stash.outputs, action.microbatch, step)
+            stash.loss = self._loss(stash.outputs, action.microbatch, step)[0]
 
     def _backward(self, action: Action, step: StepInputs, result: StepResult) -> None:
         s, m = action.stage, action.microbatch

@@ -1,5 +1,6 @@
 """Run on spawned gloo ranks by tests/pipeline/test_torch_interop.py: our schedules in torch's
-runtime and torch's schedules in our Pipe, one training step each, against one device."""
+runtime and torch's schedules in our Pipe, one training step each, against one device; and a
+torch.distributed.pipelining program beside its port to Pipe (docs/from-torch-pipelining.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 import schedules
@@ -19,7 +21,7 @@ from schedules import Schedule
 from tests.pipeline.dist_workers import TOL
 from tests.torch_csv import torch_csv
 
-__all__ = ["exchange", "ours_in_torch", "torch_in_ours"]
+__all__ = ["exchange", "ours_in_torch", "ported", "torch_in_ours"]
 
 _LAYERS = 8  # enough for two stages on each of 4 ranks
 
@@ -144,3 +146,60 @@ def exchange(rank: int, ours: list[tuple[str, int, dict[str, int]]],
     torch's in ours."""
     return (ours_in_torch(rank, ours, True) + ours_in_torch(rank, ours, False)
             + torch_in_ours(rank, theirs))
+
+
+def _torch_step(cls: str, stages_per_rank: int, m: int
+                ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
+    """One step of torch's `cls` on this rank's stages (rank r holds stages r, r + p, ...):
+    its `losses=` list (empty off the last stage's rank) and this rank's gradients."""
+    rank, p = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model, num_stages = _model(), p * stages_per_rank
+    balance = _balance(num_stages)
+    stages = [PipelineStage(_layers_of(model, balance, i), i, num_stages, torch.device("cpu"))
+              for i in range(rank, num_stages, p)]
+    schedule_cls = getattr(torch_schedules, cls)
+    schedule = schedule_cls(stages if stages_per_rank > 1 else stages[0], n_microbatches=m,
+                            loss_fn=nn.MSELoss())  # scale_grads=True, torch's default
+    x, y = _data(m)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(x)
+    else:  # the last stage is on the last rank under the loop placement
+        schedule.step(target=y, losses=losses)
+    return losses, {n: q.grad for st in stages for n, q in _named(model, st.submod)}
+
+
+def _pipe_step(name: str, stages_per_rank: int, m: int
+               ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
+    """The same step ported to Pipe: `losses=` and this rank's gradients."""
+    p = torch.distributed.get_world_size()
+    pipe = Pipe(_model(), _balance(p * stages_per_rank), chunks=m, schedule=name,
+                checkpoint="never")  # torch recomputes nothing; Pipe's default is except_last
+    x, y = _data(m)
+    first, last = 0 in pipe.local_stages, len(pipe.balance) - 1 in pipe.local_stages
+    losses: list[torch.Tensor] = []
+    pipe.step(x if first else None, y if last else None, nn.MSELoss(), losses=losses)
+    grads = {n: q.grad for n, q in pipe.named_parameters()}
+    pipe.close()
+    return losses, grads
+
+
+def ported(rank: int, cases: list[tuple[str, str, int, int]]) -> list[str]:
+    """For each (torch class, our schedule, stages per rank, m): torch's step and Pipe's on the
+    same model and batch leave the same per-micro-batch losses (on the last stage's rank) and
+    the same gradients, bit for bit. Returns what was checked."""
+    done = []
+    for cls, name, k, m in cases:
+        what = f"{cls} -> Pipe(schedule={name!r}), m={m}, rank {rank}"
+        theirs, their_grads = _torch_step(cls, k, m)
+        ours, our_grads = _pipe_step(name, k, m)
+        assert len(ours) == len(theirs) == (m if rank == 1 else 0), (what, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert torch.equal(a, b.detach()), f"{what}: micro-batch {i}: {a} != {b}"
+        assert our_grads.keys() == their_grads.keys() and our_grads, what
+        for n, g in our_grads.items():
+            expected = their_grads[n]
+            assert g is not None and expected is not None, (what, n)
+            assert torch.equal(g, expected), f"{what}: {n}: {(g - expected).abs().max()}"
+        done.append(what)
+    return done

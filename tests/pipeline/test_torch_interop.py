@@ -1,6 +1,8 @@
 """Schedules cross between us and torch.distributed.pipelining both ways and train exactly:
 ours exported (`dump_csv`) and run by torch 2.13's `_PipelineScheduleRuntime`, torch's read
-(`load_csv`) and run by our Pipe, over 2 to 4 gloo processes, each against one device."""
+(`load_csv`) and run by our Pipe, over 2 to 4 gloo processes, each against one device; and a
+torch program ported to Pipe as docs/from-torch-pipelining.md says gives torch's per-micro-batch
+losses and gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -62,3 +64,16 @@ def test_exchange_both_ways_trains_exactly(p: int) -> None:
     results = spawn(interop_workers.exchange, p, ours, theirs, timeout=SPAWN_TIMEOUT)
     expected = len(ours) * 2 + len(theirs)
     assert [len(done) for done in results] == [expected] * p
+
+
+def test_a_torch_program_ported_to_pipe_is_bit_identical() -> None:
+    """Was: Pipe had no `losses=`, nothing to port torch's per-micro-batch losses to. GPipe,
+    1F1B and interleaved (two stages per rank, rank r holding r and r + 2) with torch's
+    `scale_grads=True`, and Pipe with `checkpoint="never"`, on the same model and batch:
+    `torch.equal` on every micro-batch loss and every gradient. Four equal micro-batches:
+    Pipe weighs each loss by 1/4 before its backward where torch divides the summed
+    gradients by 4 after, and a power of two scales every rounding alike."""
+    cases = [("ScheduleGPipe", "gpipe", 1, 4), ("Schedule1F1B", "1f1b", 1, 4),
+             ("ScheduleInterleaved1F1B", "interleaved", 2, 4)]
+    results = spawn(interop_workers.ported, 2, cases, timeout=SPAWN_TIMEOUT)
+    assert [len(done) for done in results] == [len(cases)] * 2
