@@ -115,6 +115,36 @@ def _say_load(reading: Reading | None) -> str:
     return "; ".join(reading.reasons(contention.CPU_SHARE_FLOOR))
 
 
+class _Bar:
+    """The planner's progress (`pipeline.planner.progress.Progress`) as tqdm bars on stderr,
+    one a phase; silent with `disable`. Its `note` is said as the first phase starts: once
+    the arguments have passed the planner's checks, before the measuring."""
+
+    def __init__(self, *, disable: bool) -> None:
+        self.disable = disable
+        self.bar: Any = None
+        self.note = ""
+
+    def phase(self, name: str, total: int) -> None:
+        from tqdm import tqdm
+
+        self.close()
+        if self.note:
+            print(self.note, file=sys.stderr)
+            self.note = ""
+        self.bar = tqdm(total=total, desc=f"pipeviz plan: {name}", unit="step",
+                        file=sys.stderr, disable=self.disable, dynamic_ncols=True, leave=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -136,7 +166,11 @@ def _parser() -> _Parser:
     parser.add_argument("-p", "--ranks", type=int, required=True, help="ranks (devices)")
     parser.add_argument("-M", "--memory", type=parse_bytes, default=None,
                         help="budget per rank, e.g. 512MiB (default: unbounded)")
-    parser.add_argument("--transport", choices=("threads", "gloo", "nccl"), default="threads")
+    parser.add_argument("--transport", choices=("threads", "gloo", "nccl"), default="threads",
+                        help="how the ranks talk, which the link is measured over: threads "
+                             "(one process, a thread per rank; default), gloo (a process per "
+                             "rank, CPU) or nccl (a process per GPU); gloo and nccl also "
+                             "search data parallelism")
     parser.add_argument("--schedules", type=lambda t: [s for s in t.split(",") if s],
                         help="comma-separated schedules (default: every registered one)")
     parser.add_argument("--chunks", type=_ints, help="micro-batch counts to try, e.g. 1,2,4,8")
@@ -151,10 +185,16 @@ def _parser() -> _Parser:
                         help="ranks on one host; tp stays within a host (default: all ranks)")
     parser.add_argument("--optimizer", default="adam",
                         help="adam, adamw, sgd, momentum, rmsprop or adagrad (default adam)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads while profiling (default: torch's own)")
-    parser.add_argument("--rows", type=int, default=20,
-                        help="candidates to list (0: all; default 20)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads while profiling (default 1, as a CPU rank "
+                             "trains: one thread's CPU time is then what a layer costs, "
+                             "however busy the machine; 0: torch's own)")
+    parser.add_argument("--show", type=int, default=20, metavar="N",
+                        help="candidates to list in the table (0: all; default 20)")
+    parser.add_argument("--rows", type=int, dest="rows_deprecated", default=None,
+                        help=argparse.SUPPRESS)  # the old name of --show
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (on stderr) while profiling and searching")
     parser.add_argument("-f", "--format", choices=("text", "svg", "png"), default=None,
                         help="the timelines' drawing (default: text, or -o's suffix)")
     parser.add_argument("-o", "--output", help="write the drawing here (svg or png)")
@@ -188,9 +228,27 @@ def _main(args: argparse.Namespace) -> int:
                           "svg" if (args.output or "").endswith(".svg") else "text")
     if fmt == "png" and not args.output:
         raise _UsageError("png is binary: give -o FILE.png")
+    if args.rows_deprecated is not None:
+        # The table's own `rows` column is rows per micro-batch: --rows read as that.
+        print("pipeviz plan: warning: --rows is deprecated (the table's rows column is rows "
+              "per micro-batch): use --show N for the candidates to list", file=sys.stderr)
+        args.show = args.rows_deprecated
+    if args.threads < 0:
+        raise _UsageError(f"--threads must be >= 0 (0: torch's own), got {args.threads}")
     model, sample, target, loss_fn = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpu_timed = torch.get_num_threads() == 1 and all(
+        p.device.type == "cpu" for p in model.parameters())
+    bar = _Bar(disable=args.no_progress)
+    busy = contention.high_load()
+    if busy:  # before the time it takes, and whatever clock the profile reads
+        how = ("the layers are timed by one thread's CPU time, which the load does not move, "
+               "but the link is timed by the wall clock and planning takes longer"
+               if cpu_timed else
+               "the layers are timed by the wall clock (several threads, or a GPU), which "
+               "the load slows: the plan may change with it; on CPU use --threads 1")
+        bar.note = f"pipeviz plan: warning: {busy}: {how}"
     # The profile is timed: one thread's CPU time beside the wall time says whether the
     # process had a CPU while it was measured (pipeline/planner/contention.py).
     meter = contention.Meter(1)
@@ -201,21 +259,25 @@ def _main(args: argparse.Namespace) -> int:
                           optimizer=args.optimizer, transport=args.transport,
                           chunks=args.chunks,
                           tp_plan=_styles(args.tp_plan) if args.tp_plan else None,
-                          tp_sizes=args.tp_sizes, ranks_per_host=args.ranks_per_host)
+                          tp_sizes=args.tp_sizes, ranks_per_host=args.ranks_per_host,
+                          progress=bar)
     except PlanError as exc:
+        bar.close()
         print(f"pipeviz plan: {exc}", file=sys.stderr)
         _say_load(meter.reading)
-        print(format_table(exc.candidates, args.rows or None))
+        print(format_table(exc.candidates, args.show or None))
         return 1
     except ValueError as exc:
+        bar.close()
         raise _UsageError(str(exc)) from None
+    bar.close()
     print(chosen.summary())
     flagged = _say_load(meter.reading)
     if flagged:  # beside the figures it puts in doubt
         print(f"{contention.MARK} profiled under contention ({flagged}): the times above are "
               f"not reliable; rerun on an idle machine")
     print()
-    print(chosen.table(args.rows or None))
+    print(chosen.table(args.show or None))
     print()
     timelines = [chosen.timeline]
     runner_up = chosen.runner_up

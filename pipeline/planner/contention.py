@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["CPU_SHARE_FLOOR", "MARK", "Meter", "Reading", "cores", "cpu_seconds", "describe",
-           "footnote", "load_average", "wall_clock"]
+           "footnote", "high_load", "load_average", "thread_seconds", "wall_clock"]
 
 # Under half the CPU time the threads could have used: half the run waited for a CPU (or
 # slept). The pipelines' own idle time (their bubbles) stays well above it on an idle
@@ -47,6 +47,13 @@ def cpu_seconds(*, children: bool = False) -> float:
     return total
 
 
+def thread_seconds() -> float:
+    """CPU seconds of the calling thread alone (CLOCK_THREAD_CPUTIME_ID): work that runs on
+    this one thread costs the same whether other programs share its core or not, where its
+    wall time grows by the time it waited for a CPU."""
+    return time.thread_time()
+
+
 def load_average() -> float | None:
     """The 1-minute load average (runnable threads, machine-wide); None where unknown."""
     try:
@@ -58,6 +65,15 @@ def load_average() -> float | None:
 def cores() -> int:
     """The machine's logical CPUs, which the load average counts against."""
     return os.cpu_count() or 1
+
+
+def high_load() -> str:
+    """Why the machine is too busy to time anything by the wall clock ('' when it is not):
+    the 1-minute load average above its cores."""
+    load, n = load_average(), cores()
+    if load is None or load <= n:
+        return ""
+    return f"the load average is {load:.1f} on {n} cores"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pipeline.errors import PipeConfigError
 from pipeline.planner.costs import LossFn, ModelProfile, measure_contention, profile_model
 from pipeline.planner.link import TRANSPORTS, Link, measure_link
 from pipeline.planner.memory import format_bytes, optimizer_factor
+from pipeline.planner.progress import SILENT, Progress
 from pipeline.planner.result import Plan, PlanError, format_table, no_fit
 from pipeline.planner.search import search
 from pipeline.planner.space import CHECKPOINTS, Space
@@ -111,7 +112,7 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
                  tp_sizes: Sequence[int] | None = None, ranks_per_host: int | None = None,
                  host_link: Link | None = None, tp_plan: Mapping[str, Any] | None = None,
                  devices: Sequence[str] | None = None, transport: str | None = None,
-                 time_model: TimeModel | None = None) -> Plan:
+                 time_model: TimeModel | None = None, progress: Progress = SILENT) -> Plan:
     """`plan()` on costs already in hand: a `ModelProfile` (measured, or built from a formula,
     e.g. `pipeline.planner.transformer.gpt_profile`) and a `link` between ranks.
 
@@ -123,6 +124,7 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
     passed on by `Plan.pipe_kwargs`; `transport` (default: the link's) says whether the ranks
     are threads of one process, which run one pipeline. `time_model` (`fit_time_model`) prices
     every candidate as this machine ran measured steps, its contention replacing `contention`.
+    `progress` hears of the search's candidates as each is settled.
     """
     ranks = _whole("ranks", ranks)
     per_host = ranks if ranks_per_host is None else _whole("ranks_per_host", ranks_per_host)
@@ -151,7 +153,7 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
     table, least, where = search(profile, link, ranks=ranks, limits=limits, optimizer=factor,
                                  space=space, contention=contention, sharding=sharding,
                                  host_link=host_link, ranks_per_host=per_host,
-                                 time_model=time_model)
+                                 time_model=time_model, progress=progress)
     chosen = table[0] if table else None
     if chosen is None or chosen.status != "chosen":
         raise no_fit(limits, least, where, tuple(table))
@@ -173,13 +175,13 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
          transport: str = "threads", link: Link | None = None,
          profile: ModelProfile | None = None, chunks: Sequence[int] | None = None,
          checkpoints: Sequence[str] | None = None, data_parallel: Sequence[int] | None = None,
-         max_stages_per_rank: int = 4, repeats: int = 3,
+         max_stages_per_rank: int = 4, repeats: int = 5,
          contention: float | None = None, tp_plan: Mapping[str, Any] | None = None,
          tp_sizes: Sequence[int] | None = None, ranks_per_host: int | None = None,
          host_link: Link | None = None,
          microbatch_rows: Sequence[int] | None = None, trials: int | None = 0,
          trial_rounds: int = 5, trial_steps: int = 2, trial_warmup: int = 1,
-         time_model: TimeModel | None = None) -> Plan:
+         time_model: TimeModel | None = None, progress: Progress = SILENT) -> Plan:
     """Choose how to pipeline `model` over `ranks` ranks within `memory_per_rank` bytes each.
 
     `sample` and `target` are one (global) batch, `loss_fn` the loss. A `SplitModel` (see
@@ -205,6 +207,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     `trial_steps` timed steps a turn, every candidate a turn in each of `trial_rounds` rounds
     (shuffled orders); the plan is the measured fastest (`measured_step_time`, `trials`); see
     `pipeline.planner.trials`. The model's weights and gradients are left as they were.
+    `progress` (`pipeline.planner.progress.Progress`, e.g. a command line's bar) hears of
+    each phase (profiling, measuring the link and contention, searching) and its steps.
     Raises `PlanError` (a `ValueError`) naming the smallest budget that would fit when no
     candidate fits.
     """
@@ -245,14 +249,18 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
         sizes = {-(-(batch // d) // m) for d, p, _ in mesh_shapes(ranks, batch, dps, tps)
                  for m in space.chunk_counts(batch // d, p)}
         profile = profile_model(model, sample, target, loss_fn, rows=sorted(sizes),
-                                repeats=repeats)
+                                repeats=repeats, progress=progress)
+    if link is None or (contention is None and time_model is None):
+        progress.phase("measuring the link and contention", 2)
     if link is None:
         pair = list(devices[:2]) if devices is not None and len(devices) > 1 else ["cpu", "cpu"]
         link = measure_link(transport, devices=pair)
+        progress.advance()
     if contention is None and time_model is None:
         on_cpu = devices is None or all(str(d).startswith("cpu") for d in devices)
         contention = (measure_contention(model, sample, ranks=ranks)
                       if on_cpu and ranks > 1 and sample is not None else 1.0)
+        progress.advance()
     p = plan_profile(profile, ranks=ranks, memory_per_rank=memory_per_rank, link=link,
                      schedules=schedules, optimizer=optimizer, chunks=chunks,
                      microbatch_rows=microbatch_rows, checkpoints=checkpoints,
@@ -260,7 +268,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                      contention=1.0 if contention is None else contention,
                      sharding=sharding, tp_sizes=tps,
                      ranks_per_host=ranks_per_host, host_link=host_link, tp_plan=tp_plan,
-                     devices=devices, transport=transport, time_model=time_model)
+                     devices=devices, transport=transport, time_model=time_model,
+                     progress=progress)
     if k == 0:
         return p
     return run_trials(p, model, *given, k=k, rounds=rounds, steps=steps, warmup=warmup,

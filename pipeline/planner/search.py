@@ -33,6 +33,7 @@ import schedules
 from pipeline.planner.costs import ModelProfile
 from pipeline.planner.evaluate import Evaluator, Work, beside
 from pipeline.planner.link import Link
+from pipeline.planner.progress import SILENT, Progress
 from pipeline.planner.space import Candidate, Configuration, Space
 from pipeline.planner.tensor import TensorSharding, mesh_shapes
 from pipeline.planner.time_model import TimeModel
@@ -74,8 +75,8 @@ def predict(profile: ModelProfile, link: Link, *, schedule: str, chunks: int, ch
 def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[float],
            optimizer: tuple[float, int], space: Space, contention: float = 1.0,
            sharding: TensorSharding | None = None, host_link: Link | None = None,
-           ranks_per_host: int | None = None, time_model: TimeModel | None = None
-           ) -> tuple[list[Candidate], float, str]:
+           ranks_per_host: int | None = None, time_model: TimeModel | None = None,
+           progress: Progress = SILENT) -> tuple[list[Candidate], float, str]:
     """Every candidate of `space` with its verdict, the chosen one first; and, when none fits,
     the smallest budget per rank under which one would (else 0) and that candidate. Tensor
     parallel sizes other than 1 (`space.tps`) need `sharding`; see `predict` for the links."""
@@ -127,10 +128,16 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
     # pruned.
     heap = [(w.bound0, i, False, w) for i, w in enumerate(todo)]
     heapq.heapify(heap)
+    progress.phase("searching", len(todo))
+    counted = len(table)  # rows with a verdict so far (the impossible ones, before the search)
     best = math.inf
     evaluated: list[Work] = []
     results: list[tuple[Work, float, float, Timeline]] = []
     while heap:
+        settled = len(table) + len(results)
+        if settled > counted:  # each candidate counts once, when its verdict is in
+            progress.advance(settled - counted)
+            counted = settled
         bound, _, split, w = heapq.heappop(heap)
         if bound >= best:
             table.append(_row(w, "pruned", f"lower bound {bound * 1e3:.2f} ms") if split else
@@ -155,6 +162,7 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
         step, exposed, timeline = got
         best = min(best, step)
         results.append((w, step, exposed, timeline))
+    progress.advance(len(table) + len(results) - counted)
     for w, step, exposed, timeline in results:
         table.append(_row(w, "fits", w.reason, step, exposed, timeline))
     least, where = 0.0, ""

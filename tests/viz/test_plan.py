@@ -123,7 +123,7 @@ def test_plan_searches_tp_and_shows_the_3d_shape(monkeypatch: pytest.MonkeyPatch
     planning = importlib.import_module("pipeline.planner.plan")  # the module, not plan()
     monkeypatch.setattr(planning, "measure_link", lambda *a, **k: Link("gloo", 2e-5, 1e-9))
     monkeypatch.setattr(planning, "measure_contention", lambda *a, **k: 1.0)
-    assert main([*_TP, "--transport", "gloo", "--rows", "0"]) == 0
+    assert main([*_TP, "--transport", "gloo", "--show", "0"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert first.startswith("plan: ") and " x tp " in first
@@ -134,3 +134,51 @@ def test_plan_searches_tp_and_shows_the_3d_shape(monkeypatch: pytest.MonkeyPatch
 def test_tp_needs_processes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_TP) == 2
     assert "tensor parallelism runs one process per rank" in capsys.readouterr().err
+
+
+def test_progress_is_shown_on_stderr_unless_asked_not_to(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_TINY) == 0
+    err = capsys.readouterr().err
+    for phase in ("profiling", "measuring the link and contention", "searching"):
+        assert re.search(rf"pipeviz plan: {phase}: 100%\|", err), phase
+    assert main([*_TINY, "--no-progress"]) == 0
+    assert "100%" not in capsys.readouterr().err
+
+
+def test_a_high_load_is_warned_of_before_profiling(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 99.0)
+    assert main(_TINY) == 0
+    err = capsys.readouterr().err
+    warning = err.index("pipeviz plan: warning: the load average is 99.0 on")
+    assert warning < err.index("pipeviz plan: profiling")
+    assert "one thread's CPU time, which the load does not move" in err
+    monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 0.5)
+    assert main(_TINY) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def _listed(out: str) -> int:
+    table = out.split("\n\n")[1].splitlines()
+    return sum(1 for line in table[1:] if not line.startswith("..."))
+
+
+def test_show_sets_the_candidates_listed_and_rows_is_its_deprecated_alias(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_TINY, "--show", "2"]) == 0
+    captured = capsys.readouterr()
+    assert _listed(captured.out) == 2 and "deprecated" not in captured.err
+    assert main([*_TINY, "--rows", "3"]) == 0
+    captured = capsys.readouterr()
+    assert _listed(captured.out) == 3
+    assert "--rows is deprecated" in captured.err and "use --show N" in captured.err
+
+
+def test_every_option_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--show N" in out and "--no-progress" in out and "--rows" not in out
+    options = out[out.index("options:"):]
+    transport = options[options.index("--transport"):options.index("--schedules")]
+    assert "how the ranks talk" in transport
