@@ -21,6 +21,7 @@ __all__ = [
     "model_profiles",
     "mutated_schedules",
     "padded_labels",
+    "quorum_scripts",
     "schedule_args",
     "schedules_any",
     "sequential_specs",
@@ -379,3 +380,25 @@ def gate_inputs(draw: st.DrawFn) -> dict[str, Any]:
             "kind": draw(st.sampled_from(GATE_FILE_KINDS)),
             "text": draw(st.text(max_size=64)), "data": draw(st.binary(max_size=64)),
             "depth": draw(st.integers(1, 200_000)), "component": draw(st.integers(0, 1))}
+
+
+QUORUM_REPLICAS = ("r0", "r1", "r2", "r3")
+
+
+@st.composite
+def quorum_scripts(draw: st.DrawFn) -> dict[str, Any]:
+    """A lighthouse's life: `min_replicas` and rounds; in each round the replicas that
+    heartbeat (the others stop: they leave), whether time passes first (long enough for the
+    leavers' heartbeats to expire), and the replicas that ask for a quorum, in order, each
+    with its step, world size and shrink_only."""
+    rounds = []
+    for _ in range(draw(st.integers(1, 4))):
+        alive = draw(st.lists(st.sampled_from(QUORUM_REPLICAS), unique=True, max_size=4))
+        order = draw(st.permutations(sorted(alive)))
+        joiners = order[:draw(st.integers(0, len(order)))]
+        joins = [{"replica_id": rid, "step": draw(st.integers(0, 3)),
+                  "world_size": draw(st.integers(1, 3)),
+                  "shrink_only": draw(st.booleans()) and draw(st.booleans())}
+                 for rid in joiners]
+        rounds.append({"alive": sorted(alive), "expire": draw(st.booleans()), "joins": joins})
+    return {"min_replicas": draw(st.integers(1, 2)), "rounds": rounds}

@@ -5,11 +5,14 @@ with a dashboard that lists the replicas and ends any of them on request), one s
 (ft_wire: mutual TLS under the job's certificate; only the job's processes are served) answers:
 
 - `quorum`: a replica group's manager joins the next quorum and waits for it. The rule is
-  torchft's: the participants whose heartbeats are fresh; at once when every member of the
-  previous quorum is back (a fast quorum); else at least `min_replicas`, and every heartbeating
-  replica joined or `join_timeout` passed since the first joined (torchft 0.2's rule: the
-  job's record, not the quorum, keeps two lone groups from committing two histories). The
-  quorum's id grows when its members change.
+  torchft 0.2's (its lighthouse, driven with the same requests, forms the same quorums:
+  tests/pipeline/parallel/test_ft_quorum_rule.py): of the joined groups whose heartbeats are
+  fresh, a quorum forms at once when every member of the previous quorum is back (a fast
+  quorum; with `shrink_only`, no newcomer); else it needs `min_replicas` groups and more than
+  half of the heartbeating ones (the live groups left out cannot form one of their own at
+  the same step), and then every heartbeating group joined or `join_timeout` passed since
+  the first joined. Its id grows
+  when its members change. A request that times out stays joined until the next quorum.
 - `heartbeat`: a group is alive (a quorum request counts as one).
 - `set`, `get`, `check`, `add`, `compare_set`, `delete`: the job's record (ft_record), with
   the semantics of torch's TCPStore, which it replaces (any local user could write there).
@@ -88,75 +91,123 @@ class KeyStore:
 
 
 class Lighthouse:
-    """torchft's quorum rule over the members that asked (see the module's docstring)."""
+    """torchft 0.2's lighthouse, in this process (its rule: see the module's docstring).
+
+    `minority_after_join_timeout` (off by default, torchft has no such thing): form a quorum
+    of half or fewer of the heartbeating groups once the join timeout passes, so that a group
+    goes on while a live peer never asks. Its risk: two such quorums at once (two halves of
+    the job, each alive to the other) train apart at the same steps; only the job's record
+    (ft_record) then keeps one history, by making one of them take its steps again."""
 
     def __init__(self, *, min_replicas: int = 1, join_timeout_s: float = 60.0,
-                 heartbeat_timeout_s: float = 5.0) -> None:
+                 heartbeat_timeout_s: float = 5.0, tick_s: float = _TICK_S,
+                 minority_after_join_timeout: bool = False) -> None:
+        for name, value in (("join_timeout_s", join_timeout_s),
+                            ("heartbeat_timeout_s", heartbeat_timeout_s), ("tick_s", tick_s)):
+            if not value > 0:
+                raise ValueError(f"the lighthouse's {name} must be above 0; got {value!r}: "
+                                 f"give a number of seconds")
+        if min_replicas < 1:
+            raise ValueError(f"a quorum needs at least one group: min_replicas must be 1 or "
+                             f"more; got {min_replicas!r}")
         self.min_replicas, self.join_timeout_s = min_replicas, join_timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_timeout_s, self.tick_s = heartbeat_timeout_s, tick_s
+        self.minority_after_join_timeout = minority_after_join_timeout
         self._state = threading.Condition()
         self._joined: dict[str, tuple[float, dict[str, Any]]] = {}  # id: (when, member)
         self._beats: dict[str, float] = {}
         self._previous: dict[str, Any] | None = None
         self._quorum_id = 0
+        self._waiting: dict[int, dict[str, Any]] = {}  # request: its member
+        self._answers: dict[int, dict[str, Any]] = {}  # request: the quorum that holds it
+        self._requests = 0
+        self._ticker: threading.Thread | None = None
 
     def heartbeat(self, replica_id: str) -> None:
         with self._state:
             self._beats[replica_id] = time.monotonic()
 
     def quorum(self, member: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """The first quorum formed from now on that holds `member` (its id, its members)."""
+        """The first quorum formed from now on that holds `member` (its id, its members).
+
+        As torchft's, a request that times out leaves its member joined: the next quorum may
+        hold it (its manager asks again at once in practice)."""
         rid = str(member["replica_id"])
         deadline = time.monotonic() + timeout
         with self._state:
+            self._requests += 1
+            request = self._requests
+            self._waiting[request] = member
+            self._beats[rid] = time.monotonic()  # a request is a heartbeat too
             self._join(rid, member)
-            seen = self._previous
-            while True:
-                self._tick()
-                latest = self._previous
-                if latest is not seen and latest is not None:
-                    seen = latest
-                    if any(p["replica_id"] == rid for p in latest["participants"]):
-                        return latest
-                    self._join(rid, member)  # formed without it: it asks for the next
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._joined.pop(rid, None)
-                    raise TimeoutError(f"no quorum formed within {timeout:g}s")
-                self._state.wait(min(left, _TICK_S))
+            self._tick()  # torchft looks for a quorum at once on a request
+            try:
+                while request not in self._answers:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no quorum formed within {timeout:g}s")
+                    self._state.wait(left)
+                return self._answers[request]
+            finally:
+                self._waiting.pop(request, None)
+                self._answers.pop(request, None)
 
     def _join(self, rid: str, member: dict[str, Any]) -> None:
-        now = time.monotonic()
-        self._beats[rid] = now  # a request is a heartbeat too
-        self._joined[rid] = (now, member)
+        """`member` joins the next quorum (under the lock); a ticker looks for it meanwhile,
+        as torchft's does every tick whether anyone waits or not."""
+        self._joined[rid] = (time.monotonic(), member)
+        if self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick_while_joined, daemon=True,
+                                            name="pipeline-ft-quorum-tick")
+            self._ticker.start()
+
+    def _tick_while_joined(self) -> None:
+        with self._state:
+            while self._joined:
+                self._state.wait(self.tick_s)
+                self._tick()
+            self._ticker = None
 
     def _tick(self) -> None:
-        """Form a quorum if the rule allows (under the lock)."""
-        members = self._ready(time.monotonic())
+        """Form a quorum if the rule allows (under the lock): its id grows when its members
+        change; requests it does not hold join the next one (torchft's)."""
+        now = time.monotonic()
+        members = self._ready(now)
         if members is None:
             return
         ids = [m["replica_id"] for m in members]
         if self._previous is None or ids != [p["replica_id"]
                                              for p in self._previous["participants"]]:
             self._quorum_id += 1
-        self._previous = {"quorum_id": self._quorum_id, "participants": members}
+        quorum = {"quorum_id": self._quorum_id, "participants": members}
+        self._previous = quorum
         self._joined.clear()
+        for request, member in self._waiting.items():
+            if request in self._answers:
+                continue
+            if member["replica_id"] in ids:
+                self._answers[request] = quorum
+            else:
+                self._joined[str(member["replica_id"])] = (now, member)
         self._state.notify_all()
 
     def _ready(self, now: float) -> list[dict[str, Any]] | None:
+        """The next quorum's members if one forms now, by torchft 0.2's rule, else None."""
         healthy = {r for r, t in self._beats.items() if now - t < self.heartbeat_timeout_s}
         joined = {r: v for r, v in self._joined.items() if r in healthy}
-        members = [v[1] for _, v in sorted(joined.items())]
         if not joined:
             return None
+        members = [v[1] for _, v in sorted(joined.items())]
         if self._previous is not None:
             before = {p["replica_id"] for p in self._previous["participants"]}
             if any(v[1].get("shrink_only") for v in joined.values()):
                 members = [m for m in members if m["replica_id"] in before]
-            if before <= joined.keys():  # every member of the last quorum is back
+            if before <= joined.keys():  # a fast quorum: every member of the last is back
                 return members
         if len(joined) < self.min_replicas:
             return None
+        if 2 * len(joined) <= len(healthy) and not self.minority_after_join_timeout:
+            return None  # half or fewer of the live groups: the rest may form one too
         first = min(t for t, _ in joined.values())
         if len(joined) < len(healthy) and now - first < self.join_timeout_s:
             return None  # a heartbeating group may still join
@@ -202,12 +253,13 @@ def _coordinator(lighthouse: Lighthouse, store: KeyStore) -> Any:
 @contextmanager
 def serve_coordinator(*, host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1,
                       join_timeout_s: float = 60.0, heartbeat_timeout_s: float = 5.0,
-                      tls: JobTLS | None = None
+                      minority_after_join_timeout: bool = False, tls: JobTLS | None = None
                       ) -> Iterator[tuple[Server, Lighthouse, KeyStore]]:
     """The job's coordinator served on `host`:`port` (0: any free port) until the block
-    ends; `tls` defaults to `PIPELINE_FT_CERT`'s."""
+    ends; `tls` defaults to `PIPELINE_FT_CERT`'s; `minority_after_join_timeout`: Lighthouse's."""
     lighthouse = Lighthouse(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
-                            heartbeat_timeout_s=heartbeat_timeout_s)
+                            heartbeat_timeout_s=heartbeat_timeout_s,
+                            minority_after_join_timeout=minority_after_join_timeout)
     store = KeyStore()
     server = Server(_coordinator(lighthouse, store),
                     tls=tls, host=host, port=port,

@@ -106,11 +106,37 @@ def test_a_silent_group_is_dropped_once_its_heartbeats_stop() -> None:
 
 def test_a_live_group_that_does_not_join_is_waited_for_the_join_timeout() -> None:
     lighthouse = Lighthouse(join_timeout_s=0.5, heartbeat_timeout_s=30.0)
-    lighthouse.heartbeat("b")
+    lighthouse.heartbeat("c")
     began = time.monotonic()
-    threads, got = _ask(lighthouse, [_member("a", 0)])
-    threads[0].join(timeout=10)
-    assert _ids(got["a"]) == ["a"] and 0.4 < time.monotonic() - began < 5.0
+    threads, got = _ask(lighthouse, [_member("a", 0), _member("b", 0)])
+    for t in threads:
+        t.join(timeout=10)
+    assert _ids(got["a"]) == ["a", "b"] and 0.4 < time.monotonic() - began < 5.0
+
+
+@pytest.mark.parametrize("live", [2, 4])
+def test_half_the_live_groups_form_no_quorum_unless_the_option_says_so(live: int) -> None:
+    """torchft's rule: a quorum that is not a fast one needs more than half of the groups
+    that heartbeat, however long the rest take to ask; `minority_after_join_timeout` forms
+    it once the join timeout passes (the groups that met before make it no fast quorum)."""
+    ids = "abcd"[:live]
+    for minority in (False, True):
+        lighthouse = Lighthouse(join_timeout_s=0.3, heartbeat_timeout_s=30.0,
+                                minority_after_join_timeout=minority)
+        for r in ids:
+            lighthouse.heartbeat(r)
+        threads, got = _ask(lighthouse, [_member(r, 0) for r in ids])
+        for t in threads:
+            t.join(timeout=10)
+        assert _ids(got["a"]) == list(ids)  # they met
+        half = [_member(r, 1) for r in ids[:live // 2]]
+        threads, got = _ask(lighthouse, half, timeout=1.5)
+        for t in threads:
+            t.join(timeout=10)
+        if minority:
+            assert _ids(got["a"]) == list(ids[:live // 2]) and got["a"]["quorum_id"] == 2
+        else:
+            assert all(isinstance(got[m["replica_id"]], TimeoutError) for m in half), got
 
 
 def test_shrink_only_keeps_newcomers_out_and_a_quorum_request_times_out() -> None:
