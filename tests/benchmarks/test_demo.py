@@ -116,8 +116,11 @@ def test_make_demo_installs_only_what_the_demo_needs_and_says_so(tmp_path: Path)
     root = Path(__file__).resolve().parents[2]
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(root / name, tmp_path / name)
+    # As a user types it: under `make test` the outer make's MAKELEVEL would have this one
+    # print "Entering directory" lines around its plan.
+    clean = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS"}}
     plan = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True,
-                          text=True, check=True, timeout=60).stdout
+                          text=True, check=True, timeout=60, env=clean).stdout
     installs = [line.strip(" \t\\&;") for line in plan.splitlines() if "pip install" in line]
     assert installs == [".venv/bin/python -m pip install --upgrade pip",
                         ".venv/bin/python -m pip install torch==2.13.0",
