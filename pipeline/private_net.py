@@ -3,7 +3,8 @@
 Every server a job runs on one host binds loopback: the rendezvous stores, gloo, the replica
 job's lighthouse and record, each group's manager, the heal servers, and the abstract sockets
 of same-host links. Loopback is open to every user of the host, and torch's stores and gloo
-authenticate no one: what the job's secret cannot guard (docs/security.md), a namespace can.
+authenticate no one: what the job's TLS certificate does not cover (docs/security.md), a
+namespace can.
 `python -m pipeline.launch --private-network ...` starts the launcher again in a new user and
 network namespace (the user's own uid mapped to itself, so files and peer checks see the same
 owner), whose loopback only the job's processes share.
