@@ -7,7 +7,9 @@ each chunk to the file CAPTURE as it goes. With MODE "tamper", once the file CAP
 exists, it changes one bit in the next TLS record the server sends on each connection after
 the handshake (after the client's first encrypted record: the server's whole first flight has
 passed by then), as a user in the middle rewriting answers would; each change is a line of
-CAPTURE.flips ("connection record-index"). MODE "pass" forwards every byte as it came.
+CAPTURE.flips ("connection record-index"). MODE "once" changes one such record in all, on
+the first connection to carry one (a group started by hand is not yet bounded then:
+docs/security.md). MODE "pass" forwards every byte as it came.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ lock = threading.Lock()
 out = open(capture, "ab", buffering=0)
 flips = open(capture + ".flips", "a", buffering=1)
 server = socket.create_server(("127.0.0.1", 0))
+flipped_any = []
 print(server.getsockname()[1], flush=True)
 
 class Conn:
@@ -47,9 +50,13 @@ def pipe(src, dst, conn, way):
                         index += 1
                         if way == "up" and kind == 23:
                             conn.client_encrypted = True
-                        flip_this = (way == "down" and kind == 23 and mode == "tamper"
+                        flip_this = (way == "down" and kind == 23 and mode != "pass"
                                      and conn.client_encrypted and not conn.flipped
                                      and os.path.exists(capture + ".go"))
+                        if flip_this and mode == "once":
+                            with lock:  # one record in all, whichever thread comes first
+                                flip_this = not flipped_any
+                                flipped_any.append(conn.n)
                 else:
                     take = min(left, len(chunk) - at)
                     if flip_this:

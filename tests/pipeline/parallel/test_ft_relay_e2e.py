@@ -6,8 +6,10 @@ user who wrote the groups' manager address into their rendezvous stores relayed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,10 +61,13 @@ def _start_group(replica: int, relay_port: int, out: Path, env: dict[str, str]
     group_env = {**env, LIGHTHOUSE_ENV: f"http://127.0.0.1:{relay_port}",
                  RECORD_ENV: str(relay_port), REPLICA_ID_ENV: str(replica),
                  NUM_REPLICAS_ENV: "2"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.launch", "--nproc", "2", TRAIN,
-                             str(out), str(STEPS), "--min-step-ms", "100"],
-                            env=group_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    # Its output to a file: a process a rank left behind holding a pipe would hold the
+    # reader past the group's own exit.
+    with open(out / f"group_{replica}.out", "w") as output:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.launch", "--nproc", "2",
+                                 TRAIN, str(out), str(STEPS), "--min-step-ms", "100"],
+                                env=group_env, stdout=output, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
 
 
 def _committed(out: Path) -> dict[tuple[int, int], dict[int, list[int]]]:
@@ -91,18 +96,20 @@ def _assert_one_history(out: Path) -> None:
                     assert torch.equal(value, finals[0]["model"][name]), (rank, name)
 
 
-def _wait(procs: list[subprocess.Popen[str]], bound: float) -> list[str]:
+def _wait(procs: list[subprocess.Popen[str]], out: Path, bound: float) -> list[str]:
     """Every group's output once all exited; fails, killing them, past `bound` seconds."""
     deadline = time.monotonic() + bound
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"the job hung: still running after {bound:.0f} s")
-    return outputs
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for q in procs:  # the launcher and its ranks (a session of their own)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(q.pid, signal.SIGKILL)
+        tails = {g: (out / f"group_{g}.out").read_text()[-3000:] for g in range(len(procs))}
+        pytest.fail(f"the job hung: groups {[q.returncode for q in procs]} (None: still "
+                    f"running) after {bound:.0f} s; their last output: {tails}")
+    return [(out / f"group_{g}.out").read_text() for g in range(len(procs))]
 
 
 @other_user
@@ -139,7 +146,7 @@ def test_a_relay_of_another_user_reads_nothing_and_changes_nothing(
                 time.sleep(0.1)
             Path(capture + ".go").touch()
             went = time.monotonic()
-        outputs = _wait(groups, JOB_BOUND_S)
+        outputs = _wait(groups, tmp_path, JOB_BOUND_S)
         ended = time.monotonic()
     finally:
         for p in (*groups, coordinator, relay):
