@@ -60,7 +60,9 @@ def test_a_layers_cost_is_the_same_beside_busy_threads(one_thread: None) -> None
     idle = _cost(model, x, y)
     with _Competing():
         busy = _cost(model, x, y)
-    # By the wall clock the busy profile reads several times the idle one (its thread waits
-    # for a core); by the thread's CPU time only caches shared with the others move it.
-    assert 1 / 1.5 < busy / idle < 1.5, (idle, busy)
+    # By the wall clock the busy profile reads several times the idle one (7.5x: its thread
+    # waits for a core); by the thread's CPU time only what it shares with the others (caches,
+    # a hyperthread's sibling) moves it: 0.96-1.24x in six pairs here, and once past 1.5x in a
+    # full run of the planner's tests. 2x keeps room for that and still fails a wall clock.
+    assert 1 / 2 < busy / idle < 2, (idle, busy)
 
