@@ -14,7 +14,6 @@ import pytest
 
 from pipeline import PipeConfigError, PipelineError
 from pipeline.state import save_dirs, sharded
-from schedules import files
 from tests.other_user import other_user, start_as_other
 from tests.pipeline.sharded_workers import assert_same, load_fresh, save_trained
 
@@ -100,14 +99,19 @@ def test_a_save_into_a_directory_others_may_rename_in_is_refused(tmp_path: Path,
 def test_a_directory_writable_by_the_owners_own_group_alone_takes_saves(tmp_path: Path) -> None:
     """A umask of 002 (most distributions' default for users) makes a project directory 0775
     in the user's own group: nobody else may rename there, so a save goes on."""
+    import grp
+    import pwd
+
+    me = pwd.getpwuid(os.getuid())
+    group = grp.getgrgid(me.pw_gid)
+    if group.gr_name != me.pw_name or set(group.gr_mem) - {me.pw_name}:
+        pytest.skip(f"this user's primary group {group.gr_name!r} is not a group of its own")
     own = tmp_path / "project"
     own.mkdir()
+    os.chown(own, -1, me.pw_gid)
     own.chmod(0o775)
-    if not files.shared(os.stat(own)) and os.stat(own).st_mode & 0o020:
-        saved = save_trained(own / "ckpt", seed=0)
-        assert_same(load_fresh(own / "ckpt"), saved, "the checkpoint saved")
-    else:
-        pytest.skip("this user's directories are not in a group of its own")
+    saved = save_trained(own / "ckpt", seed=0)
+    assert_same(load_fresh(own / "ckpt"), saved, "the checkpoint saved")
 
 
 def test_a_directory_others_may_rename_in_above_the_checkpoint_is_refused(tmp_path: Path) -> None:
