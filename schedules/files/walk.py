@@ -1,25 +1,4 @@
-"""The gate for files: every file the project reads or writes outside its own process passes here.
-
-A path is walked one component at a time from directory descriptors the gate holds, never by
-name from the top again, so what it checked is what it opens. Three rules, for every reader
-and writer alike (checkpoints, time models, schedule CSVs, pipeviz and benchmark outputs):
-
-- **No link it did not make.** A symbolic link is followed only where nobody else could have
-  put it: in a directory no other user may write (mode without group or others' write), or
-  owned by this user, root, or the directory's owner (the kernel's `protected_symlinks` rule,
-  applied to every directory, not only sticky ones). Its target is walked by the same rules.
-- **Nothing planted.** In a directory others may write, an entry (file or directory) of
-  another user than this one, root or the directory's owner is refused: it may have been put
-  there in place of one of ours.
-- **Regular files only, bounded.** A file is opened without following a link and without
-  blocking (a FIFO never stalls a reader), then checked to be a regular file, and read up to
-  a size the caller bounds. A write goes to a fresh temporary sibling (`O_EXCL`, the final
-  mode from the first byte), is fsynced and renamed into place from the same directory
-  descriptor, and the directory is fsynced: the file holds its old content or the new, whole.
-
-What stays beyond it: root, and the owner of a directory on the path, can change anything
-under it; the gate trusts them, as the kernel does.
-"""
+"""The file gate's walk: paths opened one component at a time by its rules, and bounded reads."""
 
 from __future__ import annotations
 
@@ -29,13 +8,11 @@ import errno
 import json
 import os
 import re
-import secrets
 import stat
 from typing import Any
 
-__all__ = ["FileRefused", "fsync_directory", "held_directory", "open_directory", "open_file",
-           "open_in", "read_bytes", "read_file", "read_json", "resolve", "shared", "write_atomic",
-           "write_in"]
+__all__ = ["FileRefused", "held_directory", "kind_of", "open_directory", "open_file", "open_in",
+           "read_bytes", "read_file", "read_json", "refuse_planted", "resolve", "shared"]
 
 Path = str | os.PathLike[str]
 
@@ -85,11 +62,11 @@ def _trusted(entry: os.stat_result, directory: os.stat_result) -> bool:
     return (not shared(directory) or entry.st_uid in (os.geteuid(), 0, directory.st_uid))
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "no regular file")
 
 
-def _refuse_planted(entry: os.stat_result, directory: os.stat_result, shown: str) -> None:
+def refuse_planted(entry: os.stat_result, directory: os.stat_result, shown: str) -> None:
     if not _trusted(entry, directory):
         raise FileRefused(
             f"{shown!r} belongs to another user (uid {entry.st_uid}) and lies in a directory "
@@ -158,8 +135,8 @@ class _Walk:
             return
         if not stat.S_ISDIR(entry.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, f"{name!r} on the way to {self.shown!r} "
-                                     f"is {_kind(entry.st_mode)}", self.shown)
-        _refuse_planted(entry, self.info, self.shown)
+                                     f"is {kind_of(entry.st_mode)}", self.shown)
+        refuse_planted(entry, self.info, self.shown)
         fd = os.open(name, _DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
         now = os.fstat(fd)
         if (now.st_dev, now.st_ino) != (entry.st_dev, entry.st_ino):
@@ -279,9 +256,9 @@ def open_in(directory: int, name: str, *, shown: str, create: int | None = None)
         raise
     try:
         info = os.fstat(fd)
-        _refuse_planted(info, os.fstat(directory), shown)
+        refuse_planted(info, os.fstat(directory), shown)
         if not stat.S_ISREG(info.st_mode):
-            raise FileRefused(f"{shown!r} is {_kind(info.st_mode)}, not a regular file")
+            raise FileRefused(f"{shown!r} is {kind_of(info.st_mode)}, not a regular file")
     except BaseException:
         os.close(fd)
         raise
@@ -356,105 +333,3 @@ def read_json(path: Path, *, limit: int, max_depth: int = 32) -> Any:
         return json.loads(text, parse_constant=constant)
     except json.JSONDecodeError as exc:
         raise FileRefused(f"{shown!r} is not JSON ({exc})") from None
-
-
-def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -> None:
-    """Write `content` to `path` so that `path` holds its old content or the new, whole, even
-    if the process is killed or the machine loses power part-way.
-
-    The bytes go to a temporary file beside `path` (same directory, so the same filesystem),
-    created with the final mode (an existing file's, else 0o666 less the umask: no other user
-    can open it when the final file would refuse them), flushed and fsynced, and renamed onto
-    `path` from the same directory descriptor; the directory is then fsynced. Text is written
-    as `encoding`, no newline translation. Links are followed by the gate's rules (one of
-    yours, in your own directory, is; one another user planted is refused). A character
-    device or a FIFO of yours or root's (`/dev/null`, a pipe being read) is written directly,
-    as nothing can be renamed onto it; a FIFO nobody reads is refused, never waited on. A
-    process killed part-way may leave a hidden `.<name>.<hex>.tmp` beside `path`.
-    """
-    data = content.encode(encoding) if isinstance(content, str) else content
-    shown = os.fspath(path)
-    directory, name = held_directory(path)
-    try:
-        write_in(directory, name, data, shown)
-    finally:
-        os.close(directory)
-
-
-def write_in(directory: int, name: str, data: bytes, shown: str) -> None:
-    """`write_atomic` of `data` to `name` in the held `directory` (`shown` names it in
-    messages)."""
-    try:
-        old: os.stat_result | None = os.stat(name, dir_fd=directory, follow_symlinks=False)
-    except FileNotFoundError:
-        old = None
-    follow = old is not None and stat.S_ISLNK(old.st_mode)  # a descriptor of ours (_Walk.last)
-    if follow:
-        old = os.stat(name, dir_fd=directory)
-    if name == "." or (old is not None and not stat.S_ISREG(old.st_mode)):
-        kind = "a directory" if name == "." or old is None else _kind(old.st_mode)
-        if old is None or not (stat.S_ISCHR(old.st_mode) or stat.S_ISFIFO(old.st_mode)):
-            raise FileRefused(f"{shown!r} is {kind}: write to a regular file's path")
-        if not follow:
-            _refuse_planted(old, os.fstat(directory), shown)
-        _write_special(directory, name, old, data, shown, follow=follow)
-        return
-    if follow:
-        raise FileRefused(f"{shown!r} is a descriptor of this process on a regular file: "
-                          f"write to that file's path")
-    if old is not None:
-        _refuse_planted(old, os.fstat(directory), shown)
-    final = stat.S_IMODE(old.st_mode) if old is not None else None
-    temp = f".{name}.{secrets.token_hex(4)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
-    fd = os.open(temp, flags, 0o666 if final is None else final, dir_fd=directory)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            if final is not None:
-                os.fchmod(f.fileno(), final)
-        os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp, dir_fd=directory)
-        raise
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
-        os.fsync(directory)
-
-
-def _write_special(directory: int, name: str, old: os.stat_result, data: bytes,
-                   shown: str, *, follow: bool = False) -> None:
-    nofollow = 0 if follow else os.O_NOFOLLOW
-    try:
-        fd = os.open(name, os.O_WRONLY | nofollow | os.O_NONBLOCK | _CLOEXEC,
-                     dir_fd=directory)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:
-            raise FileRefused(f"{shown!r} is a FIFO nobody reads: it is not waited on") from None
-        raise
-    with open(fd, "wb") as f:
-        now = os.fstat(fd)
-        if (now.st_dev, now.st_ino) != (old.st_dev, old.st_ino):
-            raise FileRefused(f"{shown!r} was replaced while it was opened: write again")
-        os.set_blocking(fd, True)  # a reader is there: let it take the bytes at its pace
-        f.write(data)
-
-
-def fsync_directory(path: Path | int) -> None:
-    """Make the entries of directory `path` (or the held descriptor) durable: files created,
-    renamed or removed in it. A no-op where directories cannot be opened for it (Windows)."""
-    if isinstance(path, int):
-        with contextlib.suppress(OSError):
-            os.fsync(path)
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | _CLOEXEC)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
-            os.fsync(fd)
-    finally:
-        os.close(fd)
