@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -22,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.state import save_dirs, shard_reader, staging
+from pipeline.errors import PipeConfigError
+from pipeline.state import fit, save_dirs, shard_reader, staging
 from pipeline.state.held_writer import HeldWriter
 from pipeline.state.opened import ATTEMPTS, Opened, open_checkpoint
 from schedules.files import fsync_directory
@@ -37,7 +36,7 @@ _AGREEMENT_ROUNDS = 3  # times the ranks open the checkpoint again if they opene
 # "param_groups.<fqn>.lr"): every entry belongs to one parameter, so it follows that parameter
 # to whichever rank holds it on load, whatever the balance or number of ranks.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-_MODEL, _OPTIM, _LAYOUT = "model", "optim", "pipeline"
+_LAYOUT = "pipeline"  # beside fit.MODEL and fit.OPTIM
 
 Path = str | os.PathLike[str]
 
@@ -59,7 +58,7 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     group, distributed = _group(module)
     leader = not distributed or dist.get_rank(group) == 0
     with contextlib.ExitStack() as held:
-        problems = _foreign_parameters(module, optimizer)
+        problems = fit.foreign_parameters(module, optimizer)
         parent = None
         if leader and not problems:  # its parent held, one save of `path` at a time
             try:
@@ -68,7 +67,7 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
             except PipeConfigError as exc:
                 problems.append(str(exc))
         problems += [p for p in [staging.target_problem(path)] if p is not None]
-        lines = _lines(_everyone(problems, set(), group, distributed))
+        lines = fit.problem_lines(fit.everyone(problems, set(), group, distributed))
         if lines:
             raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: "
                                   + "; ".join(lines))
@@ -81,8 +80,8 @@ def save(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
                 held.callback(staged.close)
                 begun = (token, "", os.fstat(staged.fd).st_ino)
             except (OSError, PipeConfigError) as exc:
-                begun = ("", _reason(exc), 0)
-        token, error, inode = _gather(begun, group, distributed)[0]  # the first rank's
+                begun = ("", fit.reason(exc), 0)
+        token, error, inode = fit.gather(begun, group, distributed)[0]  # the first rank's
         if error:
             raise PipeConfigError(f"save: cannot save to {os.fspath(path)!r}: creating its "
                                   f"staged directory failed ({error})")
@@ -100,10 +99,10 @@ def _join(path: Path, made: tuple[str, int], staged: save_dirs.Staged | None, gr
             staged = save_dirs.join(staging.staged_path(path, made[0]), made[1])
             held.callback(staged.close)
         except (OSError, PipeConfigError) as exc:
-            failed = [f"opening the staged directory failed: {_reason(exc)}"]
-    _agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
-           distributed, cleanup=staged if staged is not None and staged.parent else None)
-    assert staged is not None  # _agree raised otherwise
+            failed = [f"opening the staged directory failed: {fit.reason(exc)}"]
+    fit.agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
+              distributed, cleanup=staged if staged is not None and staged.parent else None)
+    assert staged is not None  # agree raised otherwise
     return staged
 
 
@@ -112,19 +111,19 @@ def _write(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | Non
            staged: save_dirs.Staged) -> None:
     """Every rank writes into the held staged directory; the leader (it has `modes`) swaps it
     in."""
-    state: dict[str, Any] = {_MODEL: dict(module.state_dict()),
+    state: dict[str, Any] = {fit.MODEL: dict(module.state_dict()),
                              _LAYOUT: json.dumps(_layout(module, optimizer))}
     if optimizer is not None:
-        state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+        state[fit.OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
     try:  # every rank's files fsynced (the writer's sync_files), and the directory holding them
         _run(dcp_save, state, group, distributed,
              storage_writer=HeldWriter(staged.fd, staged.shown))
         fsync_directory(staged.fd)
         failed = []
     except (Exception, CheckpointException) as exc:  # any rank's is every rank's, below
-        failed = [f"writing failed: {_reason(exc)}"]
-    _agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
-           distributed, cleanup=staged if modes is not None else None)
+        failed = [f"writing failed: {fit.reason(exc)}"]
+    fit.agree(f"save: the checkpoint at {os.fspath(path)!r} is unchanged", failed, group,
+              distributed, cleanup=staged if modes is not None else None)
     swapped = []
     if modes is not None:
         try:
@@ -132,9 +131,9 @@ def _write(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | Non
             save_dirs.seal(staged, modes)
             save_dirs.swap_in(staged, token)
         except Exception as exc:  # reported to every rank: none is left waiting below
-            swapped = [f"swapping {staged.shown!r} in failed: {_reason(exc)}"]
-    _agree(f"save: swapping the new checkpoint in at {os.fspath(path)!r} failed (a load finds "
-           f"the old checkpoint or the new one, complete)", swapped, group, distributed)
+            swapped = [f"swapping {staged.shown!r} in failed: {fit.reason(exc)}"]
+    fit.agree(f"save: swapping the new checkpoint in at {os.fspath(path)!r} failed (a load "
+              f"finds the old checkpoint or the new one, complete)", swapped, group, distributed)
 
 
 def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -154,7 +153,7 @@ def load(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer | None 
     """
     group, distributed = _group(module)
     for _ in range(ATTEMPTS):
-        problems = _foreign_parameters(module, optimizer)
+        problems = fit.foreign_parameters(module, optimizer)
         opened = _open_agreed(path, problems, group, distributed)
         try:
             _load_opened(module, path, optimizer, opened, problems, group, distributed)
@@ -176,20 +175,21 @@ def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer
                  opened: Opened | None, problems: list[str], group: Any,
                  distributed: bool) -> None:
     own = dict(module.state_dict())
-    state: dict[str, Any] = {_MODEL: own}
+    state: dict[str, Any] = {fit.MODEL: own}
     saved = opened.metadata if opened is not None else None
     if saved is not None:
-        problems += _misfits(own, saved, _MODEL)
+        problems += fit.misfits(own, saved, fit.MODEL)
         if optimizer is not None and not problems:
-            if not any(k.startswith(_OPTIM + ".") for k in saved.state_dict_metadata):
+            if not any(k.startswith(fit.OPTIM + ".") for k in saved.state_dict_metadata):
                 problems.append("it holds no optimizer state (it was saved without "
                                 "optimizer=): load without optimizer=, or save with one")
             else:
-                state[_OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
-                problems += _misfits(state[_OPTIM], saved, _OPTIM)
-                problems += _stranded(state[_OPTIM], saved, module)
-    _raise_unless_fits(path, opened, _everyone(problems, set(own), group, distributed))
-    assert opened is not None  # _raise_unless_fits raised otherwise
+                state[fit.OPTIM] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+                problems += fit.misfits(state[fit.OPTIM], saved, fit.OPTIM)
+                problems += fit.stranded(state[fit.OPTIM], saved, module)
+    fit.raise_unless_fits(path, opened, fit.everyone(problems, set(own), group, distributed),
+                          lambda: _describe(path, opened))
+    assert opened is not None  # raise_unless_fits raised otherwise
     if opened.path != staging.normal(path):
         warnings.warn(f"{os.fspath(path)!r} is missing (a save of it was cut short between its "
                       f"two renames): loading the complete new checkpoint {opened.path!r}; the "
@@ -201,11 +201,11 @@ def _load_opened(module: nn.Module, path: Path, optimizer: torch.optim.Optimizer
         if _replaced(exc):
             raise _ReplacedWhileRead from exc
         raise PipeConfigError(f"load: {_describe(path, opened)} is damaged: reading it "
-                              f"failed ({_reason(exc)}). Load another checkpoint, or save this "
+                              f"failed ({fit.reason(exc)}). Load another checkpoint, or save this "
                               f"one again") from exc
     module.load_state_dict(own)  # tensors were filled in place; this lets the module react
     if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state[_OPTIM], options=_OPTIONS)
+        set_optimizer_state_dict(module, optimizer, state[fit.OPTIM], options=_OPTIONS)
 
 
 def _reader(opened: Opened) -> shard_reader.Reader:
@@ -227,7 +227,7 @@ def _open_agreed(path: Path, problems: list[str], group: Any, distributed: bool
     for _ in range(_AGREEMENT_ROUNDS):
         found: list[str] = []
         opened = _open(path, found)
-        seen = _gather(opened.identity if opened is not None else None, group, distributed)
+        seen = fit.gather(opened.identity if opened is not None else None, group, distributed)
         if len({s for s in seen if s is not None}) <= 1:
             problems += found
             return opened
@@ -309,127 +309,3 @@ def _open(path: Path, problems: list[str]) -> Opened | None:
         opened.close()
         return None
     return opened
-
-
-def _misfits(own: dict[str, Any], saved: Metadata, prefix: str) -> list[str]:
-    """This rank's keys (model or optimizer) the checkpoint lacks or holds with another shape."""
-    entries = saved.state_dict_metadata
-    what = "model" if prefix == _MODEL else "optimizer"
-    missing = sorted(k for k in own if f"{prefix}.{k}" not in entries)
-    shapes = []
-    for k, v in own.items():
-        entry = entries.get(f"{prefix}.{k}")
-        if isinstance(v, torch.Tensor) and entry is not None and (
-                not isinstance(entry, TensorStorageMetadata) or entry.size != v.shape):
-            seen = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "no tensor"
-            shapes.append(f"{k!r}: checkpoint {seen}, here {tuple(v.shape)}")
-    return ([f"{what} keys missing {_few(missing)}"] if missing else []) + (
-        [f"{what} shape mismatches " + _few(shapes, "; ")] if shapes else [])
-
-
-def _stranded(template: dict[str, Any], saved: Metadata, module: nn.Module) -> list[str]:
-    """Saved optimizer state of this rank's parameters that the optimizer has no slot for
-    (another kind or options; or no state yet: torch creates it by a zero-gradient step,
-    which it skips while gradients exist)."""
-    names = {n for n, _ in module.named_parameters()}
-    head = f"{_OPTIM}.state."
-    stranded = []
-    for key in saved.state_dict_metadata:
-        if not key.startswith(head):
-            continue
-        rest = key[len(head):]  # "<parameter name>.<state name>"
-        mine = any(rest[:i] in names for i, c in enumerate(rest) if c == ".")
-        if mine and f"state.{rest}" not in template:
-            stranded.append(f"state.{rest}")
-    if stranded:
-        more = f" and {len(stranded) - 4} more" if len(stranded) > 4 else ""
-        return [f"the optimizer has no slot for the saved {sorted(stranded)[:4]}{more}: use the "
-                f"same kind and options; if it holds gradients but no state yet, call "
-                f"optimizer.zero_grad(set_to_none=True) first"]
-    return []
-
-
-def _foreign_parameters(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[str]:
-    """The optimizer must step the module's own parameters (so each has a name)."""
-    if optimizer is None:
-        return []
-    mine = {id(p) for p in module.parameters()}
-    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
-    if foreign:
-        return [f"the optimizer holds {foreign} parameter(s) that are not the module's: build "
-                f"it on pipe.parameters() (multi-process: this rank's parameters only)"]
-    return []
-
-
-def _everyone(problems: list[str], keys: set[str], group: Any, distributed: bool
-              ) -> list[tuple[int, list[str], set[str]]]:
-    """Every rank's (rank, problems, keys): all ranks then raise together, so none is left
-    waiting in DCP's collectives for a rank that gave up."""
-    if not distributed:
-        return [(0, problems, keys)]
-    return _gather((dist.get_rank(group), problems, keys), group, distributed)
-
-
-def _gather(item: Any, group: Any, distributed: bool) -> list[Any]:
-    """Every rank's `item`, in rank order (just this one's, in one process)."""
-    if not distributed:
-        return [item]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, item, group=group)
-    return gathered
-
-
-def _agree(what: str, problems: list[str], group: Any, distributed: bool, *,
-           cleanup: save_dirs.Staged | None = None) -> None:
-    """Raise `PipelineError` on every rank alike if any rank has a problem, or if a rank does
-    not answer (it died: the exchange fails rather than waits); first remove `cleanup`."""
-    try:
-        lines = _lines(_everyone(problems, set(), group, distributed))
-    except Exception as exc:  # a rank died or hung up: its peers fail here, none waits
-        lines = [f"a rank did not answer ({type(exc).__name__}: {exc})"]
-    if lines:
-        if cleanup is not None:
-            save_dirs.discard(cleanup)
-        raise PipelineError(f"{what}: " + "; ".join(lines))
-
-
-def _raise_unless_fits(path: Path, opened: Opened | None,
-                       everyone: list[tuple[int, list[str], set[str]]]) -> None:
-    """Raise (on every rank alike) for any rank's problem, or model keys no rank has."""
-    lines = _lines(everyone)
-    if opened is None:  # this rank has said so among its problems
-        raise PipeConfigError(f"load: nothing to load at {os.fspath(path)!r}: " + "; ".join(lines))
-    union = {f"{_MODEL}.{k}" for _, _, keys in everyone for k in keys}
-    unexpected = sorted(k[len(_MODEL) + 1:] for k in opened.metadata.state_dict_metadata
-                        if k.startswith(_MODEL + ".") and k not in union)
-    if unexpected:
-        lines.append(f"model keys unexpected {_few(unexpected)} (no layer here has them)")
-    if lines:
-        raise PipeConfigError(
-            f"load: {_describe(path, opened)} does not fit this model: " + "; ".join(lines)
-            + ". Load a checkpoint of the same model (balance, number of ranks, threads or "
-            "processes may differ)")
-
-
-def _few(items: list[str], sep: str | None = None, shown: int = 4) -> str:
-    """The first `shown` of `items` (a list's text, or joined by `sep`) and how many more: a
-    checkpoint of 200,000 unexpected keys is named in a line, not in megabytes."""
-    more = f" and {len(items) - shown} more" if len(items) > shown else ""
-    head = items[:shown]
-    return (str(head) if sep is None else sep.join(head)) + more
-
-
-def _reason(exc: BaseException) -> str:
-    """An exception in one line per rank (DCP's own carries every failed rank's traceback)."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {r}: {_reason(e)}" for r, (e, _) in sorted(exc.failures.items()))
-    text = str(exc).strip()
-    # torch's weights_only refusal says what it refused on its last lines
-    detail = next((line for line in reversed(text.splitlines()) if "GLOBAL" in line), "")
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}" + (
-        f" ({detail.strip()})" if detail else "")
-
-
-def _lines(everyone: list[tuple[int, list[str], set[str]]]) -> list[str]:
-    many = len(everyone) > 1
-    return [(f"rank {r}: " if many else "") + p for r, ps, _ in everyone for p in ps]
