@@ -128,7 +128,7 @@ def get_schedule(name: str, num_ranks: int, num_microbatches: int, **options: in
 
 
 _BUILTINS = ("gpipe", "one_f_one_b", "interleaved", "pipedream_2bw", "zero_bubble",
-             "v_shape")
+             "v_shape", "auto")
 
 
 def _load_builtins() -> None:

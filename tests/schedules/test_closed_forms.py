@@ -62,6 +62,10 @@ FORMS: dict[str, Form] = {
     "zb-h2": Form(lambda p, m, o: max(3 * m + p - 1, 2 * m + 2 * p - 1),
                   lambda p, m, r, o: min(m, 2 * p - 1)),
     "zb-h1-tight": Form(lambda p, m, o: 3 * m + 2 * (p - 1), lambda p, m, r, o: min(m, p - r)),
+    # Unit costs under 1F1B's memory: zb-h1's makespan is the least possible, and ties go to
+    # the fixed schedule (zb-h1; 1f1b or gpipe at p = 1, with the same figures).
+    "auto": Form(lambda p, m, o: max(3 * m + p - 1, 2 * m + 2 * p - 1),
+                 lambda p, m, r, o: min(m, p)),
 }
 
 

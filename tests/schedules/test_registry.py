@@ -10,7 +10,7 @@ from schedules import ScheduleError
 
 def test_available_lists_the_builtins() -> None:
     assert schedules.available() == ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zb-h2",
-                                     "zb-h1-tight", "zb-v", "dualpipe-v")
+                                     "zb-h1-tight", "zb-v", "dualpipe-v", "auto")
 
 
 def test_unknown_name_lists_known_ones() -> None:
