@@ -15,6 +15,7 @@ __all__ = [
     "GATE_FILE_KINDS",
     "GATE_READERS",
     "METADATA_FIELDS",
+    "auto_costs",
     "auto_problems",
     "balances",
     "crafted_checkpoints",
@@ -57,19 +58,28 @@ def schedules_any(name: str | None = None) -> st.SearchStrategy[Any]:
 
 
 @st.composite
-def auto_problems(draw: st.DrawFn, max_ranks: int = 4,
-                  max_microbatches: int = 12) -> tuple[int, int, Any, int | None]:
-    """(num_ranks, num_microbatches, costs, memory_limit) for `schedules.auto.search`: unequal
-    per-stage F, I and W (in quarters, 0.25 to 4, so a head may cost 16 blocks), B = I + W,
-    a transfer time of 0 to 1 and a memory limit of 1 to m micro-batches per rank, or none."""
-    p = draw(st.integers(2, max_ranks))
-    m = draw(st.integers(1, max_microbatches))
+def auto_costs(draw: st.DrawFn, num_ranks: int,
+               num_microbatches: int) -> tuple[Any, int | None]:
+    """(costs, memory_limit) for `schedules.auto.search` at p x m: unequal per-stage F, I
+    and W (in quarters, 0.25 to 4, so a head may cost 16 blocks), B = I + W, a transfer time
+    of 0 to 1 and a memory limit of 1 to m micro-batches per rank, or none."""
+    p = num_ranks
     quarters = st.lists(st.integers(1, 16).map(lambda q: q / 4), min_size=p, max_size=p)
     f, i, w = draw(quarters), draw(quarters), draw(quarters)
     costs = schedules.Costs(forward=f, backward_input=i, backward_weight=w,
                             backward=[a + b for a, b in zip(i, w, strict=True)],
                             comm=draw(st.integers(0, 4)) / 4)
-    limit = draw(st.none() | st.integers(1, m))
+    return costs, draw(st.none() | st.integers(1, num_microbatches))
+
+
+@st.composite
+def auto_problems(draw: st.DrawFn, max_ranks: int = 4,
+                  max_microbatches: int = 12) -> tuple[int, int, Any, int | None]:
+    """(num_ranks, num_microbatches, costs, memory_limit): p of 2 to `max_ranks`, m of 1 to
+    `max_microbatches`, and `auto_costs` for them."""
+    p = draw(st.integers(2, max_ranks))
+    m = draw(st.integers(1, max_microbatches))
+    costs, limit = draw(auto_costs(p, m))
     return p, m, costs, limit
 
 

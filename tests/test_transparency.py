@@ -27,9 +27,10 @@ from torch import nn
 
 import schedules
 from pipeline import Pipe
+from schedules.auto_greedy import FILLS, Policy, greedy
 from tests.models_graphs import build_graph, graph_loss
 from tests.pipeline.reference import build, seeded_microbatch_step
-from tests.strategies import balances, sequential_specs, stage_graphs
+from tests.strategies import auto_costs, balances, sequential_specs, stage_graphs
 
 SCHEDULES = schedules.available()  # every registered generator, by its metadata
 MODES = ("never", "except_last", "always")
@@ -52,6 +53,20 @@ def _stages_for(schedule: str, num_layers: int, draw_ranks: int) -> tuple[int, i
     per_rank = _per_rank(schedule)
     ranks = max(1, min(draw_ranks, num_layers // per_rank))
     return ranks * per_rank, ranks
+
+
+def _schedule_arg(schedule: str, num_stages: int, chunks: int,
+                  data: st.DataObject) -> str | schedules.Schedule:
+    """`schedule`, or for "auto" half the time an order its heuristic places for drawn
+    unequal costs, caps and W policy: by name, "auto" is zb-h1 (unit costs), and `search`
+    picks a fixed schedule or one of these orders, so every order it can return runs."""
+    if schedule != "auto" or not data.draw(st.booleans(), label="synthesised"):
+        return schedule
+    costs, _ = data.draw(auto_costs(num_stages, chunks), label="auto costs")
+    caps = data.draw(st.lists(st.integers(1, chunks), min_size=num_stages,
+                              max_size=num_stages), label="caps")
+    policy = Policy(tuple(caps), data.draw(st.sampled_from(FILLS), label="fill"))
+    return greedy(num_stages, chunks, costs, policy)
 
 
 def _assert_same_grads(pipe_model: nn.Module, ref_model: nn.Module,
@@ -80,7 +95,8 @@ def test_pipe_equals_single_device(spec: dict[str, Any], schedule: str, checkpoi
     balance = data.draw(balances(len(model), num_stages)) if num_stages > 1 else [len(model)]
     reference = copy.deepcopy(model)
     loss_fn = nn.MSELoss()
-    pipe = Pipe(model, balance, chunks=spec["chunks"], schedule=schedule, checkpoint=checkpoint)
+    arg = _schedule_arg(schedule, num_stages, spec["chunks"], data)
+    pipe = Pipe(model, balance, chunks=spec["chunks"], schedule=arg, checkpoint=checkpoint)
     torch.manual_seed(spec["seed"] + 1)
     loss = pipe.step(x, y, loss_fn)
     if any(isinstance(layer, nn.Dropout) for layer in model):
@@ -93,6 +109,36 @@ def test_pipe_equals_single_device(spec: dict[str, Any], schedule: str, checkpoi
         expected = loss_fn(reference(x), y)
         expected.backward()
     assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected.detach(), rtol=RTOL_64, atol=0.0)
+    _assert_same_grads(model, reference, _scaled_tol(reference, RTOL_64))
+
+
+@given(spec=sequential_specs(), checkpoint=st.sampled_from(MODES), ranks=st.integers(2, 4),
+       data=st.data())
+def test_auto_orders_equal_single_device(spec: dict[str, Any], checkpoint: str, ranks: int,
+                                         data: st.DataObject) -> None:
+    """Orders `auto` places for unequal stages (drawn costs, caps and W policy), every time:
+    the property test above draws "auto" among all schedules, and seldom."""
+    model, x, y = build(spec, dtype=torch.float64)
+    num_stages = max(1, min(ranks, len(model)))
+    balance = data.draw(balances(len(model), num_stages)) if num_stages > 1 else [len(model)]
+    reference = copy.deepcopy(model)
+    costs, _ = data.draw(auto_costs(num_stages, spec["chunks"]), label="auto costs")
+    caps = data.draw(st.lists(st.integers(1, spec["chunks"]), min_size=num_stages,
+                              max_size=num_stages), label="caps")
+    order = greedy(num_stages, spec["chunks"], costs,
+                   Policy(tuple(caps), data.draw(st.sampled_from(FILLS), label="fill")))
+    pipe = Pipe(model, balance, chunks=spec["chunks"], schedule=order, checkpoint=checkpoint)
+    torch.manual_seed(spec["seed"] + 1)
+    loss = pipe.step(x, y, nn.MSELoss())
+    if any(isinstance(layer, nn.Dropout) for layer in model):  # draws per stage, micro-batch
+        torch.manual_seed(spec["seed"] + 1)
+        step_seed = int(torch.randint(0, 2**62, (1,)).item())
+        expected = seeded_microbatch_step(reference, balance, x, y, nn.MSELoss(),
+                                          spec["chunks"], step_seed)
+    else:
+        expected = nn.MSELoss()(reference(x), y)
+        expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=RTOL_64, atol=0.0)
     _assert_same_grads(model, reference, _scaled_tol(reference, RTOL_64))
 
@@ -111,7 +157,8 @@ def test_any_stage_graph_equals_single_device(spec: dict[str, Any], schedule: st
     num_stages, _ = _stages_for(schedule, len(model), ranks)
     balance = data.draw(balances(len(model), num_stages)) if num_stages > 1 else [len(model)]
     reference = copy.deepcopy(model)
-    pipe = Pipe(model, balance, chunks=spec["chunks"], schedule=schedule, checkpoint=checkpoint)
+    arg = _schedule_arg(schedule, num_stages, spec["chunks"], data)
+    pipe = Pipe(model, balance, chunks=spec["chunks"], schedule=arg, checkpoint=checkpoint)
     try:
         loss = pipe.step(x, y, graph_loss)
     finally:

@@ -62,6 +62,21 @@ def equivalence(rank: int, combos: list[tuple[str, str]], balance_by_schedule: d
     return checked
 
 
+def synthesised(rank: int) -> tuple[str, list[str]]:
+    """Each rank synthesises `auto` for the same unequal costs itself (so the ranks must build
+    the same schedule), then trains it under two recomputation modes, exactly; returns the
+    candidate chosen and this rank's actions."""
+    from schedules import Costs
+    from schedules.auto import search
+
+    costs = Costs(forward=[1, 1], backward_input=[1, 3], backward_weight=[3, 1],
+                  backward=[4, 4], comm=0.5)
+    found = search(2, 4, costs, memory_limit=3)
+    s = found.schedule
+    equivalence(rank, [(s, "never"), (s, "always")], {s: [4, 4]})
+    return found.chosen, [str(a) for a in s.actions[rank]]
+
+
 def integer_inputs(rank: int) -> float:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(30, 8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
