@@ -17,6 +17,7 @@ from pipeline.runtime.batchnorm import microbatch_scope
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.gpu_clock import GpuClock
 from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like, sendable
+from pipeline.runtime.plan import Plans
 from pipeline.runtime.recompute import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
 from pipeline.runtime.saved_bytes import SavedBytes
 from pipeline.runtime.split_backward import (
@@ -29,8 +30,8 @@ from pipeline.runtime.split_backward import (
 from pipeline.runtime.syncs import StepSyncs, handlers
 from pipeline.runtime.versions import WeightVersions, call_with
 from pipeline.runtime.weighting import zero_loss
-from schedules import COMM_OPS, Action, Event, Op
-from schedules.lower import Message, message, source_stage
+from schedules import Action, Event, Op
+from schedules.lower import Message
 
 __all__ = ["LossFn", "StageRuntime", "StepInputs", "StepResult"]
 
@@ -131,10 +132,11 @@ class StageRuntime:
         self._ready = 0.0  # when the current action had its inputs
         # On a GPU the host's clock sees launches: the timeline takes CUDA events' times.
         self.gpu_clock = GpuClock(device) if device.type == "cuda" else None
-        self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
-                          Op.W: self._weight, Op.U: self._update, Op.SEND_F: self._send,
-                          Op.SEND_B: self._send, Op.RECV_F: self._post, Op.RECV_B: self._post,
-                          Op.RECV_T: self._post, Op.RECV_G: self._post, **handlers(self)}
+        # The rows tensor a forward's message carries (see _give), one per row count.
+        self._rows_of: dict[int, torch.Tensor] = {}
+        self._plans = Plans({Op.F: self._forward, Op.B: self._backward, Op.I: self._backward,
+                             Op.W: self._weight, Op.U: self._update, **handlers(self)},
+                            self._send, self._post, rank_of)
 
     # -- driving ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
@@ -150,25 +152,25 @@ class StageRuntime:
 
     def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         events, comm, t0, clock = self.events, self.comm, step.t0, time.perf_counter
-        gpu = self.gpu_clock
+        gpu, rank = self.gpu_clock, self.rank
         self._t0 = t0
         first = clock()
         if gpu is not None:
             gpu.begin(first - t0)
-        for action in actions:
+        for action, handler, moves in self._plans.of(actions):
             self.current = action
             self._ready = clock()
-            if gpu is not None and action.op not in COMM_OPS:  # a message's time is the host's
+            if gpu is not None and not moves:  # a message's time is the host's
                 gpu.ready()
-            self._handlers[action.op](action, step, result)
-            if action.op not in COMM_OPS:
+            handler(action, step, result)
+            if not moves:
                 # Compute (and sync) time only: waiting for a peer's data is idle time (a
                 # bubble), so the clock starts when the handler has its inputs (see _take).
-                events.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+                events.append(Event(rank, action, self._ready - t0, clock() - t0))
                 if gpu is not None:
                     gpu.done(len(events) - 1)
             else:
-                comm.append(Event(self.rank, action, self._ready - t0, clock() - t0))
+                comm.append(Event(rank, action, self._ready - t0, clock() - t0))
         # On a GPU, the events' GPU times are read when the timeline is (see timed_events).
         self.pending = gpu.resolver(events) if gpu is not None else None
         self.span = (first - t0, clock() - t0)
@@ -177,9 +179,9 @@ class StageRuntime:
             raise AssertionError(f"rank {self.rank}: left {sorted(self._stash)} stashed and "
                                  f"{sorted(self._outbox)} unsent")
 
-    def _send(self, action: Action, step: StepInputs, result: StepResult) -> None:
-        msg = message(action)
-        self.transport.send(msg, self._outbox.pop(msg), self.rank_of(msg[1]))
+    def _send(self, msg: Message, dst: int, action: Action, step: StepInputs,
+              result: StepResult) -> None:
+        self.transport.send(msg, self._outbox.pop(msg), dst)
         stash = self._stash.get((msg[1] - 1, msg[2])) if msg[0] == "F" else None
         if stash is not None and stash.outputs is not None and self.transport.copies:
             # The next stage has its copy of the activations; the backward needs only their
@@ -191,9 +193,9 @@ class StageRuntime:
                 self._bytes[msg[1] - 1, msg[2]] = (stashed, held - released)
                 self.activation_bytes -= released
 
-    def _post(self, action: Action, step: StepInputs, result: StepResult) -> None:
-        msg = message(action)
-        self.transport.post(msg, self.rank_of(source_stage(msg)))
+    def _post(self, msg: Message, src: int, action: Action, step: StepInputs,
+              result: StepResult) -> None:
+        self.transport.post(msg, src)
 
     def wait_for(self, msg: Message, src: int) -> tuple[Any, ...]:
         """`msg` from rank `src`, waited for; the current action has its inputs from then on."""
@@ -228,7 +230,10 @@ class StageRuntime:
             # or by the message that brought this micro-batch to this rank.
             count = self._rows[msg[2]]
             assert count is not None, f"micro-batch {msg[2]}: its input rows are unknown"
-            rows = torch.empty((count, 0), dtype=torch.uint8, device=self.device)
+            rows = self._rows_of.get(count)
+            if rows is None:  # it holds no data: one serves every message of its count
+                rows = self._rows_of[count] = torch.empty((count, 0), dtype=torch.uint8,
+                                                          device=self.device)
             self._outbox[msg] = like(values, (*values, rows))
         else:
             self._outbox[msg] = values
@@ -281,11 +286,12 @@ class StageRuntime:
             inputs = self._take(("F", s, m), s - 1)
         train = step.loss_fn is not None
         keep_graph = train and not step.checkpointed[m]
-        saved = SavedBytes()
+        saved_bytes = 0  # what autograd saved: counted only where memory is tracked
         with torch.set_grad_enabled(keep_graph):
             if step.track_memory and keep_graph:
-                with saved:
+                with SavedBytes() as saved:
                     outputs = self._call(action, inputs, step)
+                saved_bytes = saved.bytes
             else:
                 outputs = self._call(action, inputs, step)
         last = s == self.num_stages - 1
@@ -312,14 +318,14 @@ class StageRuntime:
                           if isinstance(t, torch.Tensor))
         self._stash[(s, m)] = _Stash(inputs, outputs if keep_graph else None, loss)
         self.peak_stashed = max(self.peak_stashed, len(self._stash))
-        self.stashed_bytes += input_bytes + saved.bytes
+        self.stashed_bytes += input_bytes + saved_bytes
         self.peak_stashed_bytes = max(self.peak_stashed_bytes, self.stashed_bytes)
         held = 0 if not (step.track_memory and keep_graph) else sum(
             o.numel() * o.element_size() for o in outputs
             if isinstance(o, torch.Tensor) and o.grad_fn is not None)
-        self.activation_bytes += input_bytes + saved.bytes + held
+        self.activation_bytes += input_bytes + saved_bytes + held
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
-        self._bytes[(s, m)] = (input_bytes + saved.bytes, held)
+        self._bytes[(s, m)] = (input_bytes + saved_bytes, held)
 
     def _loss(self, outputs: tuple[Any, ...], m: int, step: StepInputs
               ) -> tuple[torch.Tensor, torch.Tensor]:
