@@ -74,6 +74,10 @@ class ProcessTransport:
         comm_device = device if device.type == "cuda" and self._polls else torch.device("cpu")
         self._waiter = Waiter()
         self._arrived: dict[Message, Received] = {}
+        # id(schedule) -> (schedule, sends, receives) per peer: a Pipe runs the same few
+        # programs step after step, so each one's order of messages is read once.
+        self._orders: dict[int, tuple[Schedule, dict[int, list[Message]],
+                                      dict[int, list[Message]]]] = {}
         self._broken: str | None = None  # the first failure seen: then every call refuses
         # Peers on this host: a Unix socket instead (CPU tensors only: CUDA keeps NCCL's
         # stream-ordered path).
@@ -104,6 +108,19 @@ class ProcessTransport:
         """Read this step's order of messages with each peer from the lowered schedule and
         post the receives that can be."""
         self._arrived.clear()
+        hit = self._orders.get(id(schedule))
+        if hit is None or hit[0] is not schedule:
+            if len(self._orders) >= 64:  # programs of many step shapes: keep the recent ones
+                self._orders.clear()
+            hit = self._orders[id(schedule)] = (schedule, *self._order(schedule))
+        _, sends, receives = hit
+        for peer, channel in self._channels.items():
+            channel.plan(sends.get(peer, []), receives.get(peer, []))
+            self._call(peer, channel.post, "its first messages")
+
+    def _order(self, schedule: Schedule
+               ) -> tuple[dict[int, list[Message]], dict[int, list[Message]]]:
+        """This rank's messages to each peer and from each, in the schedule's order."""
         sends: dict[int, list[Message]] = {}
         receives: dict[int, list[Message]] = {}
         for a in schedule.actions[self.rank]:
@@ -113,9 +130,7 @@ class ProcessTransport:
             elif a.op in SEND_OPS:
                 msg = message(a)
                 sends.setdefault(schedule.rank_of(msg[1]), []).append(msg)
-        for peer, channel in self._channels.items():
-            channel.plan(sends.get(peer, []), receives.get(peer, []))
-            self._call(peer, channel.post, "its first messages")
+        return sends, receives
 
     # -- sending ------------------------------------------------------------------------------
     @guarded
