@@ -106,7 +106,8 @@ def run_group(group: Group, bar: tqdm[Any]) -> dict[int, Measured]:
 def load_summary(run: contention.Reading | None, records: Sequence[dict[str, Any]]
                  ) -> dict[str, Any]:
     """environment.json's `load`: the load average before and after the run, its CPU and
-    wall seconds, and the configurations with a figure measured under contention."""
+    wall seconds, the CPU seconds other programs took meanwhile (None where unknown), and the
+    configurations with a figure measured under contention."""
     flagged = [r["id"] for r in records
                if any((cell or {}).get("contended") for cell in
                       (r.get("contention") or {}).values())]
@@ -115,6 +116,8 @@ def load_summary(run: contention.Reading | None, records: Sequence[dict[str, Any
             "load_after": None if run is None else run.load_after,
             "cpu_s": None if run is None else run.cpu_s,
             "wall_s": None if run is None else run.wall_s,
+            "others_cpu_s": None if run is None else run.others_cpu_s,
+            "others_limit": contention.OTHERS_LIMIT,
             "cpu_share_floor": contention.CPU_SHARE_FLOOR, "contended_cells": flagged}
 
 

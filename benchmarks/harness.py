@@ -74,6 +74,10 @@ class Measured:
     # (pipeline/planner/contention.py), and the load average before and after the group's run.
     cpu: dict[str, list[float | None]] = field(default_factory=dict)
     load: tuple[float | None, float | None] = (None, None)
+    # The timed rounds as one window: its wall seconds, the CPU seconds of this process (or,
+    # merged, of every process of the group) and the machine's busy seconds in it, to tell
+    # what other programs took meanwhile (contention.Window); None where not measured.
+    window: contention.Window | None = None
 
 
 @cache
@@ -380,15 +384,28 @@ def run_rank(rank: int, group: Group, gate: StartGate, progress: Any = None
         for m in group.microbatches:
             variants, pipes, peers = me.variants(m)
             cpu: dict[str, list[float | None]] = {}
+            # Each process counts its own CPU time from before a barrier to before another;
+            # the machine is read after each, when every process is through: the machine's
+            # window holds every process's (they sleep in the barrier in between). The parent
+            # only waits on a queue meanwhile: its CPU time is left out.
+            ours = contention.cpu_seconds(children=True)
+            gate.wait(_TIMEOUT)
+            machine, wall = contention.machine_busy(), contention.wall_clock()
             samples = alternate(variants, warmup=group.warmup, repeats=group.repeats,
                                 prepare=me.prepare,
                                 barrier=lambda taking: gate.start(taking, _TIMEOUT),
                                 sync=me.sync, cpu=cpu)
+            ours = contention.cpu_seconds(children=True) - ours
+            gate.wait(_TIMEOUT)
+            after, wall = contention.machine_busy(), contention.wall_clock() - wall
+            window = contention.Window(wall, ours, None if machine is None or after is None
+                                       else after - machine)
             memory = _memory(pipes, lambda pipe: pipe.step(me.x, me.y, me.loss_fn), me.prepare)
             for key, peer in peers.items():  # the same keys, in the same order, on every rank
                 me.prepare()
                 memory[key] = peer.memory_step(me.x, me.y)
-            results[m] = Measured(samples, memory, variant_keys(group, m)[1], cpu)
+            results[m] = Measured(samples, memory, variant_keys(group, m)[1], cpu,
+                                  window=window)
             gate.wait(_TIMEOUT)  # the pipelines' memory steps are done everywhere
             if progress is not None and rank == 0:
                 progress.put(m)
@@ -400,8 +417,8 @@ def run_rank(rank: int, group: Group, gate: StartGate, progress: Any = None
 
 def merge_ranks(per_rank: Sequence[dict[int, Measured]]) -> dict[int, Measured]:
     """One Measured per micro-batch count from every process's: a step starts when the first
-    process starts it and ends when the last one finishes; events of all ranks together, and
-    the CPU seconds of all its processes summed."""
+    process starts it and ends when the last one finishes; events of all ranks together, the
+    CPU seconds of all its processes summed, and their windows as one (contention.Window)."""
     merged: dict[int, Measured] = {}
     for m, first in per_rank[0].items():
         samples: dict[str, list[Sample | None]] = {}
@@ -429,5 +446,8 @@ def merge_ranks(per_rank: Sequence[dict[int, Measured]]) -> dict[int, Measured]:
                 into = memory.setdefault(key, {k: [] for k in entry})
                 for k, values in entry.items():
                     into[k] += values
-        merged[m] = Measured(samples, memory, first.skipped, cpu)
+        windows = [r[m].window for r in per_rank]
+        window = (None if any(w is None for w in windows) else
+                  contention.Window.merged([w for w in windows if w is not None]))
+        merged[m] = Measured(samples, memory, first.skipped, cpu, window=window)
     return merged

@@ -20,7 +20,7 @@ from benchmarks.stats import (
 )
 from benchmarks.torch_baseline import TORCH_PEERS
 from pipeline.examples.models import get_model
-from pipeline.planner.contention import Reading
+from pipeline.planner.contention import Reading, Window
 from schedules import Schedule, Timeline, get_schedule, info
 
 __all__ = ["SCHEMA", "build_records", "record_id", "schedule_for", "validate_record"]
@@ -49,15 +49,18 @@ def _summary(values: list[float]) -> dict[str, Any] | None:
 
 def _contention(samples: list[Sample | None] | None, cpu: list[float | None] | None, *,
                 threads: int, busy: float, cores: int,
-                load: tuple[float | None, float | None]) -> dict[str, Any] | None:
-    """One cell's rounds as one contention reading (pipeline/planner/contention.py); None where
-    its CPU time was not measured."""
+                load: tuple[float | None, float | None],
+                window: Window | None) -> dict[str, Any] | None:
+    """One cell's rounds as one contention reading (pipeline/planner/contention.py), with what
+    other programs took over the window of every variant's rounds (the variants take turns,
+    so whatever else ran fell on all of them alike); None where its CPU time was not
+    measured."""
     if not samples or not cpu:  # measurements from before CPU time was counted
         return None
     rounds = [Reading(s[1] - s[0], c, threads, cores, load[0], load[1], busy)
               for s, c in zip(samples, cpu, strict=True) if s is not None and c is not None]
     total = Reading.total(rounds)
-    return None if total is None else total.to_dict()
+    return None if total is None else total.with_window(window).to_dict()
 
 
 def _median_index(values: list[float]) -> int:
@@ -93,7 +96,8 @@ def _record(group: Group, m: int, transport: str, schedule: str, measured: Measu
 
     def contended(key: str, threads: int, busy: float = 1.0) -> dict[str, Any] | None:
         return _contention(samples.get(key), measured.cpu.get(key), threads=threads,
-                           busy=busy, cores=cores, load=measured.load)
+                           busy=busy, cores=cores, load=measured.load,
+                           window=measured.window)
 
     # The pipelines' ranks have work outside the schedule's bubble only.
     pipe_busy = 1 - predicted.bubble_fraction

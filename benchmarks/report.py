@@ -254,6 +254,10 @@ def _load(env: dict[str, Any]) -> list[str]:
             f"the run, {_num(load.get('load_after'), '{:.1f}')} after, on {load.get('cores')} "
             f"cores; the run's processes used {_num(load.get('cpu_s'), '{:.1f}')} s of CPU "
             f"in {_num(load.get('wall_s'), '{:.1f}')} s")
+    others = load.get("others_cpu_s")
+    line += ("; other programs' CPU time unknown (no /proc/stat: figures judged by their CPU "
+             "share and the load average)" if others is None else
+             f"; other programs took {others:.1f} s of CPU meanwhile")
     flagged = load.get("contended_cells") or []
     if flagged:
         line += (f"; **{len(flagged)} configuration(s) measured under contention**, their "

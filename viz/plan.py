@@ -107,11 +107,13 @@ def _say_load(reading: Reading | None) -> str:
         return ""
     from pipeline.planner import contention
 
-    share = reading.cpu_share
+    share, others = reading.cpu_share, reading.others_cores
     load = "unknown" if reading.load is None else f"{reading.load:.1f}"
     print(f"pipeviz plan: profiled and planned in {reading.wall_s:.1f} s, {reading.cpu_s:.1f} s "
           f"of CPU ({'-' if share is None else f'{share:.0%}'} of a thread); load average "
-          f"{load} on {reading.cores} cores", file=sys.stderr)
+          f"{load} on {reading.cores} cores; other programs took "
+          f"{'an unknown share' if others is None else f'{others:.2f}'} of the CPUs",
+          file=sys.stderr)
     return "; ".join(reading.reasons(contention.CPU_SHARE_FLOOR))
 
 

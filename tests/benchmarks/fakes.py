@@ -10,6 +10,7 @@ from benchmarks.planning.rounds import Turn
 from benchmarks.planning.space import Config
 from benchmarks.records import schedule_for
 from pipeline.planner import LayerCosts, ModelProfile
+from pipeline.planner.contention import Window
 from schedules import Costs, simulate
 
 ENV = {"torch": "2.x", "python": "3.x", "platform": "test", "cpu": "test cpu", "gpu": None,
@@ -30,11 +31,13 @@ def group(num_ranks: int = 2, *, model: str = "tiny", microbatches: tuple[int, .
 
 
 def measured(g: Group, m: int, repeats: int = 3, *, cpu_share: float | None = None,
-             load: tuple[float | None, float | None] = (None, None)) -> Measured:
+             load: tuple[float | None, float | None] = (None, None),
+             window: Window | None = None) -> Measured:
     """Ours takes its simulated makespan (unit costs above) plus OVERHEAD; torch 1.25x that;
     the bound is the busiest rank's work (+1 ms a round); the plain model fixed times. With
     `cpu_share`, each step's processes used that share of its wall time x the threads it
-    ran on (the plain model on every thread: ENV's plain_all_threads) as CPU time."""
+    ran on (the plain model on every thread: ENV's plain_all_threads) as CPU time; `window`
+    the rounds' window (what other programs took: pipeline/planner/contention.py)."""
     keys, skipped = variant_keys(g, m)
     samples: dict[str, list[Sample | None]] = {}
     for key in keys:
@@ -72,7 +75,7 @@ def measured(g: Group, m: int, repeats: int = 3, *, cpu_share: float | None = No
                        if key == "plain/all" else g.num_ranks)
             cpu[key] = [None if t is None else cpu_share * (t[1] - t[0]) * threads
                         for t in rounds]
-    return Measured(samples, memory, skipped, cpu, load)
+    return Measured(samples, memory, skipped, cpu, load, window)
 
 
 def no_run(*args: object, **kwargs: object) -> None:

@@ -44,15 +44,27 @@ def test_plan_prints_the_plan_the_candidates_and_the_two_best(
 
 def test_a_profile_measured_under_contention_is_flagged(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan's times come from a profile: a load above the cores puts them in doubt."""
+    """The plan's times come from a profile: other programs' CPU time puts them in doubt, or,
+    where the machine's busy time is unknown (no /proc/stat), a load above the cores."""
     monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 99.0)
+    monkeypatch.setattr("pipeline.planner.contention.proc_stat", lambda: None)
     assert main(_TINY) == 0
     captured = capsys.readouterr()
     assert re.search(r"^pipeviz plan: profiled and planned in [\d.]+ s, [\d.]+ s of CPU "
-                     r"\(\d+% of a thread\); load average 99.0 on \d+ cores$", captured.err,
-                     flags=re.M)
+                     r"\(\d+% of a thread\); load average 99.0 on \d+ cores; other programs "
+                     r"took an unknown share of the CPUs$", captured.err, flags=re.M)
     flag = next(line for line in captured.out.splitlines() if line.startswith("* "))
     assert "profiled under contention" in flag and "the load average was 99.0" in flag
+    # The machine busier by 3 CPUs than this process all along: others took the CPUs.
+    monkeypatch.setattr("pipeline.planner.contention.machine_busy",
+                        lambda: 3 * time.perf_counter())
+    monkeypatch.setattr("pipeline.planner.contention.cpu_seconds",
+                        lambda *, children=False: 0.0)
+    assert main(_TINY) == 0
+    captured = capsys.readouterr()
+    flag = next(line for line in captured.out.splitlines() if line.startswith("* "))
+    assert re.search(r"other programs took 3\.\d\d CPUs on average", flag), flag
+    assert "the load average" not in flag
 
 
 def test_a_profile_that_had_its_cpu_is_not_flagged(
@@ -62,6 +74,8 @@ def test_a_profile_that_had_its_cpu_is_not_flagged(
     monkeypatch.setattr("pipeline.planner.contention.cpu_seconds",
                         lambda *, children=False: time.perf_counter())
     monkeypatch.setattr("pipeline.planner.contention.wall_clock", time.perf_counter)
+    # ... and as if the machine's busy time were all this process's.
+    monkeypatch.setattr("pipeline.planner.contention.machine_busy", time.perf_counter)
     assert main(_TINY) == 0
     captured = capsys.readouterr()
     assert "load average 0.5 on" in captured.err
