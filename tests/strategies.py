@@ -430,3 +430,29 @@ def quorum_scripts(draw: st.DrawFn) -> dict[str, Any]:
                  for rid in joiners]
         rounds.append({"alive": sorted(alive), "expire": draw(st.booleans()), "joins": joins})
     return {"min_replicas": draw(st.integers(1, 2)), "rounds": rounds}
+
+
+@st.composite
+def tied_profiles(draw: st.DrawFn) -> Any:
+    """A synthetic `ModelProfile` of 4, 6 or 8 equal layers: schedules that split it alike
+    predict steps within a fraction of a percent of each other (near ties)."""
+    n = draw(st.sampled_from([4, 6, 8]))
+    seconds = draw(st.floats(1e-5, 1e-3))
+    return synthetic_profile([(seconds, 1024.0, 4096.0)] * n, 8,
+                             overhead=draw(st.sampled_from([0.0, 1e-5, 1e-4])) * seconds / 1e-4)
+
+
+@st.composite
+def noisy_profiles(draw: st.DrawFn, profile: Any, spread: float) -> Any:
+    """`profile` with every cost (each layer, kind and micro-batch size) times its own factor
+    in [1 - spread, 1 + spread]: a profile of the same model taken again."""
+    from dataclasses import replace
+
+    def noisy(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v * draw(st.floats(1 - spread, 1 + spread)) for v in values)
+
+    by_rows = {r: replace(c, forward=noisy(c.forward), backward=noisy(c.backward),
+                          backward_input=noisy(c.backward_input),
+                          backward_weight=noisy(c.backward_weight))
+               for r, c in profile.by_rows.items()}
+    return replace(profile, by_rows=by_rows)

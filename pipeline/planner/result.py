@@ -101,6 +101,14 @@ class Plan:
         return self.candidates[0]
 
     @property
+    def near_ties(self) -> list[Candidate]:
+        """The candidates predicted within `ties.NEAR` of the fastest step, the chosen one
+        first when the plan is by prediction (`pipeline.planner.ties`)."""
+        from pipeline.planner.ties import near_ties
+
+        return near_ties(self.candidates)
+
+    @property
     def runner_up(self) -> Candidate | None:
         """The next fastest simulated candidate that fits and runs differently (another
         split, chunk count, shape or predicted step: at one micro-batch, gpipe and 1f1b are
@@ -178,6 +186,19 @@ class Plan:
                 f"ParallelStyle}} to pipe_kwargs")
         return kwargs
 
+    def _say_near_ties(self) -> list[str]:
+        """A line naming the near ties, when there are several: the choice among them is by
+        simplicity, not by the profile's noise."""
+        from pipeline.planner.ties import NEAR
+
+        near = self.near_ties
+        if len(near) < 2:
+            return []
+        fastest = min(c.step_time for c in near if c.step_time is not None)
+        return [f"near ties (within {NEAR:.0%} of the fastest, {fastest * 1e3:.2f} ms; the "
+                f"simplest is chosen: fewer stages per rank, then chunks, then recomputation, "
+                f"then a fixed schedule order): " + "; ".join(_tie(c) for c in near)]
+
     def table(self, limit: int | None = 20) -> str:
         """The candidates as a text table, best first (`limit` rows of them; None: all)."""
         return format_table(self.candidates, limit)
@@ -193,6 +214,7 @@ class Plan:
             + (f" (all-reduce exposed {self.predicted_allreduce_time * 1e3:.2f} ms)"
                if self.dp > 1 else ""),
             f"predicted peak per rank {peaks} (budget {budget})",
+            *self._say_near_ties(),
             f"transfers over {self.link.transport}: {self.link.latency * 1e6:.1f} us + "
             f"{self.link.per_byte * 1e9:.3f} ns/byte; ranks computing at once are "
             f"{self.contention:.2f}x slower than alone",
@@ -213,6 +235,13 @@ class Plan:
                          f"({t.seconds:.1f} s of trials); measured / predicted "
                          f"{t.calibration:.2f}")
         return "\n".join(lines)
+
+
+def _tie(c: Candidate) -> str:
+    step = "" if c.step_time is None else f" {c.step_time * 1e3:.2f} ms"
+    return (f"{c.label}, chunks {c.chunks}, {c.checkpoint!r}"
+            + (f", dp {c.dp}" if c.dp > 1 else "") + (f", tp {c.tp}" if c.tp > 1 else "")
+            + step)
 
 
 def format_table(candidates: Sequence[Candidate], limit: int | None = 20) -> str:

@@ -11,7 +11,9 @@ candidate can be faster, and the rest are pruned without simulating them. Ranks 
 each other (shared cores, caches, memory bandwidth): with a measured contention factor above
 1, each candidate is simulated a second time with every rank's work slowed by that factor for
 the share of it that overlapped another rank's in the first simulation (the bounds, computed
-at full speed, stay lower bounds).
+at full speed, stay lower bounds). Predicted steps within `ties.NEAR` of the fastest are near
+ties, and the simplest of them is chosen (`pipeline.planner.ties`): a candidate is pruned only
+once its bound is beyond the fastest step by that margin.
 
 Under tensor parallelism each tp size has its own profile, the one its ranks see
 (`pipeline.planner.tensor.shard_profile`), and the search runs on it as on any other. Ranks sit
@@ -36,6 +38,7 @@ from pipeline.planner.link import Link
 from pipeline.planner.progress import SILENT, Progress
 from pipeline.planner.space import Candidate, Configuration, Space
 from pipeline.planner.tensor import TensorSharding, mesh_shapes
+from pipeline.planner.ties import NEAR, choose
 from pipeline.planner.time_model import TimeModel
 from schedules import Timeline
 
@@ -124,8 +127,8 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                     todo.append(w)
     # Best first: the candidate with the least bound is taken next, its bound refined by
     # splitting it before it is simulated, so that only candidates whose refined bound is the
-    # least of all are simulated; once the least bound reaches the fastest step, the rest are
-    # pruned.
+    # least of all are simulated; once the least bound is beyond the fastest step by the near
+    # ties' margin (the simplest near tie is chosen, not the fastest), the rest are pruned.
     heap = [(w.bound0, i, False, w) for i, w in enumerate(todo)]
     heapq.heapify(heap)
     progress.phase("searching", len(todo))
@@ -139,23 +142,24 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
             progress.advance(settled - counted)
             counted = settled
         bound, _, split, w = heapq.heappop(heap)
-        if bound >= best:
+        reach = best * (1 + NEAR)
+        if bound >= reach:
             table.append(_row(w, "pruned", f"lower bound {bound * 1e3:.2f} ms") if split else
                          Candidate(**vars(w.config), status="pruned",
                                    reason=f"even a perfect split takes >= "
                                           f"{bound * 1e3:.2f} ms", lower_bound=bound))
             continue
         if not split:
-            if not s.evaluate(w, best=best):
+            if not s.evaluate(w, best=reach):
                 evaluated.append(w)
                 table.append(_row(w, "over budget"))
-            elif w.bound >= best:
+            elif w.bound >= reach:
                 why = "" if w.balance is not None else " for any split"
                 table.append(_row(w, "pruned", f"lower bound {w.bound * 1e3:.2f} ms{why}"))
             else:
                 heapq.heappush(heap, (w.bound, _, True, w))
             continue
-        got = s.simulate(w, best)
+        got = s.simulate(w, reach)
         if got is None:
             table.append(_row(w, "pruned", f"at full speed already {w.bound * 1e3:.2f} ms"))
             continue
@@ -177,8 +181,10 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                 least, where = need, (f"{cfg.label}, {cfg.shape}, chunks {cfg.chunks}, "
                                       f"checkpoint {cfg.checkpoint!r}")
     table.sort(key=_order)
-    if results:
-        table[0] = _replace_status(table[0], "chosen")
+    chosen = choose(table)
+    if chosen is not None:
+        table.remove(chosen)
+        table.insert(0, _replace_status(chosen, "chosen"))
     return table, least, where
 
 
