@@ -22,9 +22,12 @@ from pipeline.planner.space import CHECKPOINTS, Candidate, Configuration
 
 __all__ = ["NEAR", "SCHEDULE_ORDER", "choose", "near_ties", "simplicity", "stages_per_rank"]
 
-# Twice the run-to-run spread of the README example's predicted step on an idle machine (a
-# profile timed by CPU time moves by 2-3%): noise alone keeps a near tie inside it, and a
-# plan more than 5% faster is not given away for simplicity.
+# In runs of the README example (2 ranks, 16 MiB; docs/planning.md) on a loaded 2-core
+# machine, the predicted steps of two near-tied candidates moved against each other by up to
+# 5% from run to run (zb-v over interleaved from 1.00 to 1.05): 5% keeps those inside. A wider
+# margin is no steadier: at 10% a simpler candidate 9.6% slower (1f1b, chunks 4) came inside
+# in 1 run of 4 and was chosen; at 5% the chunk count moved (2 or 4) in 1 run of 6. Any margin
+# has an edge that a candidate's noise can cross.
 NEAR = 0.05
 # Plainer first: one stage per rank and two kinds of action, then split backwards (three
 # kinds), then two stages per rank, then weight versions and both directions at once.
