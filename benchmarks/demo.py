@@ -147,13 +147,18 @@ def _side_by_side(pipe: Pipe, ranks: _Ranks, plain: nn.Sequential | None, x: tor
     """Median step seconds of the Pipe and of the plain model on one thread and on every core,
     round after round (the plain model runs on rank 0 while the other rank waits), so the
     machine's noise hits all three alike; and for each, the CPU time its rounds got beside
-    their wall time and the load around them (pipeline/planner/contention.py)."""
+    their wall time, the load around them and what other programs took meanwhile
+    (pipeline/planner/contention.py)."""
     cores = os.cpu_count() or 1
     times: dict[str, list[float]] = {"pipe": [], "plain, 1 thread": [],
                                      f"plain, {cores} threads": []}
     cpu: dict[str, list[float]] = {name: [] for name in times}
     threads = {"pipe": 2, "plain, 1 thread": 1, f"plain, {cores} threads": cores}
     load_before = contention.load_average()
+    # What other programs took over the whole stretch: the machine's busy time less every
+    # rank's process (contention.Window); this process alone holds every thread rank.
+    machine, own, wall = (contention.machine_busy(), contention.cpu_seconds(),
+                          contention.wall_clock())
 
     def plain_step() -> None:
         assert plain is not None
@@ -187,11 +192,16 @@ def _side_by_side(pipe: Pipe, ranks: _Ranks, plain: nn.Sequential | None, x: tor
     # The Pipe's CPU time is every rank's (its other rank is another process, or a thread of
     # this one, counted already).
     cpu["pipe"] = [sum(round_) for round_ in zip(*ranks.gather(cpu["pipe"]), strict=True)]
+    ours = sum(ranks.gather(contention.cpu_seconds() - own))
+    after = contention.machine_busy()
+    window = contention.Window(contention.wall_clock() - wall, ours,
+                               None if machine is None or after is None else after - machine)
     load = (load_before, contention.load_average())
     # The Pipe's ranks have work outside 1f1b's bubble only: (p - 1) / (m + p - 1), p = 2.
     busy = {"pipe": 1 - 1 / (pipe.chunks + 1)}
     readings = {name: Reading(sum(v), sum(cpu[name]), threads[name], contention.cores(),
-                              *load, busy.get(name, 1.0)) for name, v in times.items() if v}
+                              *load, busy.get(name, 1.0)).with_window(window)
+                for name, v in times.items() if v}
     return {name: statistics.median(v) for name, v in times.items() if v}, readings
 
 
