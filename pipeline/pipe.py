@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipeline import assembly
+from pipeline.auto_schedule import AutoSchedule, check_memory
 from pipeline.comm import bootstrap
 from pipeline.comm.process_group import PeerFailure, ProcessTransport
 from pipeline.comm.transport import PipelineAborted
@@ -69,8 +70,10 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         tp_plan: dict[str, Any] | None = None,
         fault_tolerance: bool = False,
         tokens: bool = False,
+        auto_memory: int | Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        check_memory(auto_memory, schedule)  # before any work (the ranks' count: below)
         model, balance, stages = config.split_model(model, example_inputs, split_points,
                                                     balance, stages, devices, schedule,
                                                     group, mesh, tp_plan)
@@ -90,6 +93,8 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
                                deferred_batch_norm)
         assembly.link_ties(self)
         self._ft = FaultTolerance(self, self.timeout) if fault_tolerance else None  # torchft
+        # schedule="auto": what runs, measured at the first step (pipeline/auto_schedule.py)
+        self.auto = AutoSchedule(self, chunks, auto_memory) if schedule == "auto" else None
 
     # -- configuration --------------------------------------------------------------------------
     def program(self, chunks: int | None = None, *, batches: int = 1, scaler: bool = False,
@@ -259,7 +264,10 @@ class Pipe(PipeState, FaultTolerantPipe, assembly.Assembled, nn.Module):
         if losses is not None and result.own_losses:  # this rank computed the loss
             losses.clear()
             losses.extend(result.own_losses[m] for m in sorted(result.own_losses))
-        return self._losses(result, len(pairs))
+        out = self._losses(result, len(pairs))
+        if self.auto is not None:  # the first step's costs synthesised for (and agreed)
+            self.auto.after_step()
+        return out
 
     def _seed(self) -> int:
         """The step's seed: drawn here; under tp, tp rank 0's (see `agree_on_seed`)."""

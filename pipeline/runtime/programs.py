@@ -35,6 +35,17 @@ class Programs:
                                                         chunks, num_batches)
         return self._schedules[key]
 
+    def adopt(self, schedule: Schedule) -> None:
+        """Run `schedule` (one batch of its micro-batches) from the next step on, in place of
+        what was built for that shape: `schedule="auto"` switching to the order synthesised
+        for measured costs (pipeline/auto_schedule.py). Programs built from the old one go."""
+        chunks = schedule.num_microbatches
+        built = config.make_schedule(schedule, self.balance, self.num_ranks, chunks, 1)
+        self._schedules.pop((chunks, 0), None)  # the forward-only order follows it
+        self._schedules[(chunks, 1)] = built
+        for key in [k for k in self._programs if k[0] == chunks and k[1] in (0, 1)]:
+            self._versioned.pop(id(self._programs.pop(key)), None)
+
     def program(self, chunks: int, *, batches: int = 1, scaler: bool = False,
                 train: bool = True) -> Schedule:
         """See `Pipe.program`."""
