@@ -195,8 +195,8 @@ def _costs(payloads: Sequence[str], num_stages: int) -> Costs:
     if missing:
         raise PipelineError(f"schedule='auto': no rank measured stage(s) {missing}")
     f, i, w = ([float(stages[s][k]) for s in range(num_stages)] for k in range(3))
-    return Costs(forward=f, backward_input=i, backward_weight=w,
-                 backward=[a + b for a, b in zip(i, w, strict=True)], comm=comm)
+    backward = [round(a + b, _DIGITS) for a, b in zip(i, w, strict=True)]  # what B costs: I + W
+    return Costs(forward=f, backward_input=i, backward_weight=w, backward=backward, comm=comm)
 
 
 def _seconds(value: float) -> float:

@@ -76,8 +76,8 @@ def test_the_first_step_is_measured_and_the_synthesised_order_trains_exactly(
     assert costs is not None
     for field in (costs.forward, costs.backward_input, costs.backward_weight):
         assert isinstance(field, tuple) and len(field) == 2 and min(field) > 0
-    assert costs.backward == tuple(i + w for i, w in zip(
-        costs.backward_input, costs.backward_weight, strict=True))  # type: ignore[arg-type]
+    assert costs.backward == pytest.approx([i + w for i, w in zip(
+        costs.backward_input, costs.backward_weight, strict=True)])  # type: ignore[arg-type]
     again = search(2, 4, costs, memory_limit=2)  # deterministic: the same inputs, one answer
     assert pipe.auto.synthesis is not None and pipe.auto.synthesis.chosen == again.chosen
     assert _rows(pipe.auto.schedule) == _rows(again.schedule)
