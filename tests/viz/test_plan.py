@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +17,21 @@ from viz.plan import parse_bytes, resolve_model
 
 _TINY = ["plan", "pipeline.examples.models:MODELS.tiny", "--ranks", "2", "--chunks", "1,2",
          "--schedules", "1f1b,gpipe,zb-h1", "--threads", "1"]
+
+
+@pytest.fixture
+def quick_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan` measures the link and the ranks' contention for real, briefly: by default the
+    contention alone sleeps out 9 windows of 0.3 s, a wait each call would repeat for tests
+    about what the command prints (test_plan_prints_the_plan... keeps the defaults)."""
+    planning = importlib.import_module("pipeline.planner.plan")  # the module, not plan()
+
+    def briefly(measure: Callable[..., Any], **short: Any) -> Callable[..., Any]:
+        return lambda *args, **kwargs: measure(*args, **{**kwargs, **short})
+
+    monkeypatch.setattr(planning, "measure_contention",
+                        briefly(planning.measure_contention, seconds=0.02, repeats=1))
+    monkeypatch.setattr(planning, "measure_link", briefly(planning.measure_link, repeats=3))
 
 
 def test_budgets_read_with_units() -> None:
@@ -42,6 +60,7 @@ def test_plan_prints_the_plan_the_candidates_and_the_two_best(
     assert "rank 1 |" in out
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_a_profile_measured_under_contention_is_flagged(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's times come from a profile: other programs' CPU time puts them in doubt, or,
@@ -67,6 +86,7 @@ def test_a_profile_measured_under_contention_is_flagged(
     assert "the load average" not in flag
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_a_profile_that_had_its_cpu_is_not_flagged(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 0.5)
@@ -82,6 +102,7 @@ def test_a_profile_that_had_its_cpu_is_not_flagged(
     assert "contention" not in captured.out
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_a_budget_nothing_fits_names_the_least(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_TINY, "--memory", "1KiB"]) == 1
     captured = capsys.readouterr()
@@ -89,6 +110,7 @@ def test_a_budget_nothing_fits_names_the_least(capsys: pytest.CaptureFixture[str
     assert "over budget" in captured.out
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_svg_goes_to_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.svg"
     assert main([*_TINY, "-o", str(out)]) == 0
@@ -150,6 +172,7 @@ def test_tp_needs_processes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tensor parallelism runs one process per rank" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_progress_is_shown_on_stderr_unless_asked_not_to(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_TINY) == 0
@@ -160,6 +183,7 @@ def test_progress_is_shown_on_stderr_unless_asked_not_to(
     assert "100%" not in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_a_high_load_is_warned_of_before_profiling(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pipeline.planner.contention.load_average", lambda: 99.0)
@@ -178,6 +202,7 @@ def _listed(out: str) -> int:
     return sum(1 for line in table[1:] if not line.startswith("..."))
 
 
+@pytest.mark.usefixtures("quick_measures")
 def test_show_sets_the_candidates_listed_and_rows_is_its_deprecated_alias(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_TINY, "--show", "2"]) == 0
