@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from pipeline.errors import PipeConfigError
 from pipeline.runtime import weighting
 from pipeline.runtime.context import CallerState
-from pipeline.runtime.microbatch import from_tuple, like, scatter
+from pipeline.runtime.microbatch import from_tuple, like, split
 from pipeline.runtime.stage import LossFn, StepInputs
 from pipeline.runtime.syncs import StepSyncs
 from pipeline.runtime.tokens import Cut
@@ -21,17 +21,37 @@ from schedules import Schedule
 __all__ = ["one_at_a_time", "share", "step_inputs"]
 
 
+class _Share(NamedTuple):
+    """A batch cut on this rank: what `share` returns, and the rows it counted."""
+
+    inputs: list[tuple[Any, ...]]
+    targets: list[Any] | None
+    weights: list[float]
+    rows: Sequence[int | None]  # each micro-batch input's rows (None where not cut here)
+    target_rows: Sequence[int | None]  # each target's
+
+
 def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
           how: weighting.Weighting | None = None, cut: Cut | None = None
           ) -> tuple[list[tuple[Any, ...]], list[Any] | None, list[float]]:
     """This rank's share of a batch: first-stage inputs, last-stage targets, loss weights
     (`how` weighs them: see pipeline/runtime/weighting.py); `cut`: token micro-batches
     (pipeline/runtime/tokens.py), else rows split evenly."""
+    inputs, targets, weights, _, _ = _cut(pipe, x, target, loss_fn, chunks, how, cut)
+    return inputs, targets, weights
+
+
+def _cut(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
+         how: weighting.Weighting | None, cut: Cut | None) -> _Share:
+    """`share`, with each micro-batch's rows as the split counted them: the input and the
+    target each split once, their rows counted once, for the weights and the stages."""
     checks.check_batch(x, target, chunks)
     last = len(pipe.balance) - 1
     rank = pipe.world[0] if pipe.world else None
     counted = how is not None and how.from_inputs is not None  # from the inputs
     parts_x: list[tuple[Any, ...]] = [()] * chunks
+    rows_x: Sequence[int | None] = [None] * chunks
+    rows: Sequence[int | None] = [None] * chunks
     if 0 in pipe.local_stages or (counted and last in pipe.local_stages):
         if x is None:
             why = ("holds the first stage and needs the input" if 0 in pipe.local_stages else
@@ -39,7 +59,7 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
                    "counts in its inputs, labels= and all)")
             raise PipeConfigError(f"rank {rank} {why}: pass x (only other ranks may pass "
                                   f"None)")
-        parts_x = scatter(x, chunks) if cut is None else cut.apply(x)
+        parts_x, rows_x = _split(x, chunks, cut, target=False)
     inputs = parts_x if 0 in pipe.local_stages else [()] * chunks  # the last's are counted
     targets = None
     weights = [1.0 / chunks] * chunks
@@ -56,10 +76,10 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
                 f"rank {rank} holds the last stage and computes the loss: pass target (only "
                 f"other ranks may pass None)")
         device = pipe.devices[pipe._probe.rank_of(last)]
-        parts = ([(None,)] * chunks if target is None else
-                 scatter(target, chunks) if cut is None else cut.target(target))
+        parts, rows = (([(None,)] * chunks, rows) if target is None else
+                       _split(target, chunks, cut, target=True))
         values = [from_tuple(p) for p in parts]  # as loss_fn receives them
-        measures = how.measures(values, parts_x if counted else ())
+        measures = how.measures(values, parts_x if counted else (), rows)
         total, scale = (pipe._replicas.weighting(sum(measures)) if pipe._replicas
                         else (sum(measures), 1.0))
         weights = how.weights(measures, total, scale)
@@ -67,9 +87,21 @@ def share(pipe: Any, x: Any, target: Any, loss_fn: LossFn | None, chunks: int,
             pipe._warned_padding = True  # once per Pipe
             warnings.warn(weighting.inexact_message(how, refusing=False) if how.inexact
                           else weighting.padding_warning(loss_fn), UserWarning, stacklevel=5)
-        targets = [from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
-                                          for v in part))) for part in parts]
-    return inputs, targets, weights
+        # Every micro-batch's entries come from the same tensors: on the device already if
+        # the first's are (then moving would give back the same values).
+        here = all(v.device == device for v in parts[0] if isinstance(v, torch.Tensor))
+        targets = values if here else [
+            from_tuple(like(part, (v.to(device) if isinstance(v, torch.Tensor) else v
+                                   for v in part))) for part in parts]
+    return _Share(inputs, targets, weights, rows_x if 0 in pipe.local_stages else
+                  [None] * chunks, rows)
+
+
+def _split(value: Any, chunks: int, cut: Cut | None, target: bool
+           ) -> tuple[list[tuple[Any, ...]], Sequence[int | None]]:
+    """`value` as the step's micro-batches and each one's rows, in one pass: rows split
+    evenly, or the token micro-batches of `cut` (the input's trimmed entries, or a target's)."""
+    return split(value, chunks) if cut is None else cut.split(value, target)
 
 
 def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss_fn: LossFn,
@@ -81,11 +113,15 @@ def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss
     inputs: list[tuple[Any, ...]] = []
     targets: list[Any] = []
     weights: list[float] = []
+    rows: list[int | None] = []
+    target_rows: list[int | None] = []
     for b, (x, target) in enumerate(pairs):
-        i, t, w = share(pipe, x, target, loss_fn, m, how, cuts[b] if cuts else None)
-        inputs += i
-        targets += t or []
-        weights += w
+        one = _cut(pipe, x, target, loss_fn, m, how, cuts[b] if cuts else None)
+        inputs += one.inputs
+        targets += one.targets or []
+        weights += one.weights
+        rows += one.rows
+        target_rows += one.target_rows
     total = m * len(pairs)
     checkpointed = [pipe.checkpoint == "always" or (pipe.checkpoint == "except_last"
                                                     and k % m != m - 1) for k in range(total)]
@@ -99,7 +135,7 @@ def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss
     return StepInputs(inputs, targets, loss_fn, weights, checkpointed, seed,
                       versions=pipe._versions if versioned else None,
                       track_memory=pipe.track_memory, caller=CallerState.capture(),
-                      scaler=scaler, syncs=syncs)
+                      scaler=scaler, syncs=syncs, rows=rows, target_rows=target_rows)
 
 
 def one_at_a_time(step: Callable[[Any, Any], torch.Tensor], pairs: Sequence[tuple[Any, Any]],

@@ -11,7 +11,7 @@ import torch
 from pipeline.errors import PipeConfigError
 
 __all__ = ["MicroBatchError", "Packed", "as_tuple", "backward_inputs", "batch_size", "from_tuple",
-           "gather", "leading_rows", "like", "scatter", "sendable"]
+           "gather", "leading_rows", "like", "scatter", "sendable", "split"]
 
 
 class MicroBatchError(PipeConfigError):
@@ -87,6 +87,11 @@ def scatter(value: Any, chunks: int) -> list[tuple[Any, ...]]:
     2, 2); non-tensors, 0-dim tensors and tensors of one row beside larger ones (broadcast over
     the batch) are passed unchanged to every micro-batch.
     """
+    return split(value, chunks)[0]
+
+
+def split(value: Any, chunks: int) -> tuple[list[tuple[Any, ...]], list[int]]:
+    """`scatter`, and each micro-batch's rows (its `leading_rows`), known from the split."""
     values = as_tuple(value)
     size = batch_size(values)
     if chunks < 1:
@@ -101,7 +106,11 @@ def scatter(value: Any, chunks: int) -> list[tuple[Any, ...]]:
         and not _whole(v, size) else [v] * chunks
         for v in values
     ]
-    return [like(values, (p[i] for p in parts)) for i in range(chunks)]
+    # tensor_split's sizes: the first `size % chunks` parts one row more. An entry passed
+    # whole has one row at most, and every part at least one: the split rows lead.
+    base, extra = divmod(size, chunks)
+    return ([like(values, (p[i] for p in parts)) for i in range(chunks)],
+            [base + (i < extra) for i in range(chunks)])
 
 
 def gather(outputs: Sequence[tuple[Any, ...]]) -> Any:

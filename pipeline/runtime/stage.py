@@ -54,6 +54,10 @@ class StepInputs:
     scaler: Any = None  # a torch.amp.GradScaler: each micro-batch's loss is scaled for backward
     syncs: StepSyncs | None = None  # what a program's sync actions call (runtime/syncs.py)
     t0: float = field(default_factory=time.perf_counter)
+    # Per micro-batch, the rows of its input and of its target as the batch's cut counted
+    # them (runtime/batches.py); None: counted at the action
+    rows: Sequence[int | None] | None = None
+    target_rows: Sequence[int | None] | None = None
 
 
 @dataclass
@@ -278,7 +282,7 @@ class StageRuntime:
         s, m = action.stage, action.microbatch
         if s == 0:  # inputs that require grad get theirs (microbatch.backward_inputs)
             given = step.inputs[m]
-            self._rows[m] = leading_rows(given)
+            self._rows[m] = step.rows[m] if step.rows is not None else leading_rows(given)
             inputs = move(given, self.device, grad_flags=[
                 step.loss_fn is not None and isinstance(v, torch.Tensor) and v.requires_grad
                 for v in given])
@@ -332,7 +336,9 @@ class StageRuntime:
         """Micro-batch `m`'s loss weighted by its share of the batch's, and its own loss."""
         assert step.loss_fn is not None and step.targets is not None
         target = step.targets[m]
-        rows, target_rows = self._rows.get(m), leading_rows(target)
+        rows = self._rows.get(m)
+        target_rows = (step.target_rows[m] if step.target_rows is not None
+                       else leading_rows(target))
         if rows is not None and target_rows is not None and rows != target_rows:
             # A rank given another batch than its peers: a loss would broadcast one against
             # the other and train silently wrong. (The output's rows are the model's business:

@@ -19,6 +19,7 @@ shifted outside the loss: it would not be trimmed with them), and inputs that re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,21 +63,32 @@ class Cut:
     def apply(self, value: Any) -> list[tuple[Any, ...]]:
         """The input `value` (a tensor or a tuple, as `scatter` takes) as the micro-batches:
         rows of each group, dim 1 trimmed in the entries that run along the positions."""
-        return self._apply(value, self.trim)
+        return self.split(value)[0]
 
     def target(self, value: Any) -> list[tuple[Any, ...]]:
         """The target as the micro-batches: dim 1 trimmed where it is the padded length (no
         graph says what a target is)."""
-        return self._apply(value, None)
+        return self.split(value, target=True)[0]
 
-    def _apply(self, value: Any, trim: frozenset[int] | None) -> list[tuple[Any, ...]]:
+    def split(self, value: Any, target: bool = False
+              ) -> tuple[list[tuple[Any, ...]], list[int | None]]:
+        """`apply` (or `target`), and each micro-batch's rows (its `leading_rows`), counted
+        as the parts are made."""
         values = as_tuple(value)
-        parts = []
-        for g, n in zip(self.groups, self.lengths, strict=True):
-            index = torch.tensor(g, dtype=torch.long)
-            parts.append(like(values, (self._part(v, index, n, trim is None or i in trim)
-                                       for i, v in enumerate(values))))
-        return parts
+        trim = None if target else self.trim
+        parts, rows = [], []
+        for index, n in zip(self._indices, self.lengths, strict=True):
+            part = [self._part(v, index, n, trim is None or i in trim)
+                    for i, v in enumerate(values)]
+            parts.append(like(values, part))
+            rows.append(max((int(v.shape[0]) for v in part
+                             if isinstance(v, torch.Tensor) and v.dim() > 0), default=None))
+        return parts, rows
+
+    @functools.cached_property
+    def _indices(self) -> tuple[torch.Tensor, ...]:
+        """Each group's rows as an index, made once for the input and the target."""
+        return tuple(torch.tensor(g, dtype=torch.long) for g in self.groups)
 
     def _part(self, v: Any, index: torch.Tensor, n: int, positions: bool) -> Any:
         if not isinstance(v, torch.Tensor) or v.dim() == 0:

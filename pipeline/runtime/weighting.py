@@ -66,14 +66,17 @@ class Weighting:
     # path, why, the path of a mixture of experts' load-balancing loss it adds, or "")
     inexact: tuple[str, str, str] | None = None
 
-    def measures(self, targets: Sequence[Any], inputs: Sequence[Sequence[Any]] = ()
-                 ) -> list[float]:
+    def measures(self, targets: Sequence[Any], inputs: Sequence[Sequence[Any]] = (),
+                 rows: Sequence[int | None] = ()) -> list[float]:
         """Each micro-batch's measure, from its target as `loss_fn` receives it (or from its
-        inputs, for the model's own loss)."""
+        inputs, for the model's own loss); `rows`: each target's rows, where the cut counted
+        them (a measure by rows then counts nothing again)."""
         if not self.mean:
             return [1.0] * len(targets)
         if self.from_inputs is not None:
             return [self.from_inputs(part) for part in inputs]
+        if self.measure is _rows and len(rows) == len(targets) and None not in rows:
+            return [float(r) for r in rows if r is not None]
         out = []
         for m, target in enumerate(targets):
             value = self.measure(target)
