@@ -246,6 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --replicas: seconds without a heartbeat after which the "
                              "lighthouse drops a replica group (default 5, torchft's; shorter "
                              "detects a lost group sooner on a quiet host)")
+    parser.add_argument("--progress-timeout", default=None,
+                        type=settings.flag("--progress-timeout", low=0.001, high=10**7,
+                                           unit=" seconds"),
+                        help="with --replicas: seconds a live replica group may go without "
+                             "committing a step before the job ends with an error, not "
+                             "retried forever (default 600)")
     parser.add_argument("--private-network", action="store_true",
                         help="run the job in a network namespace of its own: its loopback "
                              "servers (stores, gloo, the lighthouse and managers) out "
@@ -278,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return run_replicas(ns.script, ns.args, replicas=ns.replicas, nproc=ns.nproc,
                                 max_restarts=ns.max_restarts, init_timeout_env=extra,
-                                heartbeat_timeout=ns.heartbeat_timeout)
+                                heartbeat_timeout=ns.heartbeat_timeout,
+                                progress_timeout=ns.progress_timeout)
         except PipeConfigError as exc:
             parser.error(str(exc))
     store, port = host_store()

@@ -42,7 +42,9 @@ from pipeline.parallel.fault_tolerance import (
 )
 from pipeline.parallel.ft_coord import address, serve_coordinator
 from pipeline.parallel.ft_record import (
+    LAUNCHER_ENV,
     LIVENESS_ENV,
+    PARTIAL,
     RECORD_ENV,
     REPLICAS_KEY,
     Liveness,
@@ -51,9 +53,9 @@ from pipeline.parallel.ft_record import (
 )
 from pipeline.parallel.ft_tls import CERT_ENV, job_cert_env, job_tls, make_job_cert
 
-__all__ = ["CONFIG_EXIT", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "RANK_TIMEOUT_FLOOR_S",
-           "RUST_LOG_DEFAULT", "ReplicaGroup", "is_config_error", "rank_failed",
-           "run_replicas"]
+__all__ = ["CONFIG_EXIT", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "PROGRESS_TIMEOUT_S",
+           "RANK_TIMEOUT_FLOOR_S", "RUST_LOG_DEFAULT", "ReplicaGroup", "is_config_error",
+           "rank_failed", "run_replicas"]
 
 _log = logging.getLogger("pipeline.launch")
 
@@ -74,6 +76,11 @@ HISTORY_GRACE_S = 20.0
 # majority rule); so a live replica is waited for as long as a step may take, and a dead one
 # is dropped by its heartbeats.
 JOIN_TIMEOUT_MS = 60_000
+# A live group whose committed count has not moved for this long ends the job (exit 1): a
+# group that can never commit again (retrying a step of another history, waiting for a heal
+# nobody can give) retried forever before. Above the join timeout and a slow step; the
+# launcher's --progress-timeout.
+PROGRESS_TIMEOUT_S = 600.0
 
 # A rank silent in the record for the heartbeat timeout, but never less than this, is taken
 # for lost and its group restarted. Dearer than the lighthouse's drop from one quorum (a
@@ -181,7 +188,8 @@ def _describe(code: int) -> str:
 
 def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                  max_restarts: int, init_timeout_env: dict[str, str],
-                 heartbeat_timeout: float | None = None) -> int:
+                 heartbeat_timeout: float | None = None,
+                 progress_timeout: float | None = None) -> int:
     """Run `script args` as `replicas` groups of `nproc` ranks; return the exit code."""
     check_installed("python -m pipeline.launch --replicas")
     if replicas < 1 or max_restarts < 0:
@@ -203,14 +211,15 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
         env = {LIGHTHOUSE_ENV: address(server), NUM_REPLICAS_ENV: str(replicas),
                RUST_LOG_ENV: os.environ.get(RUST_LOG_ENV, RUST_LOG_DEFAULT),
                RECORD_ENV: str(server.port), LIVENESS_ENV: str(rank_timeout), LOG_ENV: "1",
-               **init_timeout_env, **made}
+               LAUNCHER_ENV: str(os.getpid()), **init_timeout_env, **made}
         return _supervise(script, args, replicas, nproc, max_restarts, env, record,
-                          rank_timeout)
+                          rank_timeout, PROGRESS_TIMEOUT_S if progress_timeout is None
+                          else progress_timeout)
 
 
 def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                max_restarts: int, env: dict[str, str], record: Any,
-               rank_timeout: float) -> int:
+               rank_timeout: float, progress_timeout: float) -> int:
     """Start the groups, restart lost ones, and end the job (its exit code)."""
     argv = [sys.executable, "-c", _BOOT, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
@@ -221,14 +230,15 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
         g.start(argv, nproc, env)
     print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
           f"{env[LIGHTHOUSE_ENV]}", file=sys.stderr)
-    stuck = _Stuck(record, groups)
+    stuck = _Stuck(record, groups, nproc)
+    progress = _Progress(record, groups, nproc, progress_timeout)
     liveness = Liveness(record, rank_timeout)
     next_look = 0.0
     try:
         while not all(g.done for g in groups):
             if stopping:
                 return _stopped(groups, stopping[0])
-            why = stuck.check()
+            why = stuck.check() or progress.check()
             if why is not None:
                 return _end(groups, why)
             look = time.monotonic() >= next_look
@@ -256,17 +266,19 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                 g.failures.append(f"rank {rank} {how}")
                 if len(g.failures) > max_restarts:
                     return _give_up(groups, g, max_restarts)
-                unhealable = _history_lost(record, groups, g)
+                unhealable = _history_lost(record, groups, g, nproc)
                 if unhealable is not None:
                     return _end(groups, f"replica group {g.replica_id} lost rank {rank} "
                                         f"({how}); {unhealable}")
                 print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
                       f"({how}); restarting it (restart {len(g.failures)} of at most "
                       f"{max_restarts})", file=sys.stderr)
-                record.set(group_key(g.replica_id), "0 0")  # it holds no history now
+                for r in range(nproc):  # it holds no history now (a heal in part undone)
+                    record.set(group_key(g.replica_id, r), "0 0")
                 g.start(argv, nproc, env)
+                progress.restarted(g)
             time.sleep(0.05)
-        return _compare_ends(record, groups)
+        return _compare_ends(record, groups, nproc)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -296,8 +308,8 @@ class _Stuck:
     """Live groups that can never reach the job's history: every group holding it finished,
     so none is left in a quorum to heal them (they would retry their step forever)."""
 
-    def __init__(self, record: Any, groups: list[ReplicaGroup]) -> None:
-        self.record, self.groups = record, groups
+    def __init__(self, record: Any, groups: list[ReplicaGroup], nproc: int = 1) -> None:
+        self.record, self.groups, self.nproc = record, groups, nproc
         self.next_look = 0.0
         self.since: float | None = None
 
@@ -306,7 +318,8 @@ class _Stuck:
         if now < self.next_look:
             return None
         self.next_look = now + 0.5
-        counts = {g: entry[0] for g, entry in read_record(self.record, len(self.groups)).items()}
+        counts = {g: entry[0] for g, entry in read_record(self.record, len(self.groups),
+                                                          self.nproc).items()}
         latest = max(counts.values(), default=0)
         live = [g for g in self.groups if not g.done]
         behind = [g.replica_id for g in live if counts.get(g.replica_id, 0) < latest]
@@ -324,18 +337,24 @@ class _Stuck:
                 f"groups' weights are the job's result")
 
 
-def _history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup) -> str | None:
-    """Why no group can heal `lost` (None if a live group holds the job's history), waiting
-    up to HISTORY_GRACE_S for a live group's count to show it (not at all when no other
-    group is live: the job ended 20 s after its last group finished, for nothing)."""
+def _history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup,
+                  nproc: int = 1) -> str | None:
+    """Why no group can heal `lost` (None if a live group holds the job's history: every
+    one of its ranks holds the latest count). Up to HISTORY_GRACE_S is waited while a live
+    group may be writing the last commit (every rank of it within a step of the latest);
+    none when no live group can be (none live, or each holds a heal in part or is further
+    behind): nothing would come of the wait."""
     deadline = time.monotonic() + HISTORY_GRACE_S
     while True:
-        counts = {g: entry[0] for g, entry in read_record(record, len(groups)).items()}
+        entries = read_record(record, len(groups), nproc)
+        counts = {g: entry[0] for g, entry in entries.items()}
         latest = max(counts.values(), default=0)
         live = [g for g in groups if g is not lost and not g.done and g.failed_rank() is None]
-        if latest == 0 or any(counts.get(g.replica_id, 0) == latest for g in live):
+        if latest == 0 or any(entries.get(g.replica_id, (0, 0))[0] == latest
+                              and entries[g.replica_id][1] != PARTIAL for g in live):
             return None
-        if not live or time.monotonic() > deadline:  # no live group left to show it
+        writing = [g for g in live if counts.get(g.replica_id, 0) >= latest - 1]
+        if not writing or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     finished = [g.replica_id for g in groups if g.done]
@@ -344,14 +363,58 @@ def _history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup) -
                 f"and no live group holds that history to heal it from (started again, it "
                 f"would train from its initial weights alone): the finished groups' weights "
                 f"are the job's result")
-    return (f"no live group holds the job's history ({latest} committed steps; each group's "
-            f"count: {counts}), so none can be healed: resume the job from its last sharded "
-            f"checkpoint (pipe.save / pipe.load, docs/checkpoints.md)")
+    partial = sorted(g for g, (_, lineage) in entries.items() if lineage == PARTIAL
+                     and any(x.replica_id == g and x is not lost and not x.done for x in groups))
+    half = (f"; group(s) {partial} hold a heal in part (their ranks at different steps), "
+            f"which is undone, never trained on" if partial else "")
+    return (f"no live group holds the job's history: its {latest} committed steps were held "
+            f"by the groups lost (each group's count, the steps all its ranks hold: "
+            f"{counts}){half}. None can be healed, and none is started again from its "
+            f"initial weights in its place (that would be another history): the job ends; "
+            f"resume the job from its last sharded checkpoint (pipe.save / pipe.load, "
+            f"docs/checkpoints.md): start the job again with a script that loads it")
 
 
-def _compare_ends(record: Any, groups: list[ReplicaGroup]) -> int:
+class _Progress:
+    """A live group whose committed count (all its ranks') has not moved for `timeout`
+    seconds since it started or last moved: it will not commit again (retrying a step of
+    another history, waiting for a heal none can give), and the job ends saying so."""
+
+    def __init__(self, record: Any, groups: list[ReplicaGroup], nproc: int,
+                 timeout: float) -> None:
+        self.record, self.groups, self.nproc, self.timeout = record, groups, nproc, timeout
+        now = time.monotonic()
+        self.seen = {g.replica_id: (0, now) for g in groups}  # group: (count, since when)
+        self.next_look = 0.0
+
+    def restarted(self, group: ReplicaGroup) -> None:
+        self.seen[group.replica_id] = (0, time.monotonic())
+
+    def check(self) -> str | None:
+        now = time.monotonic()
+        if now < self.next_look:
+            return None
+        self.next_look = now + 0.5
+        entries = read_record(self.record, len(self.groups), self.nproc)
+        latest = max((c for c, _ in entries.values()), default=0)
+        for g in self.groups:
+            count = entries.get(g.replica_id, (0, 0))[0]
+            seen, since = self.seen[g.replica_id]
+            if count != seen or g.done:
+                self.seen[g.replica_id] = (count, now)
+            elif now - since > self.timeout:
+                return (f"replica group {g.replica_id} committed no step for {now - since:.0f}s "
+                        f"(--progress-timeout {self.timeout:g}): it holds {count} committed "
+                        f"steps, the job's history {latest}, and it will not commit again "
+                        f"(its ranks' lines above say what it retries); resume the job from "
+                        f"its last sharded checkpoint (pipe.save / pipe.load, "
+                        f"docs/checkpoints.md) rather than retry forever")
+        return None
+
+
+def _compare_ends(record: Any, groups: list[ReplicaGroup], nproc: int = 1) -> int:
     """0 if every group ended holding the same history (count and lineage), else 1."""
-    ends = read_record(record, len(groups))
+    ends = read_record(record, len(groups), nproc)
     if len(set(ends.values())) <= 1:
         return 0
     print(f"pipeline.launch: the replica groups ended with different histories (committed "

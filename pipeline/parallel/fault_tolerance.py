@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map_only
 from pipeline.comm.handed import Handed
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel import ft_auth, ft_lineage
+from pipeline.parallel.ft_heal import check_heal
 from pipeline.parallel.ft_record import JobRecord, NotLatest
 from pipeline.parallel.tensor_parallel import local_tensor
 
@@ -122,9 +123,16 @@ class FaultTolerance:
         # The history of committed steps this replica holds (ft_lineage): a heal carries it.
         self.lineage = 0
         # The job's record of which history each step extends (ft_record), where the
-        # launcher keeps one; group rank 0 writes this group's count there.
-        self.record = JobRecord.from_environment(self.replica_id, timeout)
-        self._writes_count = rank == 0
+        # launcher keeps one; every rank writes its count there (its group holds what all
+        # its ranks hold).
+        self.rank = rank
+        self._saved: str | None = None  # where this rank last saved (pipe.save), if it did
+        self.record = JobRecord.from_environment(self.replica_id, timeout, rank,
+                                                 self.last_state)
+        self._writes_count = True
+        # The digest of this rank's state (ft_lineage.state_digest) at its committed count,
+        # once known: each commit's lineage carries it.
+        self.digest: int | None = None
         if os.environ.get(LOG_ENV) and not logging.getLogger().handlers:
             _warnings_to_stderr()
         # Quorum at the start of a step and healing before its forward (use_async_quorum
@@ -265,14 +273,40 @@ class FaultTolerance:
         self._stepped = True
 
     def _quorum(self) -> None:
-        """Start this step's quorum (and heal) unless it is started; a group healed by it
-        shows in the record at once that it holds the history (the launcher may need to know
-        before its next commit: restart a lost peer, or end the job)."""
+        """Start this step's quorum (and heal) unless it is started; a rank healed by it
+        shows in the record at once what it holds (the launcher may need to know before its
+        next commit: restart a lost peer, or end the job; its group holds the history once
+        every one of its ranks does)."""
         if not self._quorum_started:
+            transport = getattr(self.manager, "_checkpoint_transport", None)
+            heals = getattr(transport, "heals", None)  # our HealTransport's
+            before = len(heals) if heals is not None else 0
             self.manager.start_quorum()
             self._quorum_started = True
+            if heals is not None and len(heals) > before:
+                check_heal(self, heals[-1])
             if self.record is not None and self._writes_count:
                 self.record.committed(self.committed_steps, self.lineage)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's stage weights, in order (its shards under tp): what its digest covers."""
+        return [local_tensor(v) for v in self._pipe.state_dict().values()
+                if isinstance(v, torch.Tensor)]
+
+    def _digest_now(self) -> int:
+        self.digest = ft_lineage.state_digest(self.state_tensors())
+        return self.digest
+
+    def last_state(self) -> str:
+        """Where this rank's last committed state is, for a message of a job that ends."""
+        saved = (f"its last save: {self._saved}, resume with pipe.load" if self._saved
+                 else "it saved none in this run (pipe.save)")
+        return (f"Replica group {self.replica_id} rank {self.rank} held "
+                f"{self.committed_steps} committed steps in memory, now lost; {saved}")
+
+    def saved(self, path: str) -> None:
+        """pipe.save wrote this rank's committed state to `path`."""
+        self._saved = path
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
         """Average this rank's gradients over the same stage of every replica in the quorum
@@ -364,7 +398,10 @@ class FaultTolerance:
         """Apply the step when every rank of this replica group agrees and it extends the
         job's history; the next step starts a new quorum whatever the outcome."""
         step = self.committed_steps
-        after = ft_lineage.next_lineage(self.lineage, step, self.participants)
+        if self.digest is None:
+            self._digest_now()
+        assert self.digest is not None
+        after = ft_lineage.next_lineage(self.lineage, step, self.participants, self.digest)
         theirs = None
         if self.record is not None and self.participants:
             theirs = self.record.conflict(step, after)
@@ -387,6 +424,15 @@ class FaultTolerance:
         if ok:
             apply()
             self.lineage = after
+            digest = self._digest_now()
+            if self.record is not None:
+                held = self.record.digest(self.committed_steps, digest)
+                if held != digest:
+                    raise ft_lineage.ReplicasDiverged(
+                        f"step {step}: replica group {self.replica_id} rank {self.rank} "
+                        f"committed it from the job's history, but its state after it "
+                        f"(digest {digest}) is not the one the history holds ({held}): this "
+                        f"group stops so that its launcher restarts it and it heals")
             if self.record is not None and self._writes_count:
                 self.record.committed(self.committed_steps, self.lineage)
         elif theirs is not None:

@@ -8,8 +8,14 @@ is behind). The record makes history a fact kept outside every group: the first 
 commit step s writes which history it extends (the lineage after s) under `commit/<s>`, with
 compare-and-set, in a store the launcher serves; a group whose own lineage after s differs
 does not hold the job's history, and commits nothing until a quorum with a group that does
-heals it. Each group also writes how many steps it has committed (`group/<id>`), so that the
-launcher can tell, when a group is lost, whether a live group still holds the history.
+heals it. Each rank also writes how many steps it has committed, and the lineage it holds
+(`group/<id>/<rank>`): a group holds the history only once every one of its ranks does (a heal
+is one transaction per group: a group whose ranks were healed to different steps, or in part,
+holds nothing), so that the launcher can tell, when a group is lost, whether a live group still
+holds the history. Lineages are per rank (each carries a digest of its rank's stage state,
+ft_lineage), and so are the claims (`commit/<rank>/<s>`), and each rank's state digest once it
+committed s steps (`digest/<rank>/<s>`), which a rank healed to s steps checks what it
+received against.
 
 The record also holds what every group must agree on and what the lighthouse cannot see. The
 job's count of groups (`replicas`): the first to join (the launcher) writes it, and a group
@@ -26,22 +32,30 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
 from pipeline import settings
 from pipeline.errors import PipeConfigError, PipelineError
 
-__all__ = ["EXITING", "LIVENESS_ENV", "RECORD_ENV", "REPLICAS_KEY", "JobRecord", "Liveness",
-           "NotLatest", "beat_key", "connect", "group_key", "read_record", "serve"]
+__all__ = ["EXITING", "LAUNCHER_ENV", "LAUNCHER_LOST_EXIT", "LIVENESS_ENV", "PARTIAL",
+           "RECORD_ENV", "REPLICAS_KEY", "JobRecord", "Liveness", "NotLatest", "beat_key",
+           "connect", "group_key", "read_record", "serve"]
 
 RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port, on the lighthouse's host
 # Seconds a rank may go without a beat before the launcher ends its group; set by the launcher
 # (unset: no beats, as under torchrun by hand).
 LIVENESS_ENV = "PIPELINE_FT_LIVENESS"
 REPLICAS_KEY = "replicas"  # the job's count of replica groups
+# The launcher's pid, in its ranks' environment: named by a rank that finds it gone.
+LAUNCHER_ENV = "PIPELINE_FT_LAUNCHER"
+# A group's lineage in read_record while its ranks disagree (a heal in part, a commit that
+# not every rank has written yet): it holds no history.
+PARTIAL = -1
 # fault_tolerance.NUM_REPLICAS_ENV (that module imports this one).
 _NUM_REPLICAS_ENV = "NUM_REPLICA_GROUPS"
 # Added to a rank's beat count as it exits: from then on it is not watched (its teardown may
@@ -49,6 +63,7 @@ _NUM_REPLICAS_ENV = "NUM_REPLICA_GROUPS"
 EXITING = 1 << 40
 _BEATS_PER_TIMEOUT = 10
 _EXIT_JOIN_S = 10.0  # how long an exiting rank waits for a beat in flight
+_LOST_FLOOR_S = 5.0  # replica_launch.RANK_TIMEOUT_FLOOR_S
 _beating: set[int] = set()  # this process's pid once its beats started (a fork beats anew)
 
 
@@ -56,23 +71,34 @@ class NotLatest(PipelineError):
     """This group does not hold the job's latest history: it must heal before committing."""
 
 
-def group_key(replica: int) -> str:
-    return f"group/{replica}"
+def group_key(replica: int, rank: int = 0) -> str:
+    return f"group/{replica}/{rank}"
 
 
 def beat_key(pid: int) -> str:
     return f"beat/{pid}"
 
 
-def read_record(store: Any, replicas: int) -> dict[int, tuple[int, int]]:
-    """Each group's (committed steps, lineage) as last written; groups that never wrote
-    are left out."""
+def read_record(store: Any, replicas: int, ranks: int = 1) -> dict[int, tuple[int, int]]:
+    """Each group's (committed steps, lineage) as its `ranks` ranks last wrote them: the
+    steps every rank holds (the fewest) and, where all agree, one lineage for them all (else
+    PARTIAL); groups none of whose ranks wrote are left out."""
     out = {}
     for g in range(replicas):
-        key = group_key(g)
-        if store.check([key]):
-            count, lineage = store.get(key).split()
-            out[g] = (int(count), int(lineage))
+        entries = []
+        for r in range(ranks):
+            key = group_key(g, r)
+            if store.check([key]):
+                count, lineage = store.get(key).split()
+                entries.append((int(count), int(lineage)))
+        if not entries:
+            continue
+        if len(entries) < ranks or len({c for c, _ in entries}) > 1:
+            out[g] = (min(c for c, _ in entries), PARTIAL)
+        else:
+            lineages = [v for _, v in entries]
+            out[g] = (entries[0][0], lineages[0] if ranks == 1
+                      else zlib.crc32(repr(lineages).encode()))
     return out
 
 
@@ -80,11 +106,14 @@ class JobRecord:
     """A rank's view of the record (None where none is kept: torchrun by hand, unless the
     record is started alone, `python -m pipeline.replica_launch --record`)."""
 
-    def __init__(self, store: Any, replica: int) -> None:
-        self.store, self.replica = store, replica
+    def __init__(self, store: Any, replica: int, rank: int = 0) -> None:
+        self.store, self.replica, self.rank = store, replica, rank
 
     @classmethod
-    def from_environment(cls, replica: int, timeout: float) -> JobRecord | None:
+    def from_environment(cls, replica: int, timeout: float, rank: int = 0,
+                         last_state: Any = None) -> JobRecord | None:
+        """`last_state`: a callable naming where this rank's last committed state is, for
+        the message of a rank that finds the launcher gone."""
         port = os.environ.get(RECORD_ENV)
         if not port:
             return None
@@ -94,12 +123,13 @@ class JobRecord:
                                    unit=" seconds")
         if liveness is not None and os.getpid() not in _beating:
             _beating.add(os.getpid())
-            _start_beats(int(port), liveness / _BEATS_PER_TIMEOUT, timeout, store)
-        return cls(store, replica)
+            _start_beats(int(port), liveness, timeout, store,
+                         f"replica group {replica} rank {rank}", last_state)
+        return cls(store, replica, rank)
 
     def conflict(self, step: int, lineage_after: int) -> int | None:
         """The lineage another history committed step `step` with, if it is not ours."""
-        key = f"commit/{step}"
+        key = f"commit/{self.rank}/{step}"
         if not self.store.check([key]):
             return None
         theirs = int(self.store.get(key))
@@ -108,13 +138,24 @@ class JobRecord:
     def claim(self, step: int, lineage_after: int) -> int | None:
         """Record that step `step` extends the history to `lineage_after`, unless another
         history recorded it first (then its lineage is returned)."""
-        got = int(self.store.compare_set(f"commit/{step}", "", str(lineage_after)))
+        got = int(self.store.compare_set(f"commit/{self.rank}/{step}", "", str(lineage_after)))
         return None if got == lineage_after else got
 
     def committed(self, steps: int, lineage: int) -> None:
-        """This group now holds `steps` committed steps of history `lineage` (written by its
-        rank 0)."""
-        self.store.set(group_key(self.replica), f"{steps} {lineage}")
+        """This rank now holds `steps` committed steps of history `lineage` (its group holds
+        them once every rank wrote the same count)."""
+        self.store.set(group_key(self.replica, self.rank), f"{steps} {lineage}")
+
+    def digest(self, steps: int, digest: int) -> int:
+        """Record that this rank's state after `steps` committed steps has `digest`, unless
+        one was recorded first; the digest the record holds."""
+        return int(self.store.compare_set(f"digest/{self.rank}/{steps}", "", str(digest)))
+
+    def digest_at(self, steps: int) -> int | None:
+        """The digest of this rank's state after `steps` committed steps in the job's
+        history, if one was recorded."""
+        key = f"digest/{self.rank}/{steps}"
+        return int(self.store.get(key)) if self.store.check([key]) else None
 
 
 def connect(port: int, timeout: float) -> Any:
@@ -142,22 +183,38 @@ def _check_count(store: Any, replica: int) -> None:
             f"all with {count})")
 
 
-def _start_beats(port: int, period: float, timeout: float, store: Any) -> None:
-    """Beat every `period` seconds from a daemon thread (a SIGSTOP stops it with the rest of
-    the process), on a connection of its own: the rank's calls never wait behind a beat. At
-    exit the thread is stopped first, then the rank says so on its own connection: its
-    teardown is not watched."""
+def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: str,
+                 last_state: Any) -> None:
+    """Beat every `liveness / 10` seconds from a daemon thread (a SIGSTOP stops it with the
+    rest of the process), on a connection of its own: the rank's calls never wait behind a
+    beat. At exit the thread is stopped first, then the rank says so on its own connection:
+    its teardown is not watched. A coordinator that answers no beat for `liveness` seconds
+    is gone (the launcher killed or crashed): nothing is left to form a quorum or keep the
+    record, so the rank ends (LAUNCHER_LOST_EXIT) saying so, where it waited in a quorum
+    until its timeout and died of a bare connection error."""
     key = beat_key(os.getpid())
     stop = threading.Event()
+    period = liveness / _BEATS_PER_TIMEOUT
+    # The coordinator is taken for gone after the liveness timeout, but never less than the
+    # launcher's floor for a rank's (a slow answer on a loaded host is not a lost launcher).
+    lost_after = max(liveness, _LOST_FLOOR_S)
 
     def beat() -> None:
-        try:
-            beats = connect(port, timeout)
-            while not stop.is_set():
+        answered = time.monotonic()
+        beats = None
+        why = "no answer"
+        # At exit beats stop, but not the watch while the coordinator is not answering: a
+        # rank whose exit hangs (a quorum, a process group's teardown) still ends in time.
+        while not (stop.is_set() and beats is not None):
+            try:
+                beats = connect(port, min(timeout, lost_after)) if beats is None else beats
                 beats.add(key, 1)
-                stop.wait(period)
-        except Exception:  # the launcher is gone: the job is ending, nobody watches
-            return
+                answered = time.monotonic()
+            except Exception as exc:
+                beats, why = None, f"{type(exc).__name__}: {exc}"
+                if time.monotonic() - answered >= lost_after:
+                    _launcher_lost(port, who, time.monotonic() - answered, why, last_state)
+            stop.wait(period)
 
     thread = threading.Thread(target=beat, name="pipeline-ft-beat", daemon=True)
 
@@ -168,11 +225,37 @@ def _start_beats(port: int, period: float, timeout: float, store: Any) -> None:
         # without an active exception"), after its last commit.
         stop.set()
         thread.join(timeout=_EXIT_JOIN_S)
-        with contextlib.suppress(Exception):
+        try:
             store.add(key, EXITING)
+        except Exception as exc:  # a rank whose main thread met the lost coordinator first
+            _launcher_lost(port, who, 0.0, f"{type(exc).__name__}: {exc}", last_state)
 
     atexit.register(exiting)
     thread.start()
+
+
+LAUNCHER_LOST_EXIT = 75  # sysexits' EX_TEMPFAIL: the job may be started again from its save
+
+
+def _launcher_lost(port: int, who: str, silent: float, why: str, last_state: Any) -> None:
+    """End this rank: the job's coordinator is gone. Says whose it was and where the last
+    committed state is; exits at once (the main thread may be waiting in a quorum that
+    nobody will form)."""
+    host = "127.0.0.1"
+    with contextlib.suppress(Exception):
+        from pipeline.parallel.ft_coord import lighthouse_hostport
+
+        host = lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE") else host
+    pid = os.environ.get(LAUNCHER_ENV)
+    owner = f"the launcher (pid {pid})" if pid else "`python -m pipeline.replica_launch --record`"
+    state = "unknown"
+    with contextlib.suppress(Exception):
+        state = str(last_state()) if last_state is not None else state
+    print(f"pipeline: {who}: the job's coordinator at {host}:{port}, kept by {owner}, has "
+          f"answered no beat for {silent:.1f}s ({why}): it is gone, and with it the quorums "
+          f"and the job's record; this rank exits ({LAUNCHER_LOST_EXIT}). {state}",
+          file=sys.stderr, flush=True)
+    os._exit(LAUNCHER_LOST_EXIT)
 
 
 class Liveness:

@@ -85,6 +85,9 @@ class HealTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self._step = -1
         self._payload: bytes | None = None  # the checkpoint served, saved once per step
         self._used: OrderedDict[str, None] = OrderedDict()  # nonces served (single-use)
+        # The steps of the heals this rank began, in order: its FaultTolerance checks each
+        # one was applied whole (ft_heal).
+        self.heals: list[int] = []
         host = bind_host() if host is None else host
         server_class = _Server6 if ":" in host else _Server
         self._server = server_class((host, 0), _handler(self))
@@ -145,6 +148,7 @@ class HealTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
     # -- the healing rank's side ---------------------------------------------------------------
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta) -> dict[str, Any]:
+        self.heals.append(step)
         url = urlsplit(metadata)
         if url.scheme != "https" or url.hostname is None or url.port is None:
             raise HealRefused(f"the heal source's address {metadata!r} is not "

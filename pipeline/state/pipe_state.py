@@ -23,6 +23,9 @@ class PipeState:
         from pipeline.state import sharded  # torch.distributed.checkpoint is slow to import
 
         sharded.save(self, path, optimizer)  # type: ignore[arg-type]  # a Pipe
+        ft = getattr(self, "_ft", None)
+        if ft is not None:  # a replica job that ends names its last save
+            ft.saved(str(path))
 
     def load(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load what `save` wrote (from any balance, rank count, or a plain model)."""

@@ -9,7 +9,9 @@ runs at or after committed step `step`. Points: forward, backward (inside the pi
 step (after the backward, before the cross-replica average), allreduce (inside the average's
 collective, once the same rank of another replica is inside it too), optimizer (inside the
 optimizer's step, after the quorum agreed to commit), heal (a group restarted after the
-previous kill, while it fetches its state from its peer), end (after the loop, before the final
+previous kill, while it fetches its state from its peer), source (a rank of a group the previous
+kill's group heals from: as it is about to serve that heal, once the healing group's other ranks
+have healed, so that the healing group is left half healed), end (after the loop, before the final
 state is saved: lost after the job's last commit), stall (at `step`, SIGSTOP instead: the rank
 stays, frozen, until the launcher sees it stopped beating and ends its group). Kills run in
 the order given, each once per job (OUT/killed_<i> marks it done, with the time and step),
@@ -64,7 +66,8 @@ WIDTH = 16
 LR = 0.01
 GROWTH_INTERVAL = 20  # a GradScaler's, with --scaler
 INF_STEP = 1  # replica 1's batch of this step holds an inf, with --scaler
-POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal", "end", "stall")
+POINTS = ("forward", "backward", "step", "allreduce", "optimizer", "heal", "source", "end",
+          "stall")
 
 
 def build_model() -> nn.Sequential:
@@ -136,7 +139,7 @@ class Killer:
         if i is None:
             return None
         kill = self.kills[i]
-        if kill.point == "heal" or kill.rank != self.rank or committed < kill.step:
+        if kill.point in ("heal", "source") or kill.rank != self.rank or committed < kill.step:
             return None
         previous = self.done(i - 1) if i else None
         if previous is not None and self.last_everyone <= previous["step"]:
@@ -158,6 +161,15 @@ class Killer:
         kill = self.kills[i]
         mine = (kill.replica, kill.rank) == (self.replica, self.rank)
         return i if mine and kill.point == "heal" else None
+
+    def source_armed(self) -> int | None:
+        """Kill i if it is this rank's source kill (the previous kill's group is healing)."""
+        i = self.next()
+        if i is None or not i or self.done(i - 1) is None:
+            return None
+        kill = self.kills[i]
+        mine = (kill.replica, kill.rank) == (self.replica, self.rank)
+        return i if mine and kill.point == "source" else None
 
     def finished(self) -> bool:
         """Every kill ran, and every replica took part in a step after the last one (an
@@ -237,6 +249,40 @@ def _kill_during_heal(pipe: Pipe, killer: Killer, i: int) -> None:
     transport._load_from_address = classmethod(load)
 
 
+def _kill_as_source(pipe: Pipe, killer: Killer) -> None:
+    """Arm the source kill: when this rank is about to serve a heal to the previous kill's
+    group, it waits (up to 30 s) until that group's other ranks logged their start (their heal
+    done), then is killed, before its own heal request is answered."""
+    assert pipe._ft is not None
+    transport = pipe._ft.manager._checkpoint_transport
+    send = transport.send_checkpoint
+
+    def killing_send(*args: Any, **kwargs: Any) -> None:
+        i = killer.source_armed()
+        if i is not None:
+            lost = killer.kills[i - 1]
+            since = float((killer.done(i - 1) or {})["t"])
+            others = [r for r in range(int(os.environ["WORLD_SIZE"])) if r != killer.rank]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                    _started_since(killer.out, lost.replica, r, since) for r in others):
+                time.sleep(0.01)
+            killer.kill(i, int(kwargs.get("step", -1)))
+        send(*args, **kwargs)
+
+    transport.send_checkpoint = killing_send
+
+
+def _started_since(out: str, replica: int, rank: int, since: float) -> bool:
+    """Whether that rank logged a start (its first quorum done) after `since`."""
+    try:
+        with open(os.path.join(out, f"start_{replica}_{rank}.jsonl")) as f:
+            return any(json.loads(line)["built"] + json.loads(line)["resume_s"] > since
+                       for line in f if line.strip())
+    except FileNotFoundError:
+        return False
+
+
 def _log_start(out: str, replica: int, rank: int, built: float, step: int) -> None:
     """When the Pipe was built, how long it then took to be ready to train (the first
     quorum, a heal for a group that starts late or again; or the checkpoint's load), and the
@@ -286,6 +332,8 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     heal = killer.heal_armed()
     if heal is not None:
         _kill_during_heal(pipe, killer, heal)
+    if any(kill.point == "source" for kill in kills):
+        _kill_as_source(pipe, killer)
     started = time.time()
     inner = torch.optim.AdamW(pipe.parameters(), lr=LR)
     _install_kills(pipe, inner, killer, rank)

@@ -74,6 +74,7 @@ def _replica(replica: int, lineage: int, peers: list[torch.Tensor]
     ft.replica_id, ft.num_replicas, ft.lineage = replica, 2, lineage
     ft.participants, ft._quorum_started, ft._stepped = (), True, True
     ft.record, ft._scaler, ft.last_committed = None, None, False  # no launcher's record
+    ft.rank, ft.digest, ft._pipe = 0, 0, torch.nn.Linear(1, 1)  # the state's digest: 0
     ft.manager = _Manager(peers)  # type: ignore[assignment]
     params = [torch.nn.Parameter(torch.zeros(3))]
     params[0].grad = torch.full((3,), float(replica + 1))

@@ -181,3 +181,67 @@ def test_a_heal_from_a_group_of_another_model_is_a_configuration_error() -> None
     with pytest.raises(PipeConfigError, match=r"other keys \(\['2.weight'\]\)"):
         ft._load_model(deeper)
     assert all(torch.equal(v, same[k]) for k, v in pipe.state_dict().items())  # unchanged
+
+
+def test_a_group_holds_the_history_only_once_every_rank_does(
+        store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of group 1 healed to step 5, rank 1 did not (its source was lost): the group
+    holds nothing, and with group 0 lost the job ends at once, not after the grace (the
+    launcher restarted group 0 from its initial weights and both trained over the history)."""
+    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 3600.0)
+    for r in (0, 1):
+        JobRecord(store, 0, r).committed(5, 9)
+    JobRecord(store, 1, 0).committed(5, 9)
+    JobRecord(store, 1, 1).committed(0, 0)
+    assert read_record(store, 2, 2) == {0: (5, read_record(store, 2, 2)[0][1]),
+                                        1: (0, replica_launch.PARTIAL)}
+    groups = _groups([False, False])
+    began = time.monotonic()
+    why = replica_launch._history_lost(store, groups, groups[0], 2)
+    assert time.monotonic() - began < 60  # not the hour of grace
+    assert why is not None and "group(s) [1] hold a heal in part" in why, why
+    assert "none is started again from its initial weights" in why
+    JobRecord(store, 1, 1).committed(5, 9)  # the heal completed: group 1 holds it
+    assert replica_launch._history_lost(store, groups, groups[0], 2) is None
+
+
+def test_a_group_that_commits_nothing_within_the_bound_ends_the_job(store: Any) -> None:
+    groups = _groups([False, False])
+    progress = replica_launch._Progress(store, groups, 1, timeout=0.2)
+    assert progress.check() is None
+    for count in (1, 2):  # group 0 commits, group 1 does not
+        time.sleep(0.15)
+        JobRecord(store, 0).committed(count, 7)
+        progress.next_look = 0.0
+        why = progress.check()
+    assert why is not None and "replica group 1 committed no step for" in why, why
+    assert "the job's history 2" in why and "rather than retry forever" in why
+    progress.restarted(groups[1])  # a restarted group gets the bound afresh
+    progress.next_look = 0.0
+    JobRecord(store, 0).committed(3, 7)
+    assert progress.check() is None
+
+
+def test_a_heal_is_checked_whole() -> None:
+    """A rank whose heal failed, or brought a state other than the history's at that step,
+    raises: its group restarts as lost (a half-healed group trained on as one replica)."""
+    from pipeline.parallel.ft_heal import HealIncomplete, check_heal
+    from pipeline.parallel.ft_lineage import state_digest
+
+    model = torch.nn.Linear(2, 2)
+    store = KeyStore()
+    errors: list[Exception] = [RuntimeError("the source closed")]
+    ft = SimpleNamespace(replica_id=1, rank=1, record=JobRecord(store, 1, 1),
+                         manager=SimpleNamespace(errored=lambda: errors[0] if errors else None))
+    ft._digest_now = lambda: state_digest(model.state_dict().values())
+    with pytest.raises(HealIncomplete, match=r"rank 1: its heal to step 4 failed \("
+                                             r"RuntimeError: the source closed\)"):
+        check_heal(ft, 4)
+    errors.clear()
+    check_heal(ft, 4)  # no digest recorded at step 4: nothing to hold it against
+    JobRecord(store, 0, 1).digest(4, ft._digest_now())  # the history's, from its commit
+    check_heal(ft, 4)
+    with torch.no_grad():
+        model.weight[0, 0] += 1.0
+    with pytest.raises(HealIncomplete, match=r"is not the job's state after 4 committed"):
+        check_heal(ft, 4)
