@@ -199,8 +199,9 @@ def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: st
     # launcher's floor for a rank's (a slow answer on a loaded host is not a lost launcher).
     lost_after = max(liveness, _LOST_FLOOR_S)
 
+    answered = [time.monotonic()]  # when the coordinator last answered a beat (either side)
+
     def beat() -> None:
-        answered = time.monotonic()
         beats = None
         why = "no answer"
         # At exit beats stop, but not the watch while the coordinator is not answering: a
@@ -209,11 +210,13 @@ def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: st
             try:
                 beats = connect(port, min(timeout, lost_after)) if beats is None else beats
                 beats.add(key, 1)
-                answered = time.monotonic()
+                answered[0] = time.monotonic()
             except Exception as exc:
                 beats, why = None, f"{type(exc).__name__}: {exc}"
-                if time.monotonic() - answered >= lost_after:
-                    _launcher_lost(port, who, time.monotonic() - answered, why, last_state)
+                silent = time.monotonic() - answered[0]
+                if silent >= lost_after:
+                    _launcher_lost(port, who, f"has answered no beat for {silent:.1f}s ({why})",
+                                   last_state)
             stop.wait(period)
 
     thread = threading.Thread(target=beat, name="pipeline-ft-beat", daemon=True)
@@ -228,7 +231,10 @@ def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: st
         try:
             store.add(key, EXITING)
         except Exception as exc:  # a rank whose main thread met the lost coordinator first
-            _launcher_lost(port, who, 0.0, f"{type(exc).__name__}: {exc}", last_state)
+            ago = time.monotonic() - answered[0]
+            _launcher_lost(port, who, f"did not answer as this rank exited "
+                                      f"({type(exc).__name__}: {exc}; it last answered a beat "
+                                      f"{ago:.1f}s before)", last_state)
 
     atexit.register(exiting)
     thread.start()
@@ -237,10 +243,10 @@ def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: st
 LAUNCHER_LOST_EXIT = 75  # sysexits' EX_TEMPFAIL: the job may be started again from its save
 
 
-def _launcher_lost(port: int, who: str, silent: float, why: str, last_state: Any) -> None:
-    """End this rank: the job's coordinator is gone. Says whose it was and where the last
-    committed state is; exits at once (the main thread may be waiting in a quorum that
-    nobody will form)."""
+def _launcher_lost(port: int, who: str, what: str, last_state: Any) -> None:
+    """End this rank: the job's coordinator is gone (`what` says how it was seen gone). Says
+    whose it was and where the last committed state is; exits at once (the main thread may be
+    waiting in a quorum that nobody will form)."""
     host = "127.0.0.1"
     with contextlib.suppress(Exception):
         from pipeline.parallel.ft_coord import lighthouse_hostport
@@ -251,9 +257,9 @@ def _launcher_lost(port: int, who: str, silent: float, why: str, last_state: Any
     state = "unknown"
     with contextlib.suppress(Exception):
         state = str(last_state()) if last_state is not None else state
-    print(f"pipeline: {who}: the job's coordinator at {host}:{port}, kept by {owner}, has "
-          f"answered no beat for {silent:.1f}s ({why}): it is gone, and with it the quorums "
-          f"and the job's record; this rank exits ({LAUNCHER_LOST_EXIT}). {state}",
+    print(f"pipeline: {who}: the job's coordinator at {host}:{port}, kept by {owner}, "
+          f"{what}: it is gone, and with it the quorums and the job's record; this rank "
+          f"exits ({LAUNCHER_LOST_EXIT}). {state}",
           file=sys.stderr, flush=True)
     os._exit(LAUNCHER_LOST_EXIT)
 
