@@ -3,6 +3,7 @@ under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measu
 
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
                                       [--scaler] [--layout L] [--min-step-ms MS]
+                                      [--deadline S]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -28,6 +29,10 @@ FSDP2); the final state saved whole.
 
 --scheduler: a LambdaLR scheduler (lr x 0.9 per step) stepped after each committed step and
 carried by a heal (`pipe.fault_tolerant(..., state={"scheduler": ...})`); its state is saved.
+
+--deadline S: pipe.training_steps(..., deadline=S) (the library's 300 s by default): how long
+a group that reached STEPS waits for a lost group to come back (none does in a job started by
+hand, where no launcher restarts it).
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -323,7 +328,7 @@ def _full(state: Any) -> Any:
 
 
 def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
-          layout: str = "", schedule_lr: bool = False) -> None:
+          layout: str = "", schedule_lr: bool = False, deadline: float = 300.0) -> None:
     pipe = (_mesh_pipe(layout) if layout else
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
     mlp = bool(layout)  # a mesh layout: the tests' tp MLP and its data
@@ -350,7 +355,7 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     # picked, the end on a step every replica took), and on until a step every replica took
     # part in is committed after the last kill: a restarted group catches up (heals) before
     # the others stop, so all end at one step.
-    for step in _steps(pipe, steps, killer):
+    for step in _steps(pipe, steps, killer, deadline):
         killer.arm(step)
         begun = time.monotonic()
         x, y = (tp_batch if mlp else batch)(pipe.replica_id, step)
@@ -384,11 +389,11 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     pipe.close()
 
 
-def _steps(pipe: Pipe, steps: int, killer: Killer) -> Iterator[int]:
+def _steps(pipe: Pipe, steps: int, killer: Killer, deadline: float) -> Iterator[int]:
     """pipe.training_steps(steps), then one step more at a time until every kill ran."""
     total = steps
     while True:
-        yield from pipe.training_steps(total)
+        yield from pipe.training_steps(total, deadline=deadline)
         if killer.finished():
             return
         total = pipe.committed_steps + 1
@@ -440,13 +445,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaler", action="store_true")
     parser.add_argument("--scheduler", action="store_true")
     parser.add_argument("--layout", choices=("tp", "replicate", "fsdp"), default="")
+    parser.add_argument("--deadline", type=float, default=300.0)
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
         train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout,
-              ns.scheduler)
+              ns.scheduler, ns.deadline)
 
 
 if __name__ == "__main__":
