@@ -11,7 +11,7 @@ The launcher itself hosts the rendezvous store, listening on 127.0.0.1 only (as 
 agent hosts it), so the store outlives any rank and nothing off this machine can reach it.
 If a rank fails, the others are given a few seconds to report their own error, then stopped.
 With --replicas, R groups of N ranks train one model under torchft and a lost group is
-restarted while the others go on (pipeline/replica_launch.py, docs/fault-tolerance.md).
+restarted while the others go on (pipeline/replicas/launch.py, docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     if ns.replicas is not None:
         from pipeline.errors import PipeConfigError
-        from pipeline.replica_launch import run_replicas
+        from pipeline.replicas.launch import run_replicas
 
         try:
             return run_replicas(ns.script, ns.args, replicas=ns.replicas, nproc=ns.nproc,

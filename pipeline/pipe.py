@@ -16,9 +16,9 @@ from pipeline.comm.transport import PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
 from pipeline.parallel import tensor_parallel
 from pipeline.parallel.clipping import clip_grad_norm
-from pipeline.parallel.fault_tolerance import FaultTolerance
-from pipeline.parallel.ft_pipe import FaultTolerantPipe
 from pipeline.parallel.scaling import agree_on_overflow
+from pipeline.replicas.fault_tolerant_pipe import FaultTolerantPipe
+from pipeline.replicas.replica import FaultTolerance
 from pipeline.runtime import batches, weighting
 from pipeline.runtime.batches import one_at_a_time
 from pipeline.runtime.context import CallerState

@@ -25,7 +25,7 @@ def main(out: str, all_wait: bool, count: str | None) -> None:
         with open(os.path.join(out, "starts_1"), "a") as f:
             f.write(f"{rank}\n")
         os.environ["NUM_REPLICA_GROUPS"] = count
-        from pipeline.parallel.ft_record import JobRecord
+        from pipeline.replicas.record import JobRecord
 
         JobRecord.from_environment(1, 30)  # refused: the job runs another count
     elif (replica, rank) == ("1", "0") and not all_wait and count is None:

@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from pipeline import Pipe
-from pipeline.parallel.ft_tls import job_tls
+from pipeline.replicas.tls import job_tls
 
 WIDTH = 16
 LR = 0.01
@@ -238,7 +238,7 @@ def _kill_during_heal(pipe: Pipe, killer: Killer, i: int) -> None:
     transport = type(pipe._ft.manager._checkpoint_transport)
 
     def load(cls: Any, address: str, timeout: timedelta) -> object:
-        # The heal's own request, on a TLS connection of the job's (ft_tls).
+        # The heal's own request, on a TLS connection of the job's (tls).
         url = urlsplit(address)
         assert url.hostname is not None and url.port is not None
         seconds = timeout.total_seconds()

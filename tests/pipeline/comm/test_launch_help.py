@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import launch, replica_launch
+from pipeline import launch
 from pipeline.launch import main, spawn
+from pipeline.replicas import launch as replica_launch
 
 ROOT = Path(__file__).resolve().parents[3]
 

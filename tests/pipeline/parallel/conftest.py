@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.parallel import ft_tls
+from pipeline.replicas import tls as ft_tls
 
 JOB_PEM = ft_tls.make_job_cert()  # one job's certificate and key, for this test session
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import main as launch_main
-from pipeline.parallel import fault_tolerance
+from pipeline.replicas import replica as fault_tolerance
 from tests import models_tp
 from tests.pipeline import ft_train
 
@@ -94,7 +94,7 @@ def test_scaler_step_on_the_wrapper_says_to_call_optimizer_step() -> None:
     """With the scaler given to pipe.fault_tolerant, scaler.step(optimizer) would unscale
     before the cross-replica average and again after it: refused, saying what to call."""
     pytest.importorskip("torchft")
-    from pipeline.parallel.ft_optimizer import ReplicaOptimizer
+    from pipeline.replicas.optimizer import ReplicaOptimizer
 
     model = nn.Linear(2, 2)
     scaler = torch.amp.GradScaler("cpu")

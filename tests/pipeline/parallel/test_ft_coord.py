@@ -1,4 +1,4 @@
-"""The job's lighthouse, record and managers (ft_coord, ft_manager over ft_wire): torchft's
+"""The job's lighthouse, record and managers (coordinator, manager over ft_wire): torchft's
 quorum rule, TCPStore's semantics, and only the job's own processes served: no dashboard, no
 kill, no quorum or vote or record entry from a process without the job's certificate."""
 
@@ -23,12 +23,14 @@ from tests.other_user import other_user, start_as_other
 
 pytest.importorskip("torchft")
 
-from pipeline.parallel import ft_auth, ft_tls, ft_wire
-from pipeline.parallel.ft_coord import Lighthouse, StoreClient, address, serve_coordinator
-from pipeline.parallel.ft_coord import lighthouse_hostport as address_of
-from pipeline.parallel.ft_manager import ManagerClient, ManagerServer, quorum_result
-from pipeline.parallel.ft_transport import HealTransport
-from pipeline.parallel.ft_wire import Client, Server, WireRefused
+from pipeline.replicas import auth as ft_auth
+from pipeline.replicas import tls as ft_tls
+from pipeline.replicas import wire as ft_wire
+from pipeline.replicas.coordinator import Lighthouse, StoreClient, address, serve_coordinator
+from pipeline.replicas.coordinator import lighthouse_hostport as address_of
+from pipeline.replicas.heal_transport import HealTransport
+from pipeline.replicas.manager import ManagerClient, ManagerServer, quorum_result
+from pipeline.replicas.wire import Client, Server, WireRefused
 from tests.pipeline.parallel.conftest import JOB_PEM
 from tests.pipeline.parallel.test_ft_strangers import _listening
 
@@ -422,7 +424,7 @@ def test_the_coordinator_served_alone_takes_sigterm_from_the_moment_its_line_is_
     was installed after the line was printed, so on a loaded machine the SIGTERM came first
     and killed it by the signal (3 of 10 starts beside busy processes). Here a SIGTERM is
     raised as the line is written: served in this process, it must end `serve` with 0."""
-    from pipeline.parallel import ft_record
+    from pipeline.replicas import record as ft_record
 
     monkeypatch.setenv(ft_tls.CERT_ENV, JOB_PEM)
     seen: list[Any] = []

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipeline import PipeConfigError
-from pipeline.parallel import ft_lineage
-from pipeline.parallel.fault_tolerance import FaultTolerance
+from pipeline.replicas import lineage as ft_lineage
+from pipeline.replicas.replica import FaultTolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -145,7 +145,7 @@ def test_a_heal_carries_the_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
     import torchft.manager
     import torchft.process_group
 
-    from pipeline.parallel import fault_tolerance
+    from pipeline.replicas import replica as fault_tolerance
 
     monkeypatch.setattr(torchft.manager, "Manager", _Recorder)
     monkeypatch.setattr(torchft.process_group, "ProcessGroupGloo", lambda timeout: None)

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from pipeline import PipeConfigError
-from pipeline.parallel import ft_record
-from pipeline.parallel.ft_coord import serve_coordinator
-from pipeline.parallel.ft_record import JobRecord, Liveness
+from pipeline.replicas import record as ft_record
+from pipeline.replicas.coordinator import serve_coordinator
+from pipeline.replicas.record import JobRecord, Liveness
 
 pytest.importorskip("torchft")
 
-from pipeline import replica_launch
+from pipeline.replicas import launch as replica_launch
 
 GIVE_UP = str(Path(__file__).parents[1] / "ft_give_up.py")
 LAUNCH_TIMEOUT = 240  # a hang guard, never an expected duration
@@ -51,7 +51,7 @@ def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> No
     continued, it beats again; at its exit it says so and is watched no more."""
     store, port = record
     # Up until its stdin closes, then a normal exit.
-    code = ("import sys\nfrom pipeline.parallel.ft_record import JobRecord\n"
+    code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
             "JobRecord.from_environment(0, 30)\nsys.stdin.read()\n")
     env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "1.0"}
     rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE)
@@ -83,7 +83,7 @@ def test_a_rank_exits_cleanly_with_a_beat_in_flight(record: tuple[Any, int]) -> 
     the GIL back, and the rank aborted after its last commit ('terminate called without an
     active exception', SIGABRT; its group restarted and could not heal: exit 1)."""
     _, port = record
-    code = ("import time\nfrom pipeline.parallel.ft_record import JobRecord\n"
+    code = ("import time\nfrom pipeline.replicas.record import JobRecord\n"
             "JobRecord.from_environment(0, 30)\ntime.sleep(0.3)\n")
     env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "0.001"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

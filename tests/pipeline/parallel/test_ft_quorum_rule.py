@@ -16,8 +16,8 @@ from tests.strategies import QUORUM_REPLICAS, quorum_scripts
 
 _torchft = pytest.importorskip("torchft._torchft")
 
-from pipeline.parallel.ft_coord import Lighthouse  # noqa: E402
-from pipeline.parallel.ft_manager import quorum_result  # noqa: E402
+from pipeline.replicas.coordinator import Lighthouse  # noqa: E402
+from pipeline.replicas.manager import quorum_result  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

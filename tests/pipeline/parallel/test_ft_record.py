@@ -1,4 +1,4 @@
-"""The job's record of committed steps (pipeline/parallel/ft_record.py) and the launcher's
+"""The job's record of committed steps (pipeline/replicas/record.py) and the launcher's
 decisions on it: which history a step extends, whether a lost group can be healed, whether a
 live group can ever catch up, whether the groups ended alike; the loop's refusals."""
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from pipeline import PipeConfigError, PipelineError
-from pipeline.parallel.ft_coord import KeyStore
-from pipeline.parallel.ft_record import JobRecord, group_key, read_record
+from pipeline.replicas.coordinator import KeyStore
+from pipeline.replicas.record import JobRecord, group_key, read_record
 
 pytest.importorskip("torchft")
 
-from pipeline import replica_launch
-from pipeline.parallel.fault_tolerance import FaultTolerance
+from pipeline.replicas import launch as replica_launch
+from pipeline.replicas.replica import FaultTolerance
 
 
 @pytest.fixture
@@ -225,8 +225,8 @@ def test_a_group_that_commits_nothing_within_the_bound_ends_the_job(store: Any) 
 def test_a_heal_is_checked_whole() -> None:
     """A rank whose heal failed, or brought a state other than the history's at that step,
     raises: its group restarts as lost (a half-healed group trained on as one replica)."""
-    from pipeline.parallel.ft_heal import HealIncomplete, check_heal
-    from pipeline.parallel.ft_lineage import state_digest
+    from pipeline.replicas.heal import HealIncomplete, check_heal
+    from pipeline.replicas.lineage import state_digest
 
     model = torch.nn.Linear(2, 2)
     store = KeyStore()

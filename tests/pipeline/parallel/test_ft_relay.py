@@ -20,10 +20,10 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from pipeline.parallel import ft_tls
-from pipeline.parallel.ft_coord import Lighthouse, StoreClient, address, serve_coordinator
-from pipeline.parallel.ft_manager import ManagerClient, ManagerServer
-from pipeline.parallel.ft_wire import Client, RemoteError, Server, WireBroken, WireRefused
+from pipeline.replicas import tls as ft_tls
+from pipeline.replicas.coordinator import Lighthouse, StoreClient, address, serve_coordinator
+from pipeline.replicas.manager import ManagerClient, ManagerServer
+from pipeline.replicas.wire import Client, RemoteError, Server, WireBroken, WireRefused
 from tests.pipeline.parallel.conftest import Relay
 
 WAIT = timedelta(seconds=10)

@@ -25,9 +25,9 @@ from tests.pipeline.parallel.relay_process import RELAY_CODE
 
 pytest.importorskip("torchft")
 
-from pipeline.parallel.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICAS_ENV, REPLICA_ID_ENV
-from pipeline.parallel.ft_record import RECORD_ENV
-from pipeline.parallel.ft_tls import CERT_ENV
+from pipeline.replicas.record import RECORD_ENV
+from pipeline.replicas.replica import LIGHTHOUSE_ENV, NUM_REPLICAS_ENV, REPLICA_ID_ENV
+from pipeline.replicas.tls import CERT_ENV
 
 REPO = Path(__file__).parents[3]
 TRAIN = str(REPO / "tests" / "pipeline" / "ft_train.py")

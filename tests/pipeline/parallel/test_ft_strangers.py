@@ -22,8 +22,9 @@ from tests.other_user import other_user, start_as_other
 
 pytest.importorskip("torchft")
 
-from pipeline.parallel import ft_auth, ft_tls
-from pipeline.parallel.ft_transport import HealRefused, HealTransport
+from pipeline.replicas import auth as ft_auth
+from pipeline.replicas import tls as ft_tls
+from pipeline.replicas.heal_transport import HealRefused, HealTransport
 from tests.pipeline.parallel.conftest import JOB_PEM, Relay
 
 JOB = ft_tls.JobTLS(JOB_PEM)

@@ -1,4 +1,4 @@
-"""The job's TLS material (pipeline/parallel/ft_tls.py): one certificate per job, TLS 1.3 with
+"""The job's TLS material (pipeline/replicas/tls.py): one certificate per job, TLS 1.3 with
 the job's certificate required and pinned at both ends, the PEM never shown."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pipeline import PipeConfigError
-from pipeline.parallel import ft_tls
-from pipeline.parallel.ft_tls import JobTLS, NotTheJob
+from pipeline.replicas import tls as ft_tls
+from pipeline.replicas.tls import JobTLS, NotTheJob
 
 JOB = ft_tls.make_job_cert()
 

@@ -4,7 +4,7 @@ torchft's HTTPTransport binds every interface, serves `/checkpoint/<step>/full` 
 unpickles what it fetches with `weights_only=False`, and reads it with a timeout per socket
 operation only (a peer sending a byte a second was still being read after 30 s of a 3 s
 timeout). This one, in its place (`checkpoint_transport=` of torchft's Manager), over a TLS
-connection with the job's certificate required and pinned at both ends (ft_tls), one request
+connection with the job's certificate required and pinned at both ends (tls), one request
 per connection:
 
     healing rank -> source   GET /checkpoint/<step>/full?nonce=N&source=HOST:PORT
@@ -47,8 +47,8 @@ from torch.utils._pytree import tree_map_only
 from torchft.checkpointing import CheckpointTransport
 
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel.ft_auth import bind_host, host_port
-from pipeline.parallel.ft_tls import JobTLS, NotTheJob, job_tls
+from pipeline.replicas.auth import bind_host, host_port
+from pipeline.replicas.tls import JobTLS, NotTheJob, job_tls
 
 __all__ = ["HealRefused", "HealTransport", "check_same_model"]
 
@@ -86,7 +86,7 @@ class HealTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self._payload: bytes | None = None  # the checkpoint served, saved once per step
         self._used: OrderedDict[str, None] = OrderedDict()  # nonces served (single-use)
         # The steps of the heals this rank began, in order: its FaultTolerance checks each
-        # one was applied whole (ft_heal).
+        # one was applied whole (heal).
         self.heals: list[int] = []
         host = bind_host() if host is None else host
         server_class = _Server6 if ":" in host else _Server

@@ -15,10 +15,11 @@ from torch.utils._pytree import tree_map_only
 
 from pipeline.comm.handed import Handed
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel import ft_auth, ft_lineage
-from pipeline.parallel.ft_heal import check_heal
-from pipeline.parallel.ft_record import JobRecord, NotLatest
 from pipeline.parallel.tensor_parallel import local_tensor
+from pipeline.replicas import auth as ft_auth
+from pipeline.replicas import lineage as ft_lineage
+from pipeline.replicas.heal import check_heal
+from pipeline.replicas.record import JobRecord, NotLatest
 
 __all__ = ["LIGHTHOUSE_ENV", "LOG_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
            "check_installed"]
@@ -64,9 +65,9 @@ def _environment() -> tuple[int, int, str]:
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
-    """The heal transport (ft_transport): a peer's checkpoint read as plain data
+    """The heal transport (heal_transport): a peer's checkpoint read as plain data
     (`weights_only=True`, torchft's own unpickles it), under the job's TLS."""
-    from pipeline.parallel.ft_transport import HealTransport
+    from pipeline.replicas.heal_transport import HealTransport
 
     return HealTransport(timeout)
 
@@ -122,7 +123,7 @@ class FaultTolerance:
         self._scaler: Any = None  # the GradScaler given to fault_tolerant, if any
         # The history of committed steps this replica holds (ft_lineage): a heal carries it.
         self.lineage = 0
-        # The job's record of which history each step extends (ft_record), where the
+        # The job's record of which history each step extends (record), where the
         # launcher keeps one; every rank writes its count there (its group holds what all
         # its ranks hold).
         self.rank = rank
@@ -139,7 +140,7 @@ class FaultTolerance:
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
         # Its manager, lighthouse and heals this library's, on loopback (or
-        # PIPELINE_FT_BIND), every connection under the job's TLS (ft_tls).
+        # PIPELINE_FT_BIND), every connection under the job's TLS (tls).
         self.manager = ft_auth.build_manager(
             pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
             min_replica_size=1, use_async_quorum=False, timeout=wait, quorum_timeout=wait,
@@ -158,7 +159,7 @@ class FaultTolerance:
 
     def _load_model(self, state: dict[str, Any]) -> None:
         mine = self._pipe.state_dict()
-        from pipeline.parallel.ft_transport import check_same_model  # needs torchft
+        from pipeline.replicas.heal_transport import check_same_model  # needs torchft
 
         check_same_model(mine, state, local_tensor)
         with torch.no_grad():
@@ -235,7 +236,7 @@ class FaultTolerance:
         self._scaler = scaler
         for name, obj in state.items():  # a scheduler's step count, say: healed with the rest
             self.manager.register_state_dict_fn(name, obj.load_state_dict, obj.state_dict)
-        from pipeline.parallel.ft_optimizer import ReplicaOptimizer
+        from pipeline.replicas.optimizer import ReplicaOptimizer
 
         wrapped = ReplicaOptimizer(self.manager, optimizer, self, scaler)
         # The first quorum now: a group that starts late or again heals here, so its

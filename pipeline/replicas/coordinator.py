@@ -2,7 +2,7 @@
 
 In place of torchft's lighthouse (a Rust gRPC server that forms a quorum from whoever asks,
 with a dashboard that lists the replicas and ends any of them on request), one server per job
-(ft_wire: mutual TLS under the job's certificate; only the job's processes are served) answers:
+(wire: mutual TLS under the job's certificate; only the job's processes are served) answers:
 
 - `quorum`: a replica group's manager joins the next quorum and waits for it. The rule is
   torchft 0.2's (its lighthouse, driven with the same requests, forms the same quorums:
@@ -14,7 +14,7 @@ with a dashboard that lists the replicas and ends any of them on request), one s
   the first joined. Its id grows
   when its members change. A request that times out stays joined until the next quorum.
 - `heartbeat`: a group is alive (a quorum request counts as one).
-- `set`, `get`, `check`, `add`, `compare_set`, `delete`: the job's record (ft_record), with
+- `set`, `get`, `check`, `add`, `compare_set`, `delete`: the job's record (record), with
   the semantics of torch's TCPStore, which it replaces (any local user could write there).
 
 There is no dashboard and no kill request: the launcher ends groups itself.
@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline.parallel.ft_auth import host_port
-from pipeline.parallel.ft_tls import JobTLS
-from pipeline.parallel.ft_wire import Client, Server, expect
+from pipeline.replicas.auth import host_port
+from pipeline.replicas.tls import JobTLS
+from pipeline.replicas.wire import Client, Server, expect
 
 __all__ = ["KeyStore", "Lighthouse", "StoreClient", "address", "lighthouse_hostport",
            "serve_coordinator"]
@@ -97,7 +97,7 @@ class Lighthouse:
     of half or fewer of the heartbeating groups once the join timeout passes, so that a group
     goes on while a live peer never asks. Its risk: two such quorums at once (two halves of
     the job, each alive to the other) train apart at the same steps; only the job's record
-    (ft_record) then keeps one history, by making one of them take its steps again."""
+    (record) then keeps one history, by making one of them take its steps again."""
 
     def __init__(self, *, min_replicas: int = 1, join_timeout_s: float = 60.0,
                  heartbeat_timeout_s: float = 5.0, tick_s: float = _TICK_S,
@@ -277,7 +277,7 @@ def address(server: Server) -> str:
 
 class StoreClient:
     """The job's record in the coordinator at `host`:`port`, as a TCPStore client (the
-    methods ft_record calls)."""
+    methods record calls)."""
 
     def __init__(self, host: str, port: int, timeout: float,
                  tls: JobTLS | None = None) -> None:

@@ -4,10 +4,10 @@ torchft's Manager (Python) drives the step protocol through a `ManagerServer` on
 and a `ManagerClient` on every rank; both are gRPC in Rust, unauthenticated, and the server
 has a `Kill` call that ends the process for anyone who sends it. These two take their place
 (`install` puts them in torchft.manager's namespace, where the Manager looks them up) with the
-same calls, over ft_wire (mutual TLS under the job's certificate) and with no kill:
+same calls, over wire (mutual TLS under the job's certificate) and with no kill:
 
 - `quorum`: every rank of the group asks; once all have, the server asks the job's lighthouse
-  (ft_coord) for the next quorum holding this group, and each rank gets its part of it:
+  (coordinator) for the next quorum holding this group, and each rank gets its part of it:
   its rank among the replicas, whom it heals from or sends to, the quorum's store (torchft's
   `compute_quorum_results`, the same rule);
 - `should_commit`: the ranks' votes, True for all once every rank voted yes;
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from pipeline.parallel.ft_auth import bind_host, host_port
-from pipeline.parallel.ft_coord import lighthouse_hostport
-from pipeline.parallel.ft_wire import Client, Server, expect
+from pipeline.replicas.auth import bind_host, host_port
+from pipeline.replicas.coordinator import lighthouse_hostport
+from pipeline.replicas.wire import Client, Server, expect
 
 __all__ = ["ManagerClient", "ManagerServer", "QuorumResult", "install", "quorum_result"]
 

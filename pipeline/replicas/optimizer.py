@@ -11,7 +11,7 @@ from torchft.optim import OptimizerWrapper  # imported only when fault tolerance
 from pipeline.errors import PipeConfigError
 
 if TYPE_CHECKING:
-    from pipeline.parallel.fault_tolerance import FaultTolerance
+    from pipeline.replicas.replica import FaultTolerance
 
 __all__ = ["ReplicaOptimizer"]
 

@@ -13,7 +13,7 @@ heals it. Each rank also writes how many steps it has committed, and the lineage
 is one transaction per group: a group whose ranks were healed to different steps, or in part,
 holds nothing), so that the launcher can tell, when a group is lost, whether a live group still
 holds the history. Lineages are per rank (each carries a digest of its rank's stage state,
-ft_lineage), and so are the claims (`commit/<rank>/<s>`), and each rank's state digest once it
+lineage), and so are the claims (`commit/<rank>/<s>`), and each rank's state digest once it
 committed s steps (`digest/<rank>/<s>`), which a rank healed to s steps checks what it
 received against.
 
@@ -160,8 +160,8 @@ class JobRecord:
 
 def connect(port: int, timeout: float) -> Any:
     """A client of the record kept by the job's coordinator at `port` on the lighthouse's host
-    (ft_coord: the same server, under the job's TLS)."""
-    from pipeline.parallel.ft_coord import StoreClient, lighthouse_hostport
+    (coordinator: the same server, under the job's TLS)."""
+    from pipeline.replicas.coordinator import StoreClient, lighthouse_hostport
 
     host = (lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE")
             else "127.0.0.1")
@@ -249,7 +249,7 @@ def _launcher_lost(port: int, who: str, what: str, last_state: Any) -> None:
     waiting in a quorum that nobody will form)."""
     host = "127.0.0.1"
     with contextlib.suppress(Exception):
-        from pipeline.parallel.ft_coord import lighthouse_hostport
+        from pipeline.replicas.coordinator import lighthouse_hostport
 
         host = lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE") else host
     pid = os.environ.get(LAUNCHER_ENV)
@@ -307,9 +307,9 @@ def serve() -> int:
     import signal
     import sys
 
-    from pipeline.parallel.ft_auth import bind_host
-    from pipeline.parallel.ft_coord import address, serve_coordinator
-    from pipeline.parallel.ft_tls import job_tls
+    from pipeline.replicas.auth import bind_host
+    from pipeline.replicas.coordinator import address, serve_coordinator
+    from pipeline.replicas.tls import job_tls
 
     try:
         tls = job_tls()  # the job's certificate, which every group holds too

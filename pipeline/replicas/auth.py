@@ -3,9 +3,9 @@
 torchft's lighthouse forms a quorum from whoever asks it, and its managers serve whoever calls
 them: another local user running torchft's own `ManagerServer` joined a job's quorum claiming
 step 10**6 and every rank healed from it, and ended ranks through the lighthouse's dashboard
-and the managers' `Kill`. This library replaces those pieces (ft_coord: the lighthouse and the
-job's record; ft_manager: each group's manager; ft_transport: heals), and every connection
-between them is mutual TLS under the job's certificate (ft_tls, ft_wire). Every server binds
+and the managers' `Kill`. This library replaces those pieces (coordinator: the lighthouse and the
+job's record; manager: each group's manager; heal_transport: heals), and every connection
+between them is mutual TLS under the job's certificate (tls, wire). Every server binds
 loopback, or the interface `PIPELINE_FT_BIND` names for replicas on several hosts
 (`bind_host`), never every interface.
 """
@@ -67,10 +67,10 @@ def host_port(host: str, port: int | str) -> str:
 
 def build_manager(**kwargs: Any) -> Any:
     """torchft's Manager built with `kwargs`, its server and clients this library's
-    (ft_manager: bound as `bind_host` says, under the job's TLS)."""
+    (manager: bound as `bind_host` says, under the job's TLS)."""
     import torchft.manager as torchft_manager
 
-    from pipeline.parallel.ft_manager import install
+    from pipeline.replicas.manager import install
 
     install()
     return torchft_manager.Manager(**kwargs)

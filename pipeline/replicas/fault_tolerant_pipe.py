@@ -10,7 +10,7 @@ import torch
 from pipeline.errors import PipeConfigError
 
 if TYPE_CHECKING:
-    from pipeline.parallel.fault_tolerance import FaultTolerance
+    from pipeline.replicas.replica import FaultTolerance
 
 __all__ = ["FaultTolerantPipe"]
 

@@ -1,9 +1,9 @@
 """Requests between a replica job's own processes, over mutual TLS under the job's certificate.
 
-The lighthouse, the job's record and every group's manager (ft_coord) talk over this, in
+The lighthouse, the job's record and every group's manager (coordinator) talk over this, in
 place of torchft's gRPC servers, which answer anyone who connects (another local user joined
 quorums, fed heals, and ended ranks through the dashboard's kill and the managers' `Kill`).
-A connection is TLS 1.3 with the job's certificate required and pinned at both ends (ft_tls):
+A connection is TLS 1.3 with the job's certificate required and pinned at both ends (tls):
 a process without the job's key completes no handshake, and a relay of the bytes reads nothing
 and changes nothing (a changed byte breaks the connection; the call raises). Inside it,
 requests and answers, each a JSON object behind its length (4 bytes, at most `MAX_FRAME`).
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.parallel.ft_tls import CERT_ENV, JobTLS, NotTheJob, job_tls
+from pipeline.replicas.tls import CERT_ENV, JobTLS, NotTheJob, job_tls
 
 __all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "MAX_FRAME", "BadRequest", "Client", "RemoteError",
            "Server", "WireBroken", "WireRefused", "expect"]

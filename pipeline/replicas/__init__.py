@@ -1,0 +1,1 @@
+"""Replica groups under torchft: the step protocol, coordinator, record, heals, launcher."""
