@@ -41,6 +41,7 @@ from typing import Any
 
 from pipeline import settings
 from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.replicas.environment import NUM_REPLICAS_ENV as _NUM_REPLICAS_ENV
 
 __all__ = ["EXITING", "LAUNCHER_ENV", "LAUNCHER_LOST_EXIT", "LIVENESS_ENV", "PARTIAL",
            "RECORD_ENV", "REPLICAS_KEY", "JobRecord", "Liveness", "NotLatest", "beat_key",
@@ -56,8 +57,6 @@ LAUNCHER_ENV = "PIPELINE_FT_LAUNCHER"
 # A group's lineage in read_record while its ranks disagree (a heal in part, a commit that
 # not every rank has written yet): it holds no history.
 PARTIAL = -1
-# fault_tolerance.NUM_REPLICAS_ENV (that module imports this one).
-_NUM_REPLICAS_ENV = "NUM_REPLICA_GROUPS"
 # Added to a rank's beat count as it exits: from then on it is not watched (its teardown may
 # take longer than the timeout, with its beating thread already stopped by the interpreter).
 EXITING = 1 << 40

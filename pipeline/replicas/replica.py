@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -11,57 +10,26 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from pipeline.comm.handed import Handed
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.parallel.tensor_parallel import local_tensor
 from pipeline.replicas import auth as ft_auth
+from pipeline.replicas import heal_state
 from pipeline.replicas import lineage as ft_lineage
+from pipeline.replicas.environment import (
+    LOG_ENV,
+    NUM_REPLICAS_ENV,
+    check_installed,
+    read_environment,
+    warnings_to_stderr,
+)
 from pipeline.replicas.heal import check_heal
 from pipeline.replicas.record import JobRecord, NotLatest
 
-__all__ = ["LIGHTHOUSE_ENV", "LOG_ENV", "NUM_REPLICAS_ENV", "REPLICA_ID_ENV", "FaultTolerance",
-           "check_installed"]
+__all__ = ["FaultTolerance"]
 
 _log = logging.getLogger(__name__)
-
-# torchft's own names: its lighthouse address, and the replica group variables its torchx
-# launcher sets, so a job started by torchft's tools or by ours reads the same environment.
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-REPLICA_ID_ENV = "REPLICA_GROUP_ID"
-NUM_REPLICAS_ENV = "NUM_REPLICA_GROUPS"
-_INSTALL = "pip install 'pipeline-engine[ft]' (or: pip install 'torchft>=0.2,<0.3')"
-# Set by the launcher: the library's warnings (a step averaged over fewer replicas, a step not
-# committed) reach stderr even where the script configures no logging.
-LOG_ENV = "PIPELINE_FT_LOG"
-
-
-def check_installed(what: str) -> None:
-    """Raise PipeConfigError saying what to install when torchft is missing."""
-    if importlib.util.find_spec("torchft") is None:
-        raise PipeConfigError(f"{what} needs torchft, which is not installed: {_INSTALL}")
-
-
-def _environment() -> tuple[int, int, str]:
-    """This process's replica id, the number of replicas and the lighthouse, from the
-    environment (set by `python -m pipeline.launch --replicas R`, or by hand under torchrun)."""
-    names = (REPLICA_ID_ENV, NUM_REPLICAS_ENV, LIGHTHOUSE_ENV)
-    missing = [n for n in names if not os.environ.get(n)]
-    if missing:
-        raise PipeConfigError(
-            f"Pipe(fault_tolerance=True) runs as one of several replica groups and reads "
-            f"{', '.join(names)} from the environment; {', '.join(missing)} not set. Start it "
-            f"with `python -m pipeline.launch --replicas R --nproc N script.py`, or set them "
-            f"(one torchrun per replica group, the lighthouse from `python -m "
-            f"pipeline.replica_launch --record`; see docs/fault-tolerance.md)")
-    replica, count = os.environ[REPLICA_ID_ENV], os.environ[NUM_REPLICAS_ENV]
-    if not (replica.isdigit() and count.isdigit() and int(replica) < int(count)):
-        raise PipeConfigError(
-            f"{REPLICA_ID_ENV} must be an integer in [0, {NUM_REPLICAS_ENV}) and "
-            f"{NUM_REPLICAS_ENV} a positive integer; got {REPLICA_ID_ENV}={replica!r}, "
-            f"{NUM_REPLICAS_ENV}={count!r}: set them to this group's index and the group count")
-    return int(replica), int(count), os.environ[LIGHTHOUSE_ENV]
 
 
 def _weights_only_transport(timeout: timedelta) -> Any:
@@ -72,18 +40,6 @@ def _weights_only_transport(timeout: timedelta) -> Any:
     return HealTransport(timeout)
 
 
-def _warnings_to_stderr() -> None:
-    """The library's warnings on stderr, once, where the script set up no logging."""
-    logger = logging.getLogger("pipeline")
-    if not any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            f"%(name)s (replica group {os.environ.get(REPLICA_ID_ENV)}, rank "
-            f"{os.environ.get('RANK')}): %(levelname)s: %(message)s"))
-        handler.setLevel(logging.WARNING)
-        logger.addHandler(handler)
-
-
 class FaultTolerance:
     """One torchft Manager per pipeline rank: rank r of every replica group holds the same
     stage(s), so the Manager's managed process group joins exactly the ranks whose gradients
@@ -91,7 +47,7 @@ class FaultTolerance:
 
     def __init__(self, pipe: Any, timeout: float) -> None:
         check_installed("Pipe(fault_tolerance=True)")
-        self.replica_id, self.num_replicas, lighthouse = _environment()
+        self.replica_id, self.num_replicas, lighthouse = read_environment()
         if not pipe.world:
             raise PipeConfigError(
                 "Pipe(fault_tolerance=True) needs one process per rank (a replica group is a "
@@ -135,7 +91,7 @@ class FaultTolerance:
         # once known: each commit's lineage carries it.
         self.digest: int | None = None
         if os.environ.get(LOG_ENV) and not logging.getLogger().handlers:
-            _warnings_to_stderr()
+            warnings_to_stderr()
         # Quorum at the start of a step and healing before its forward (use_async_quorum
         # False): a restarted group computes its first gradients at its peer's weights. The
         # step count starts from the peers' (init_sync): weights agree from step 0.
@@ -151,46 +107,23 @@ class FaultTolerance:
         self.manager.register_state_dict_fn("lineage", self._load_lineage,
                                             lambda: {"lineage": self.lineage})
 
-    # -- what heals a rank: its stage's weights and its optimizer's state ----------------------
-    # Under tp each rank sends and loads its own shards as plain tensors (what a heal carries
-    # is plain data, read with weights_only=True); the peer's rank r holds the same shards.
+    # -- what heals a rank (heal_state): its stage's weights, lineage and optimizer's state --
     def _model_state(self) -> dict[str, Any]:
-        return {k: local_tensor(v).detach() for k, v in self._pipe.state_dict().items()}
+        return heal_state.model_state(self._pipe)
 
     def _load_model(self, state: dict[str, Any]) -> None:
-        mine = self._pipe.state_dict()
-        from pipeline.replicas.heal_transport import check_same_model  # needs torchft
-
-        check_same_model(mine, state, local_tensor)
-        with torch.no_grad():
-            if self._pipe.mesh is None:
-                self._pipe.load_state_dict(state)
-                return
-            for k, v in mine.items():
-                local_tensor(v).copy_(state[k])
+        heal_state.load_model(self._pipe, state)
 
     def _load_lineage(self, state: dict[str, Any]) -> None:
         self.lineage = int(state["lineage"])
 
     def _optimizer_state(self) -> dict[str, Any]:
         assert self._optimizer is not None
-        return dict(tree_map_only(torch.Tensor, local_tensor, self._optimizer.state_dict()))
+        return heal_state.optimizer_state(self._optimizer)
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
-        """The peer's optimizer state, its tensors the shards of this rank's parameters:
-        a value shaped as its parameter's shard becomes a DTensor laid out as the parameter."""
         assert self._optimizer is not None
-        params = [p for g in self._optimizer.param_groups for p in g["params"]]
-        for index, values in state.get("state", {}).items():
-            p = params[int(index)]
-            if p is not local_tensor(p):  # a DTensor parameter
-                from torch.distributed.tensor import DTensor
-
-                for key, v in list(values.items()):
-                    if isinstance(v, torch.Tensor) and v.shape == local_tensor(p).shape:
-                        values[key] = DTensor.from_local(v, p.device_mesh, p.placements,
-                                                         run_check=False)
-        self._optimizer.load_state_dict(state)
+        heal_state.load_optimizer(self._optimizer, state)
 
     def wrap(self, optimizer: torch.optim.Optimizer, scaler: Any = None,
              state: Mapping[str, Any] | None = None) -> torch.optim.Optimizer:

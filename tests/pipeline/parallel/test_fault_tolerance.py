@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeline import Pipe, PipeConfigError
 from pipeline.launch import main as launch_main
+from pipeline.replicas import environment
 from pipeline.replicas import replica as fault_tolerance
 from tests import models_tp
 from tests.pipeline import ft_train
@@ -34,8 +35,8 @@ def _model() -> nn.Sequential:
 # -- bad input --------------------------------------------------------------------------------
 @needs_torchft
 def test_without_environment_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (fault_tolerance.LIGHTHOUSE_ENV, fault_tolerance.REPLICA_ID_ENV,
-                 fault_tolerance.NUM_REPLICAS_ENV):
+    for name in (environment.LIGHTHOUSE_ENV, environment.REPLICA_ID_ENV,
+                 environment.NUM_REPLICAS_ENV):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(PipeConfigError, match=r"TORCHFT_LIGHTHOUSE.*not set.*--replicas"):
         Pipe(_model(), balance=[1, 1], fault_tolerance=True)
@@ -47,9 +48,9 @@ def test_without_environment_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -
 def test_replicas_of_a_subgroup_are_refused(monkeypatch: pytest.MonkeyPatch, mesh: Any,
                                             group: Any, match: str) -> None:
     """A replica group is the whole world of its processes, as a pipeline or a mesh."""
-    monkeypatch.setenv(fault_tolerance.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
-    monkeypatch.setenv(fault_tolerance.REPLICA_ID_ENV, "0")
-    monkeypatch.setenv(fault_tolerance.NUM_REPLICAS_ENV, "2")
+    monkeypatch.setenv(environment.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
+    monkeypatch.setenv(environment.REPLICA_ID_ENV, "0")
+    monkeypatch.setenv(environment.NUM_REPLICAS_ENV, "2")
     pipe = SimpleNamespace(world=(0, 2), mesh=mesh, group=group, multi_batch=False)
     with pytest.raises(PipeConfigError, match=match):
         fault_tolerance.FaultTolerance(pipe, timeout=5.0)
@@ -57,9 +58,9 @@ def test_replicas_of_a_subgroup_are_refused(monkeypatch: pytest.MonkeyPatch, mes
 
 @needs_torchft
 def test_bad_replica_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fault_tolerance.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
-    monkeypatch.setenv(fault_tolerance.REPLICA_ID_ENV, "2")
-    monkeypatch.setenv(fault_tolerance.NUM_REPLICAS_ENV, "2")
+    monkeypatch.setenv(environment.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
+    monkeypatch.setenv(environment.REPLICA_ID_ENV, "2")
+    monkeypatch.setenv(environment.NUM_REPLICAS_ENV, "2")
     with pytest.raises(PipeConfigError, match="REPLICA_GROUP_ID='2'"):
         Pipe(_model(), balance=[1, 1], fault_tolerance=True)
 

@@ -145,6 +145,7 @@ def test_a_heal_carries_the_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
     import torchft.manager
     import torchft.process_group
 
+    from pipeline.replicas import environment
     from pipeline.replicas import replica as fault_tolerance
 
     monkeypatch.setattr(torchft.manager, "Manager", _Recorder)
@@ -152,14 +153,14 @@ def test_a_heal_carries_the_lineage(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fault_tolerance, "_weights_only_transport", lambda timeout: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setenv(fault_tolerance.NUM_REPLICAS_ENV, "2")
-    monkeypatch.setenv(fault_tolerance.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
+    monkeypatch.setenv(environment.NUM_REPLICAS_ENV, "2")
+    monkeypatch.setenv(environment.LIGHTHOUSE_ENV, "http://127.0.0.1:1")
 
     class Pipe:
         world, mesh, group, multi_batch = (0, 2), None, None, False
 
     def replica(index: int) -> FaultTolerance:
-        monkeypatch.setenv(fault_tolerance.REPLICA_ID_ENV, str(index))
+        monkeypatch.setenv(environment.REPLICA_ID_ENV, str(index))
         return FaultTolerance(Pipe(), timeout=5.0)
 
     peer, healed = replica(0), replica(1)

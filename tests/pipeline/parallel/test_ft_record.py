@@ -13,10 +13,11 @@ import torch
 
 from pipeline import PipeConfigError, PipelineError
 from pipeline.replicas.coordinator import KeyStore
-from pipeline.replicas.record import JobRecord, group_key, read_record
+from pipeline.replicas.record import PARTIAL, JobRecord, group_key, read_record
 
 pytest.importorskip("torchft")
 
+from pipeline.replicas import history_watch
 from pipeline.replicas import launch as replica_launch
 from pipeline.replicas.replica import FaultTolerance
 
@@ -48,36 +49,36 @@ def _groups(done: list[bool]) -> list[replica_launch.ReplicaGroup]:
 
 def test_a_lost_group_is_restarted_only_while_a_live_group_holds_the_history(
         store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 0.2)
+    monkeypatch.setattr(history_watch, "HISTORY_GRACE_S", 0.2)
     groups = _groups([False, False])
-    assert replica_launch._history_lost(store, groups, groups[1]) is None  # nothing committed
+    assert history_watch.history_lost(store, groups, groups[1]) is None  # nothing committed
     store.set(group_key(0), "5 9")
     store.set(group_key(1), "5 9")
-    assert replica_launch._history_lost(store, groups, groups[1]) is None
+    assert history_watch.history_lost(store, groups, groups[1]) is None
     # The only group holding the 5 steps is lost while the other restarts from nothing.
     store.set(group_key(1), "0 0")
-    why = replica_launch._history_lost(store, groups, groups[0])
+    why = history_watch.history_lost(store, groups, groups[0])
     assert why is not None and "resume the job from its last sharded checkpoint" in why
     # Lost after the other finished: no live group holds what it would have to redo, and
     # none is left to show it, so the grace is not waited (the job ended 20 s late).
-    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 3600.0)
+    monkeypatch.setattr(history_watch, "HISTORY_GRACE_S", 3600.0)
     groups = _groups([True, False])
     store.set(group_key(1), "5 9")
     began = time.monotonic()
-    why = replica_launch._history_lost(store, groups, groups[1])
+    why = history_watch.history_lost(store, groups, groups[1])
     assert why is not None and "finished groups' weights are the job's result" in why
     assert time.monotonic() - began < 60  # not the hour of grace
 
 
 def test_a_live_group_that_can_never_catch_up_ends_the_job(
         store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 0.05)
+    monkeypatch.setattr(history_watch, "HISTORY_GRACE_S", 0.05)
     groups = _groups([True, False])
     store.set(group_key(0), "20 7")
     store.set(group_key(1), "20 7")
-    assert replica_launch._Stuck(store, groups).check() is None  # it is finishing alike
+    assert history_watch.Stuck(store, groups).check() is None  # it is finishing alike
     store.set(group_key(1), "3 5")
-    stuck = replica_launch._Stuck(store, groups)
+    stuck = history_watch.Stuck(store, groups)
     assert stuck.check() is None  # seen once: it may be writing its count
     time.sleep(0.1)  # past the grace
     stuck.next_look = 0.0
@@ -90,9 +91,9 @@ def test_groups_that_end_with_other_histories_fail_the_job(
     groups = _groups([True, True])
     store.set(group_key(0), "20 7")
     store.set(group_key(1), "20 7")
-    assert replica_launch._compare_ends(store, groups) == 0
+    assert history_watch.compare_ends(store, groups) == 0
     store.set(group_key(1), "20 8")
-    assert replica_launch._compare_ends(store, groups) == 1
+    assert history_watch.compare_ends(store, groups) == 1
     assert "ended with different histories" in capsys.readouterr().err
 
 
@@ -188,26 +189,26 @@ def test_a_group_holds_the_history_only_once_every_rank_does(
     """Rank 0 of group 1 healed to step 5, rank 1 did not (its source was lost): the group
     holds nothing, and with group 0 lost the job ends at once, not after the grace (the
     launcher restarted group 0 from its initial weights and both trained over the history)."""
-    monkeypatch.setattr(replica_launch, "HISTORY_GRACE_S", 3600.0)
+    monkeypatch.setattr(history_watch, "HISTORY_GRACE_S", 3600.0)
     for r in (0, 1):
         JobRecord(store, 0, r).committed(5, 9)
     JobRecord(store, 1, 0).committed(5, 9)
     JobRecord(store, 1, 1).committed(0, 0)
     assert read_record(store, 2, 2) == {0: (5, read_record(store, 2, 2)[0][1]),
-                                        1: (0, replica_launch.PARTIAL)}
+                                        1: (0, PARTIAL)}
     groups = _groups([False, False])
     began = time.monotonic()
-    why = replica_launch._history_lost(store, groups, groups[0], 2)
+    why = history_watch.history_lost(store, groups, groups[0], 2)
     assert time.monotonic() - began < 60  # not the hour of grace
     assert why is not None and "group(s) [1] hold a heal in part" in why, why
     assert "none is started again from its initial weights" in why
     JobRecord(store, 1, 1).committed(5, 9)  # the heal completed: group 1 holds it
-    assert replica_launch._history_lost(store, groups, groups[0], 2) is None
+    assert history_watch.history_lost(store, groups, groups[0], 2) is None
 
 
 def test_a_group_that_commits_nothing_within_the_bound_ends_the_job(store: Any) -> None:
     groups = _groups([False, False])
-    progress = replica_launch._Progress(store, groups, 1, timeout=0.2)
+    progress = history_watch.Progress(store, groups, 1, timeout=0.2)
     assert progress.check() is None
     for count in (1, 2):  # group 0 commits, group 1 does not
         time.sleep(0.15)

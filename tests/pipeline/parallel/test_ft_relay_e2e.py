@@ -25,8 +25,8 @@ from tests.pipeline.parallel.relay_process import RELAY_CODE
 
 pytest.importorskip("torchft")
 
+from pipeline.replicas.environment import LIGHTHOUSE_ENV, NUM_REPLICAS_ENV, REPLICA_ID_ENV
 from pipeline.replicas.record import RECORD_ENV
-from pipeline.replicas.replica import LIGHTHOUSE_ENV, NUM_REPLICAS_ENV, REPLICA_ID_ENV
 from pipeline.replicas.tls import CERT_ENV
 
 REPO = Path(__file__).parents[3]
