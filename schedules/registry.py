@@ -86,9 +86,17 @@ def register(name: str, *, stages_per_rank: int = 1, stages_option: str | None =
 
 
 def available() -> tuple[str, ...]:
-    """Names accepted by `get_schedule`, in registration order."""
+    """Names accepted by `get_schedule`: the built-in ones in `_BUILTINS`' order (whichever
+    module was imported first), then the others in registration order."""
     _load_builtins()
-    return tuple(_GENERATORS)
+    names = list(_GENERATORS)
+
+    def place(name: str) -> tuple[int, int]:
+        module = _GENERATORS[name].fn.__module__.removeprefix("schedules.")
+        builtin = _BUILTINS.index(module) if module in _BUILTINS else len(_BUILTINS)
+        return builtin, names.index(name)
+
+    return tuple(sorted(names, key=place))
 
 
 def info(name: str) -> GeneratorInfo:
