@@ -33,7 +33,7 @@ from typing import Any
 
 import schedules
 from pipeline.planner.costs import ModelProfile
-from pipeline.planner.evaluate import Evaluator, Work, beside
+from pipeline.planner.evaluate import AUTO_SYNTHESIS, Evaluator, Work, beside
 from pipeline.planner.link import Link
 from pipeline.planner.progress import SILENT, Progress
 from pipeline.planner.space import Candidate, Configuration, Space
@@ -109,6 +109,8 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                                                f"needs {v * pp} stages, the model has "
                                                f"{profile.num_layers} layers", tp=tp))
                     continue
+                if name == "auto" and pp * m > AUTO_SYNTHESIS:
+                    continue  # too large to synthesise per split; its unit-cost order is zb-h1
                 for ckpt in space.checkpoints:
                     if ckpt == "except_last" and m == 1 and "never" in space.checkpoints:
                         continue  # one micro-batch: except_last recomputes nothing
