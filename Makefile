@@ -40,7 +40,7 @@ lint: $(STAMP)
 	$(PY) -m mypy schedules pipeline viz benchmarks
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 # CI's hypothesis profile is derandomized (a red build reproduces); this batch of the
 # transparency property draws fresh examples on every run, so CI keeps exploring too.

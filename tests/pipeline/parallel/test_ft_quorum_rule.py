@@ -133,7 +133,7 @@ def _drive(lighthouse: _Torchft | _Library, script: dict[str, Any]) -> list[dict
     return answers
 
 
-@settings(max_examples=20)
+@settings(max_examples=10)  # each example sleeps about 3 s: 10 keeps it near half a minute
 @given(script=quorum_scripts())
 def test_the_library_forms_the_quorums_torchfts_lighthouse_forms(script: dict[str, Any]) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
