@@ -335,15 +335,20 @@ def _ping_pong(seconds: float) -> int:
 def test_a_waiting_pipeline_alone_on_a_quiet_machine_is_not_flagged() -> None:
     """Every p=2 cell of an idle quick run was flagged by the CPU share: a pipeline that waits
     for messages does not use the CPUs it could. What other programs took does not move."""
-    _skip_if_the_machine_is_busy("before the test")
-    with Meter(2) as meter:
-        hops = _ping_pong(1.5)
-    _skip_if_the_machine_is_busy("after the test")  # noise that came meanwhile
-    reading = meter.reading
-    assert reading is not None and hops > 100
-    share = reading.cpu_share
-    assert share is not None and share < contention.CPU_SHARE_FLOOR  # the old rule's flag
-    assert not reading.contended(), reading.to_dict()
+    flagged = []
+    for _ in range(3):  # another program's burst can land in one try: the rule flags it rightly
+        _skip_if_the_machine_is_busy("before the test")
+        with Meter(2) as meter:
+            hops = _ping_pong(1.5)
+        _skip_if_the_machine_is_busy("after the test")  # noise that came meanwhile
+        reading = meter.reading
+        assert reading is not None and hops > 100
+        share = reading.cpu_share
+        assert share is not None and share < contention.CPU_SHARE_FLOOR  # the old rule's flag
+        if not reading.contended():
+            return
+        flagged.append(reading.to_dict())
+    pytest.fail(f"a waiting pipeline alone was flagged in 3 tries out of 3: {flagged}")
 
 
 @_PROC_STAT
