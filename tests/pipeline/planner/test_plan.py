@@ -13,6 +13,7 @@ import schedules
 from pipeline import Pipe, Plan, PlanError, plan
 from pipeline.examples.models import get_model
 from pipeline.planner import Link, ModelProfile, measure_contention, profile_model
+from pipeline.planner.ties import NEAR
 
 _CHUNKS = [1, 2, 4]
 
@@ -122,7 +123,8 @@ def test_the_plan_reads_as_a_table() -> None:
     assert f"chunks {p.chunks}" in summary and "predicted step" in summary
     assert p.timeline.unit == "s" and p.timeline.makespan == pytest.approx(p.predicted_step_time)
     assert p.runner_up is not None and p.runner_up.step_time is not None
-    assert p.runner_up.step_time >= p.predicted_step_time
+    # A near tie may be a little faster than the chosen plan (pipeline/planner/ties.py).
+    assert p.runner_up.step_time >= p.predicted_step_time / (1 + NEAR) * (1 - 1e-12)
 
 
 def test_profiling_happens_when_no_profile_is_given() -> None:

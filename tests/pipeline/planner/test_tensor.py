@@ -27,6 +27,7 @@ from pipeline.planner import (
 )
 from pipeline.planner.costs import parameter_keys
 from pipeline.planner.tensor import REPLICATED_ACTIVATIONS, shard_profile
+from pipeline.planner.ties import NEAR
 from tests.strategies import full_sharding, sharded_profiles, synthetic_profile
 
 _HOST = Link("gloo", 1e-5, 1e-9)  # the link of tp's all-reduces in these tests
@@ -177,7 +178,8 @@ def test_the_3d_search_keeps_its_rules_and_is_never_slower_than_a_candidate(
                         checkpoint=c.checkpoint, options=c.options, dp=c.dp, pp=c.pp,
                         tp=c.tp, sharding=sharding, host_link=_HOST, ranks_per_host=per_host)
         assert alone.step_time == pytest.approx(c.step_time, rel=1e-12)
-        assert p.predicted_step_time <= c.step_time * (1 + 1e-12)
+        # The simplest of the near ties is chosen: within their margin of every candidate.
+        assert p.predicted_step_time <= c.step_time * (1 + NEAR) * (1 + 1e-12)
 
 
 def test_a_model_too_large_for_one_rank_is_planned_with_tp() -> None:
