@@ -104,7 +104,7 @@ def info(name: str) -> GeneratorInfo:
     _load_builtins()
     found = _GENERATORS.get(name)
     if found is None:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(_GENERATORS)}")
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(available())}")
     return found
 
 
