@@ -95,7 +95,7 @@ def fixed_candidates(num_ranks: int, num_microbatches: int) -> list[tuple[str, S
     out = []
     for name in available():
         gen = info(name)
-        if name == "auto" or gen.stages_option is not None or gen.batches_option is not None:
+        if gen.synthesised or gen.stages_option is not None or gen.batches_option is not None:
             continue
         if gen.stages_per_rank != 1:
             continue
@@ -131,7 +131,7 @@ def policies(num_ranks: int, num_microbatches: int, costs: Costs,
     return [Policy(c, fill) for c in caps for fill in FILLS]
 
 
-@register("auto")
+@register("auto", synthesised=True)
 def auto(num_ranks: int, num_microbatches: int) -> Schedule:
     """`search` at equal unit costs (F = I = W = 1, B = 2) under 1F1B's memory, p micro-batches
     per rank: there zb-h1 is optimal (3m + p - 1 for m >= p), so `auto` is zb-h1 (1f1b for

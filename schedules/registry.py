@@ -31,6 +31,7 @@ class GeneratorInfo:
     stages_per_rank: int = 1
     stages_option: str | None = None
     batches_option: str | None = None
+    synthesised: bool = False  # built for given costs (`schedules.auto`), not a fixed shape
 
     @property
     def multi_batch(self) -> bool:
@@ -58,13 +59,15 @@ _GENERATORS: dict[str, GeneratorInfo] = {}
 
 
 def register(name: str, *, stages_per_rank: int = 1, stages_option: str | None = None,
-             batches_option: str | None = None) -> Callable[[Generator], Generator]:
+             batches_option: str | None = None, synthesised: bool = False
+             ) -> Callable[[Generator], Generator]:
     """Register `fn(num_ranks, num_microbatches, **options) -> Schedule` under `name`.
 
     Declare what the schedule needs from a runtime: `stages_per_rank` (fixed), or
     `stages_option` (the option that sets it, e.g. interleaved's "stages_per_rank"), and
     `batches_option` for schedules that run several batches without a flush (2bw's
-    "num_batches"). `Pipe` reads these instead of the name.
+    "num_batches"), and `synthesised` for a schedule built for given costs (`auto`), which the
+    planner synthesises per split. `Pipe` reads these instead of the name.
     """
     if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ValueError(f"stages_per_rank must be an int >= 1 (got {stages_per_rank!r})")
@@ -79,7 +82,7 @@ def register(name: str, *, stages_per_rank: int = 1, stages_option: str | None =
                 raise ValueError(f"{what}={option!r} is not an option of {fn.__name__} "
                                  f"(its options: {', '.join(accepted) or 'none'})")
         _GENERATORS[name] = GeneratorInfo(name, fn, accepted, stages_per_rank, stages_option,
-                                          batches_option)
+                                          batches_option, synthesised)
         return fn
 
     return wrap

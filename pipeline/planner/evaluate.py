@@ -303,7 +303,8 @@ class Evaluator:
         slows it further)."""
         assert w.schedule is not None and w.balance is not None
         costs = self.stage_costs(w, w.balance)
-        if w.config.schedule == "auto" and w.config.pp * w.config.chunks <= AUTO_SYNTHESIS:
+        if (schedules.info(w.config.schedule).synthesised
+                and w.config.pp * w.config.chunks <= AUTO_SYNTHESIS):
             # Synthesised for this split's costs, within the activations the memory check
             # counted (the unit-cost order's peaks): a Pipe with schedule="auto" synthesises
             # again for the costs it measures. The search lists none larger.

@@ -109,7 +109,7 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                                                f"needs {v * pp} stages, the model has "
                                                f"{profile.num_layers} layers", tp=tp))
                     continue
-                if name == "auto" and pp * m > AUTO_SYNTHESIS:
+                if gen.synthesised and pp * m > AUTO_SYNTHESIS:
                     continue  # too large to synthesise per split; its unit-cost order is zb-h1
                 for ckpt in space.checkpoints:
                     if ckpt == "except_last" and m == 1 and "never" in space.checkpoints:
