@@ -122,7 +122,7 @@ class JobRecord:
                                    unit=" seconds")
         if liveness is not None and os.getpid() not in _beating:
             _beating.add(os.getpid())
-            _start_beats(int(port), liveness, timeout, store,
+            _start_beats(int(port), liveness, timeout,
                          f"replica group {replica} rank {rank}", last_state)
         return cls(store, replica, rank)
 
@@ -182,7 +182,7 @@ def _check_count(store: Any, replica: int) -> None:
             f"all with {count})")
 
 
-def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: str,
+def _start_beats(port: int, liveness: float, timeout: float, who: str,
                  last_state: Any) -> None:
     """Beat every `liveness / 10` seconds from a daemon thread (a SIGSTOP stops it with the
     rest of the process), on a connection of its own: the rank's calls never wait behind a
@@ -228,7 +228,12 @@ def _start_beats(port: int, liveness: float, timeout: float, store: Any, who: st
         stop.set()
         thread.join(timeout=_EXIT_JOIN_S)
         try:
-            store.add(key, EXITING)
+            # Bounded as a beat is, not by the record's timeout: with the coordinator gone
+            # (met first by the main thread) the record's client retried connecting for all
+            # of it, 60 s, before this rank could say so.
+            last = connect(port, min(timeout, lost_after))
+            last.add(key, EXITING)
+            last.close()
         except Exception as exc:  # a rank whose main thread met the lost coordinator first
             ago = time.monotonic() - answered[0]
             _launcher_lost(port, who, f"did not answer as this rank exited "

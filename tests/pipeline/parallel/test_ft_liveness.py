@@ -91,6 +91,36 @@ def test_a_rank_exits_cleanly_with_a_beat_in_flight(record: tuple[Any, int]) -> 
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.timeout(180)
+def test_a_rank_exiting_after_the_coordinator_is_gone_ends_within_the_liveness_timeout(
+        job_cert: Any) -> None:
+    """The coordinator gone (the launcher SIGKILLed) while the rank's main thread, not its
+    beat, met it first: the rank exits at once and its beats stop; saying so at exit finds
+    nobody. That last word is bounded by the liveness timeout (5 s here), not the record's
+    (60 s, as ranks use): the rank ends with exit 75 naming the lost coordinator. It
+    retried connecting for the record's whole timeout, 60 s, under load."""
+    code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
+            "JobRecord.from_environment(0, 60)\nsys.stdin.read()\n")
+    with serve_coordinator() as (server, _, store):
+        env = {**os.environ, ft_record.RECORD_ENV: str(server.port),
+               ft_record.LIVENESS_ENV: "5.0"}
+        rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        watch = Liveness(store, timeout=5.0)
+        _wait(lambda: bool(watch.seen.get(rank.pid)) or watch.stalled([rank.pid]) is not None)
+    try:
+        started = time.monotonic()
+        _, err = rank.communicate("", timeout=150)  # exits now; its coordinator is gone
+        took = time.monotonic() - started
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    assert rank.returncode == ft_record.LAUNCHER_LOST_EXIT, err[-2000:]
+    assert "did not answer as this rank exited" in err, err[-2000:]
+    assert took < 20, (took, err[-2000:])  # 5 s, and slack for a loaded host
+
+
 def test_an_exiting_rank_is_watched_no_more(record: tuple[Any, int]) -> None:
     store, _ = record
     watch = Liveness(store, timeout=0.2)
