@@ -78,11 +78,11 @@ def refuse_planted(entry: os.stat_result, directory: os.stat_result, shown: str)
 class _Walk:
     """One walk of a path: the directory it stands in, and the links met so far."""
 
-    def __init__(self, path: Path, *, create: bool) -> None:
+    def __init__(self, path: Path, *, create: bool, mode: int = 0o755) -> None:
         self.shown = os.fspath(path)
         if not self.shown or "\x00" in self.shown:
             raise FileRefused(f"{self.shown!r} is no path (empty, or holds a NUL byte)")
-        self.create, self.links = create, 0
+        self.create, self.mode, self.links = create, mode, 0
         # Where the walk stands, as a path without links (what `resolve` returns).
         self.where = "/" if self.shown.startswith("/") else os.getcwd()
         self.fd = os.open("/" if self.shown.startswith("/") else ".", _DIRECTORY)
@@ -127,7 +127,7 @@ class _Walk:
                 raise FileNotFoundError(errno.ENOENT, f"no directory {name!r} on the way to "
                                         f"{self.shown!r}", self.shown)
             with contextlib.suppress(FileExistsError):  # no write for others: nobody else
-                os.mkdir(name, 0o755, dir_fd=self.fd)  # may rename what is made in it
+                os.mkdir(name, self.mode, dir_fd=self.fd)  # may rename what is made in it
             self.parts.appendleft(name)  # look again: what is there now is checked as any
             return
         if stat.S_ISLNK(entry.st_mode):
@@ -214,12 +214,13 @@ def resolve(path: Path) -> str:
         walk.close()
 
 
-def open_directory(path: Path, *, create: bool = False, private: bool = False) -> int:
+def open_directory(path: Path, *, create: bool = False, private: bool = False,
+                   mode: int = 0o755) -> int:
     """Directory `path` itself, opened by the gate's rules (the caller closes it);
-    FileNotFoundError or NotADirectoryError if there is none, `create` making it. With
-    `private`, one that others may write is refused: its files could be swapped while it is
-    read as a whole (a checkpoint)."""
-    walk = _Walk(path, create=create)
+    FileNotFoundError or NotADirectoryError if there is none, `create` making it and any
+    missing above it with `mode` (less the umask). With `private`, one that others may write
+    is refused: its files could be swapped while it is read as a whole (a checkpoint)."""
+    walk = _Walk(path, create=create, mode=mode)
     try:
         while (name := walk.last()) != ".":
             walk.step(name)  # enters it, or puts it back to be looked at again

@@ -15,7 +15,8 @@ __all__ = ["fsync_directory", "write_atomic", "write_in"]
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -> None:
+def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8",
+                 mode: int | None = None) -> None:
     """Write `content` to `path` so that `path` holds its old content or the new, whole, even
     if the process is killed or the machine loses power part-way.
 
@@ -27,20 +28,22 @@ def write_atomic(path: Path, content: str | bytes, *, encoding: str = "utf-8") -
     yours, in your own directory, is; one another user planted is refused). A character
     device or a FIFO of yours or root's (`/dev/null`, a pipe being read) is written directly,
     as nothing can be renamed onto it; a FIFO nobody reads is refused, never waited on. A
-    process killed part-way may leave a hidden `.<name>.<hex>.tmp` beside `path`.
+    process killed part-way may leave a hidden `.<name>.<hex>.tmp` beside `path`. `mode`
+    (e.g. 0o600 for a private file) is the regular file's mode from its first byte instead.
     """
     data = content.encode(encoding) if isinstance(content, str) else content
     shown = os.fspath(path)
     directory, name = held_directory(path)
     try:
-        write_in(directory, name, data, shown)
+        write_in(directory, name, data, shown, mode=mode)
     finally:
         os.close(directory)
 
 
-def write_in(directory: int, name: str, data: bytes, shown: str) -> None:
+def write_in(directory: int, name: str, data: bytes, shown: str, *,
+             mode: int | None = None) -> None:
     """`write_atomic` of `data` to `name` in the held `directory` (`shown` names it in
-    messages)."""
+    messages; `mode` as there)."""
     try:
         old: os.stat_result | None = os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
@@ -61,7 +64,7 @@ def write_in(directory: int, name: str, data: bytes, shown: str) -> None:
                           f"write to that file's path")
     if old is not None:
         refuse_planted(old, os.fstat(directory), shown)
-    final = stat.S_IMODE(old.st_mode) if old is not None else None
+    final = mode if mode is not None else stat.S_IMODE(old.st_mode) if old is not None else None
     temp = f".{name}.{secrets.token_hex(4)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
     fd = os.open(temp, flags, 0o666 if final is None else final, dir_fd=directory)

@@ -253,3 +253,25 @@ def test_a_directory_writable_by_the_owners_own_group_alone_is_not_shared() -> N
     others = [g for g in grp.getgrall() if g.gr_gid != me.pw_gid]
     assert files.shared(_directory(0o775, me.pw_uid, others[0].gr_gid))  # a group of several
     assert not files.shared(_directory(0o755, me.pw_uid, others[0].gr_gid))
+
+
+def test_private_directories_and_files_are_made_so_whatever_the_umask(tmp_path: Path) -> None:
+    """A private store (the planner's remembered choices) asks for 0700 directories and 0600
+    files; they were made 0755 and 0666 less the umask."""
+    old = os.umask(0o002)
+    try:
+        fd = files.open_directory(tmp_path / "a" / "b", create=True, mode=0o700)
+        try:
+            files.write_in(fd, "f.json", b"{}", "f.json", mode=0o600)
+        finally:
+            os.close(fd)
+        files.write_atomic(tmp_path / "a" / "b" / "f.json", b"[]", mode=0o600)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "a" / "b").stat().st_mode) == 0o700
+    made = tmp_path / "a" / "b" / "f.json"
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600 and made.read_bytes() == b"[]"
+    made.chmod(0o644)  # a wider file of ours is narrowed when written with a mode
+    files.write_atomic(made, b"{}", mode=0o600)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600
