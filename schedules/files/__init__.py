@@ -27,6 +27,7 @@ from schedules.files.walk import (
                                   open_directory,
                                   open_file,
                                   open_in,
+                                  parse_json,
                                   read_bytes,
                                   read_file,
                                   read_json,
@@ -36,5 +37,5 @@ from schedules.files.walk import (
 from schedules.files.write import fsync_directory, write_atomic, write_in
 
 __all__ = ["FileRefused", "fsync_directory", "held_directory", "open_directory", "open_file",
-           "open_in", "read_bytes", "read_file", "read_json", "resolve", "shared", "write_atomic",
-           "write_in"]
+           "open_in", "parse_json", "read_bytes", "read_file", "read_json", "resolve", "shared",
+           "write_atomic", "write_in"]

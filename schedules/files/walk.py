@@ -12,7 +12,8 @@ import stat
 from typing import Any
 
 __all__ = ["FileRefused", "held_directory", "kind_of", "open_directory", "open_file", "open_in",
-           "read_bytes", "read_file", "read_json", "refuse_planted", "resolve", "shared"]
+           "parse_json", "read_bytes", "read_file", "read_json", "refuse_planted", "resolve",
+           "shared"]
 
 Path = str | os.PathLike[str]
 
@@ -311,9 +312,14 @@ def read_json(path: Path, *, limit: int, max_depth: int = 32) -> Any:
     is not UTF-8, nests arrays and objects deeper than `max_depth` (judged before parsing:
     Python's parser would raise RecursionError), or holds NaN or Infinity. A number too large
     for a float still reads as `inf`: the caller checks its ranges."""
-    shown = os.fspath(path)
+    return parse_json(read_file(path, limit=limit), shown=os.fspath(path), max_depth=max_depth)
+
+
+def parse_json(data: bytes, *, shown: str, max_depth: int = 32) -> Any:
+    """`read_json`'s checks and parse, on bytes already read through the gate (`read_bytes`
+    from a file opened by `open_in`); `shown` names the file in messages."""
     try:
-        text = read_file(path, limit=limit).decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FileRefused(f"{shown!r} is not UTF-8 text (byte {exc.start}: {exc.reason})"
                           ) from None
