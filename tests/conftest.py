@@ -24,6 +24,15 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
+@pytest.fixture(autouse=True)
+def _plans_cache(tmp_path_factory: pytest.TempPathFactory,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner remembers its last choice in the user's cache (pipeline/planner/
+    remembered.py): every test gets a cache of its own, never the real home's, and no test
+    sees what another chose."""
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def busy() -> Iterator[None]:
     """One spinning process per core while the test runs (tests/busy.py): for tests of what

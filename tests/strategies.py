@@ -395,7 +395,7 @@ def crafted_checkpoints(draw: st.DrawFn) -> dict[str, Any]:
 # text of any script, bytes, nesting far past any parser's recursion, a size past the
 # reader's bound, special files, links that dangle or loop, and a link (of ours) at a
 # component of the path.
-GATE_READERS = ("checkpoint metadata", "time model", "schedule csv")
+GATE_READERS = ("checkpoint metadata", "time model", "schedule csv", "plan memory")
 GATE_FILE_KINDS = ("text", "bytes", "deep", "large", "fifo", "directory", "device link",
                    "dangling link", "link loop", "linked component")
 

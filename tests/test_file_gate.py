@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from pipeline import PipeConfigError
-from pipeline.planner import TimeModel
+from pipeline.planner import TimeModel, remembered
 from pipeline.planner.time_model import MAX_FILE_BYTES
 from pipeline.state import opened, sharded
 from schedules import ScheduleError, load_csv
@@ -38,6 +38,9 @@ _READERS: dict[str, tuple[str, Callable[[Path], Any], int, tuple[type[Exception]
     # A missing file is the caller's to name: load_csv raises what open() would.
     "schedule csv": ("s.csv", load_csv, MAX_CSV_BYTES,
                      (ScheduleError, FileRefused, FileNotFoundError)),
+    # A remembered choice is never trusted and never fatal: refused or damaged, it is ignored
+    # with a warning and the plan chosen afresh, so no error at all is documented.
+    "plan memory": ("last.json", remembered.load, remembered.MAX_FILE_BYTES, ()),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from pipeline.planner.costs import LossFn, ModelProfile, measure_contention, pro
 from pipeline.planner.link import TRANSPORTS, Link, measure_link
 from pipeline.planner.memory import format_bytes, optimizer_factor
 from pipeline.planner.progress import SILENT, Progress
+from pipeline.planner.remembered import Memory, describe, memory_of
 from pipeline.planner.result import Plan, PlanError, format_table, no_fit
 from pipeline.planner.search import search
 from pipeline.planner.space import CHECKPOINTS, Space
@@ -112,7 +114,8 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
                  tp_sizes: Sequence[int] | None = None, ranks_per_host: int | None = None,
                  host_link: Link | None = None, tp_plan: Mapping[str, Any] | None = None,
                  devices: Sequence[str] | None = None, transport: str | None = None,
-                 time_model: TimeModel | None = None, progress: Progress = SILENT) -> Plan:
+                 time_model: TimeModel | None = None, progress: Progress = SILENT,
+                 remember: bool | str | os.PathLike[str] | Memory = False) -> Plan:
     """`plan()` on costs already in hand: a `ModelProfile` (measured, or built from a formula,
     e.g. `pipeline.planner.transformer.gpt_profile`) and a `link` between ranks.
 
@@ -124,7 +127,10 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
     passed on by `Plan.pipe_kwargs`; `transport` (default: the link's) says whether the ranks
     are threads of one process, which run one pipeline. `time_model` (`fit_time_model`) prices
     every candidate as this machine ran measured steps, its contention replacing `contention`.
-    `progress` hears of the search's candidates as each is settled.
+    `progress` hears of the search's candidates as each is settled. `remember` (True, a
+    directory, a `remembered.Memory`; default False here) keeps the last choice for the same
+    model and settings unless a candidate is more than `ties.KEEP` faster than it
+    (`pipeline.planner.remembered`).
     """
     ranks = _whole("ranks", ranks)
     per_host = ranks if ranks_per_host is None else _whole("ranks_per_host", ranks_per_host)
@@ -150,13 +156,27 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
     factor = optimizer_factor(optimizer)
     space = _space(schedules, checkpoints, chunks, dps, max_stages_per_rank, tps,
                    microbatch_rows)
+    memory = memory_of(remember)
+    if memory is not None:
+        # What determines the candidates (the measured link, contention and time model
+        # only price them): the key of the last choice.
+        key = memory.key(profile, {
+            "ranks": ranks, "ranks_per_host": per_host, "limits": [repr(v) for v in limits],
+            "optimizer": list(factor), "space": repr(space),
+            "transport": link.transport if transport is None else transport,
+            "devices": None if devices is None else [str(d) for d in devices],
+            "tp_plan": None if tp_plan is None else sorted(
+                (str(k), type(v).__qualname__) for k, v in tp_plan.items())})
+        recall = memory.read(key)
     table, least, where = search(profile, link, ranks=ranks, limits=limits, optimizer=factor,
                                  space=space, contention=contention, sharding=sharding,
                                  host_link=host_link, ranks_per_host=per_host,
-                                 time_model=time_model, progress=progress)
+                                 time_model=time_model, progress=progress,
+                                 last=recall.last if memory is not None else None)
     chosen = table[0] if table else None
     if chosen is None or chosen.status != "chosen":
         raise no_fit(limits, least, where, tuple(table))
+    said = memory.settle(key, recall, table) if memory is not None else None
     assert chosen.balance is not None and chosen.step_time is not None
     assert chosen.peak_bytes is not None and chosen.activation_bytes is not None
     return Plan(chosen.balance, chosen.schedule, dict(chosen.options), chosen.chunks,
@@ -166,7 +186,7 @@ def plan_profile(profile: ModelProfile, *, ranks: int,
                 link, profile, time_model.contention if time_model else contention, factor,
                 chosen.tp,
                 dict(tp_plan) if tp_plan is not None else None, sharding,
-                host_link if host_link is not None else link, per_host)
+                host_link if host_link is not None else link, per_host, remembered=said)
 
 
 def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ranks: int,
@@ -181,7 +201,8 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
          host_link: Link | None = None,
          microbatch_rows: Sequence[int] | None = None, trials: int | None = 0,
          trial_rounds: int = 5, trial_steps: int = 2, trial_warmup: int = 1,
-         time_model: TimeModel | None = None, progress: Progress = SILENT) -> Plan:
+         time_model: TimeModel | None = None, progress: Progress = SILENT,
+         remember: bool | str | os.PathLike[str] | None = None) -> Plan:
     """Choose how to pipeline `model` over `ranks` ranks within `memory_per_rank` bytes each.
 
     `sample` and `target` are one (global) batch, `loss_fn` the loss. A `SplitModel` (see
@@ -209,6 +230,12 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     `pipeline.planner.trials`. The model's weights and gradients are left as they were.
     `progress` (`pipeline.planner.progress.Progress`, e.g. a command line's bar) hears of
     each phase (profiling, measuring the link and contention, searching) and its steps.
+    `remember` keeps the last choice for the same model and settings unless a candidate is
+    more than `ties.KEEP` faster than it, re-predicted from this run's profile
+    (`pipeline.planner.remembered`; `Plan.remembered` says what it did): True, a directory to
+    keep it in (default `$PIPELINE_CACHE_DIR/plans`, else the user's cache), or False to
+    choose afresh; by default (None) on when `plan` measures the profile itself and chooses
+    by prediction (a profile in hand, or `trials=k`, is planned afresh).
     Raises `PlanError` (a `ValueError`) naming the smallest budget that would fit when no
     candidate fits.
     """
@@ -218,6 +245,13 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise PipeConfigError(f"ranks must be an int >= 1 (got {ranks!r})")
     k, rounds, steps, warmup = check_trials(trials, trial_rounds, trial_steps, trial_warmup)
+    if remember is None:
+        remember = profile is None and k == 0
+    elif remember is not False and k:
+        raise PipeConfigError(f"remember={remember!r} chooses by prediction, keeping the last "
+                              f"choice, and trials={k} by measurement: pass remember=False "
+                              f"with trials (or trials=0)")
+    memory = memory_of(remember, describe(model, sample)) if remember is not False else None
     given = (sample, target, loss_fn)  # a trial's Pipe takes the batch as the model does
     if isinstance(model, SplitModel):  # pieces of a model split at its blocks
         sample, loss_fn = model.flatten(sample), model.with_outputs(loss_fn, "train")
@@ -269,7 +303,7 @@ def plan(model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, *, ran
                      sharding=sharding, tp_sizes=tps,
                      ranks_per_host=ranks_per_host, host_link=host_link, tp_plan=tp_plan,
                      devices=devices, transport=transport, time_model=time_model,
-                     progress=progress)
+                     progress=progress, remember=memory if memory is not None else False)
     if k == 0:
         return p
     return run_trials(p, model, *given, k=k, rounds=rounds, steps=steps, warmup=warmup,

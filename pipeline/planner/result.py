@@ -43,7 +43,9 @@ class Plan:
     (`sharding`: what the planner took it to split; `host_link`: its collectives' link;
     `ranks_per_host`: ranks to a host). Planned with `trials=k`: `measured_step_time` and
     `measured_interval` (its 95% bootstrap interval over rounds) are the chosen one's measured
-    step, `trials` every trial's measurements, `calibration` measured / predicted."""
+    step, `trials` every trial's measurements, `calibration` measured / predicted.
+    `remembered`: what the memory of the last choice did (`pipeline.planner.remembered`; None
+    when planned without it)."""
 
     balance: tuple[int, ...]
     schedule: str
@@ -72,6 +74,7 @@ class Plan:
     measured_step_time: float | None = None
     measured_interval: tuple[float, float] | None = None
     trials: Trials | None = None
+    remembered: str | None = None
 
     @property
     def calibration(self) -> float | None:
@@ -215,6 +218,7 @@ class Plan:
                if self.dp > 1 else ""),
             f"predicted peak per rank {peaks} (budget {budget})",
             *self._say_near_ties(),
+            *([self.remembered] if self.remembered else []),
             f"transfers over {self.link.transport}: {self.link.latency * 1e6:.1f} us + "
             f"{self.link.per_byte * 1e9:.3f} ns/byte; ranks computing at once are "
             f"{self.contention:.2f}x slower than alone",
@@ -238,10 +242,9 @@ class Plan:
 
 
 def _tie(c: Candidate) -> str:
-    step = "" if c.step_time is None else f" {c.step_time * 1e3:.2f} ms"
-    return (f"{c.label}, chunks {c.chunks}, {c.checkpoint!r}"
-            + (f", dp {c.dp}" if c.dp > 1 else "") + (f", tp {c.tp}" if c.tp > 1 else "")
-            + step)
+    from pipeline.planner.ties import named
+
+    return named(c) + ("" if c.step_time is None else f" {c.step_time * 1e3:.2f} ms")
 
 
 def format_table(candidates: Sequence[Candidate], limit: int | None = 20) -> str:

@@ -13,7 +13,9 @@ each other (shared cores, caches, memory bandwidth): with a measured contention 
 the share of it that overlapped another rank's in the first simulation (the bounds, computed
 at full speed, stay lower bounds). Predicted steps within `ties.NEAR` of the fastest are near
 ties, and the simplest of them is chosen (`pipeline.planner.ties`): a candidate is pruned only
-once its bound is beyond the fastest step by that margin.
+once its bound is beyond the fastest step by that margin. Given the last choice (`last`, from
+`pipeline.planner.remembered`), that candidate is split and simulated even when pruned, so the
+choice can weigh it re-predicted from this profile (`ties.choose` keeps it within `ties.KEEP`).
 
 Under tensor parallelism each tp size has its own profile, the one its ranks see
 (`pipeline.planner.tensor.shard_profile`), and the search runs on it as on any other. Ranks sit
@@ -38,7 +40,7 @@ from pipeline.planner.link import Link
 from pipeline.planner.progress import SILENT, Progress
 from pipeline.planner.space import Candidate, Configuration, Space
 from pipeline.planner.tensor import TensorSharding, mesh_shapes
-from pipeline.planner.ties import NEAR, choose
+from pipeline.planner.ties import NEAR, choose, identity
 from pipeline.planner.time_model import TimeModel
 from schedules import Timeline
 
@@ -79,10 +81,12 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
            optimizer: tuple[float, int], space: Space, contention: float = 1.0,
            sharding: TensorSharding | None = None, host_link: Link | None = None,
            ranks_per_host: int | None = None, time_model: TimeModel | None = None,
-           progress: Progress = SILENT) -> tuple[list[Candidate], float, str]:
+           progress: Progress = SILENT, last: Configuration | None = None
+           ) -> tuple[list[Candidate], float, str]:
     """Every candidate of `space` with its verdict, the chosen one first; and, when none fits,
     the smallest budget per rank under which one would (else 0) and that candidate. Tensor
-    parallel sizes other than 1 (`space.tps`) need `sharding`; see `predict` for the links."""
+    parallel sizes other than 1 (`space.tps`) need `sharding`; see `predict` for the links.
+    `last`: the last choice, simulated whatever its bound, and kept when `ties.choose` says."""
     s = Evaluator(profile, link, ranks, limits, optimizer, contention, sharding, host_link,
                 ranks_per_host, time_model)
     rows_total = profile.batch_rows
@@ -171,6 +175,8 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
     progress.advance(len(table) + len(results) - counted)
     for w, step, exposed, timeline in results:
         table.append(_row(w, "fits", w.reason, step, exposed, timeline))
+    if last is not None:
+        _simulate_last(s, table, todo, last)
     least, where = 0.0, ""
     if not results:
         least = math.inf
@@ -183,11 +189,30 @@ def search(profile: ModelProfile, link: Link, *, ranks: int, limits: Sequence[fl
                 least, where = need, (f"{cfg.label}, {cfg.shape}, chunks {cfg.chunks}, "
                                       f"checkpoint {cfg.checkpoint!r}")
     table.sort(key=_order)
-    chosen = choose(table)
+    chosen = choose(table, last=last)
     if chosen is not None:
         table.remove(chosen)
         table.insert(0, _replace_status(chosen, "chosen"))
     return table, least, where
+
+
+def _simulate_last(s: Evaluator, table: list[Candidate], todo: list[Work],
+                   last: Configuration) -> None:
+    """The last choice's row, split under the budget and simulated, when the search pruned it
+    unsimulated: the choice weighs it re-predicted, however far from the fastest it fell."""
+    key = identity(last)
+    i = next((i for i, c in enumerate(table) if identity(c) == key and c.status == "pruned"),
+             None)
+    if i is None:
+        return
+    w = next(w for w in todo if identity(w.config) == key)
+    if not s.evaluate(w, thorough=True):
+        table[i] = _row(w, "over budget")
+        return
+    got = s.simulate(w)
+    if got is not None:
+        step, exposed, timeline = got
+        table[i] = _row(w, "fits", w.reason, step, exposed, timeline)
 
 
 def _row(w: Work, status: str, reason: str | None = None, step: float | None = None,
