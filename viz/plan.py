@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import re
 import sys
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from schedules.files import FileRefused, write_atomic
@@ -147,6 +149,22 @@ class _Bar:
             self.bar = None
 
 
+@contextlib.contextmanager
+def _said_in_one_line(category: type[Warning]) -> Iterator[None]:
+    """Warnings of `category` as one 'pipeviz plan: warning: ...' line each on stderr (not
+    Python's two lines naming the source); others as Python shows them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", category)
+        try:
+            yield
+        finally:
+            for w in caught:
+                if issubclass(w.category, category):
+                    print(f"pipeviz plan: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -195,6 +213,12 @@ def _parser() -> _Parser:
                         help="candidates to list in the table (0: all; default 20)")
     parser.add_argument("--rows", type=int, dest="rows_deprecated", default=None,
                         help=argparse.SUPPRESS)  # the old name of --show
+    parser.add_argument("--fresh", action="store_true",
+                        help="choose afresh: neither read nor write the last choice for this "
+                             "model and settings (by default it is kept unless a candidate is "
+                             "faster than it by more than the margin; it lives in "
+                             "$PIPELINE_CACHE_DIR/plans, else the user's cache's "
+                             "pipeline/plans)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (on stderr) while profiling and searching")
     parser.add_argument("-f", "--format", choices=("text", "svg", "png"), default=None,
@@ -219,6 +243,7 @@ def _main(args: argparse.Namespace) -> int:
     import torch  # planning profiles the model: torch only for this command
 
     from pipeline.planner import PlanError, contention, format_table, plan
+    from pipeline.planner.remembered import RecallWarning
     from viz.compare import compare
     from viz.render_png import render_png
     from viz.render_svg import render_svg
@@ -255,14 +280,14 @@ def _main(args: argparse.Namespace) -> int:
     # process had a CPU while it was measured (pipeline/planner/contention.py).
     meter = contention.Meter(1)
     try:
-        with meter:
+        with meter, _said_in_one_line(RecallWarning):
             chosen = plan(model, sample, target, loss_fn, ranks=args.ranks,
                           memory_per_rank=args.memory, schedules=args.schedules,
                           optimizer=args.optimizer, transport=args.transport,
                           chunks=args.chunks,
                           tp_plan=_styles(args.tp_plan) if args.tp_plan else None,
                           tp_sizes=args.tp_sizes, ranks_per_host=args.ranks_per_host,
-                          progress=bar)
+                          progress=bar, remember=False if args.fresh else None)
     except PlanError as exc:
         bar.close()
         print(f"pipeviz plan: {exc}", file=sys.stderr)

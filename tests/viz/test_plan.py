@@ -222,3 +222,29 @@ def test_every_option_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     options = out[out.index("options:"):]
     transport = options[options.index("--transport"):options.index("--schedules")]
     assert "how the ranks talk" in transport
+
+
+@pytest.mark.usefixtures("quick_measures")
+def test_the_last_choice_is_remembered_unless_fresh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path))
+    assert main([*_TINY, "--fresh", "--no-progress"]) == 0
+    assert not (tmp_path / "plans").exists()  # afresh: nothing read, nothing written
+    assert "last choice" not in capsys.readouterr().out
+    assert main([*_TINY, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "no last choice for this model and settings: chose " in out
+    assert f"remembered in {tmp_path / 'plans'}" in out
+    (path,) = (tmp_path / "plans").iterdir()
+    assert main([*_TINY, "--no-progress"]) == 0
+    said = next(line for line in capsys.readouterr().out.splitlines() if "last choice" in line)
+    assert said.startswith(("kept the last choice", "chose ")), said
+    path.write_text("{damaged")
+    assert main([*_TINY, "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    warned = [line for line in captured.err.splitlines() if "last choice is ignored" in line]
+    assert warned == [f"pipeviz plan: warning: the planner's last choice is ignored: "
+                      f"{str(path)!r} is not JSON (Expecting property name enclosed in double "
+                      f"quotes: line 1 column 2 (char 1))"]
+    assert "the last choice's file was ignored" in captured.out
