@@ -11,7 +11,8 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
-from schedules.graph import execute
+from schedules.compiled import Graph, graph_of, run
+from schedules.graph import Deadlock, execute
 from schedules.ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
 from schedules.planned import execute_by_kind
 
@@ -285,9 +286,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Raises `ScheduleError` if the schedule deadlocks (call `validate` for the full diagnosis).
     """
     costs = costs or Costs()
-    result = (execute(schedule, costs.of_action, costs.comm, edge=costs.edge)
-              if costs.microbatch else  # by kind: one duration per (op, stage)
-              execute_by_kind(schedule, costs.of, costs.comm, edge=costs.edge))
+    result = (_per_microbatch(schedule, costs) if costs.microbatch else
+              execute_by_kind(schedule, costs.of, costs.comm, edge=costs.edge))  # by kind
     if not isinstance(result, tuple):
         blocked = ", ".join(f"rank {r} at step {i}" for r, (i, _) in sorted(result.blocked.items()))
         raise ScheduleError(f"cannot simulate {schedule.name}: deadlock ({blocked}); "
@@ -302,3 +302,31 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     if schedule.syncs is not None:
         meta["syncs"] = str(schedule.syncs)
     return Timeline(schedule.num_ranks, tuple(events), "cost", meta)
+
+
+def _per_microbatch(schedule: Schedule, costs: Costs
+                   ) -> tuple[list[list[float]], list[list[float]]] | Deadlock:
+    """`execute` under `costs.of_action`, over the schedule's kept graph: a program timed step
+    after step under other micro-batch costs builds its graph once."""
+    graph = graph_of(schedule)
+    if graph.steps is not None:
+        try:
+            timed = run(graph, _durations(graph, costs), costs.comm, edge=costs.edge)
+        except ValueError:  # a cost missing for a stage: `execute` says where it needs it
+            timed = None
+        if timed is not None:
+            return timed
+    return execute(schedule, costs.of_action, costs.comm, edge=costs.edge)
+
+
+def _durations(graph: Graph, costs: Costs) -> list[float]:
+    """Each action's `costs.of_action`, by number: one lookup per (op, stage), then the
+    micro-batch's scale on compute ops but updates."""
+    base = [costs.of(op, stage) for op, stage in graph.kinds]
+    scales = costs.microbatch
+    if not scales:
+        return [base[k] for k in graph.kind_of]
+    n = len(scales)
+    scaled = [op in COMPUTE_OPS and op is not Op.U for op, _ in graph.kinds]
+    return [base[k] * scales[a.microbatch % n] if scaled[k] else base[k]
+            for k, a in zip(graph.kind_of, graph.actions, strict=True)]
