@@ -20,6 +20,7 @@ __all__ = [
     "balances",
     "crafted_checkpoints",
     "gate_inputs",
+    "microbatch_costs",
     "model_profiles",
     "mutated_schedules",
     "padded_labels",
@@ -99,6 +100,23 @@ def sync_programs(draw: st.DrawFn) -> Schedule:
             ties.append((owner, sorted(copies)))
     syncs = schedules.Syncs.of(ties, dp=draw(st.booleans()), scaler=draw(st.booleans()))
     return schedules.program(plain, syncs)
+
+
+@st.composite
+def microbatch_costs(draw: st.DrawFn, schedule: Schedule, scaled: bool = True) -> Any:
+    """`schedules.Costs` for `schedule` with per micro-batch scales (the tokens cut's, as many
+    as its micro-batches or not; none where not `scaled`), every other term flat or per stage
+    (sometimes one stage short: an error where it is needed), from 0 up."""
+    n = max(schedule.num_stages - (draw(st.integers(0, 9)) == 0), 0)
+    quarters = st.integers(0, 16).map(lambda q: q / 4)
+    terms = quarters | st.lists(quarters, min_size=n, max_size=n)
+    scales = st.lists(st.integers(0, 40).map(lambda q: q / 8), min_size=1,
+                      max_size=schedule.total_microbatches + 1)
+    return schedules.Costs(
+        forward=draw(terms), backward=draw(terms), backward_input=draw(quarters),
+        backward_weight=draw(quarters), update=draw(quarters), comm=draw(quarters),
+        tie=draw(terms), reduce_grad=draw(terms), overflow=draw(quarters),
+        microbatch=draw(scales) if scaled else ())
 
 
 _EDITS = ("swap", "move", "drop", "copy", "microbatch", "stage", "op")

@@ -32,7 +32,8 @@ from pipeline.runtime import token_outputs
 from pipeline.runtime.microbatch import MicroBatchError, as_tuple, like
 from pipeline.runtime.token_costs import TokenCosts
 from pipeline.splitting.positions import Layout, Positions, paths
-from schedules import Costs, Op, Schedule, simulate
+from schedules import Costs, Op, Schedule
+from schedules.simulate import makespan
 
 __all__ = ["Cut", "cut_batch", "cuts", "group", "order", "padded", "plan", "restored"]
 
@@ -167,9 +168,11 @@ def order(costs: Sequence[float], program: Schedule | None) -> list[int]:
     if program is None or len(costs) < 2 or program.num_microbatches != len(costs):
         return by_cost
     best, best_time = by_cost, float("inf")
+    top = max(max(costs), 1e-9)
     for candidate in candidates:
-        scale = [costs[k] / max(max(costs), 1e-9) for k in candidate]
-        time = simulate(program, Costs(microbatch=scale)).makespan
+        # Only the makespan counts: `makespan` times the program's kept graph (built at its
+        # first step) and makes no timeline.
+        time = makespan(program, Costs(microbatch=[costs[k] / top for k in candidate]))
         if time < best_time - 1e-9:
             best, best_time = candidate, time
     return best

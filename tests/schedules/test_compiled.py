@@ -14,7 +14,8 @@ import schedules
 import schedules.graph
 from schedules import Costs, Event, Schedule, Timeline, compiled
 from schedules.graph import execute
-from tests.strategies import mutated_schedules, schedules_any, sync_programs
+from schedules.simulate import makespan
+from tests.strategies import microbatch_costs, mutated_schedules, schedules_any, sync_programs
 
 
 def _uncached(schedule: Schedule, costs: Costs) -> object:
@@ -45,22 +46,6 @@ def _cached(schedule: Schedule, costs: Costs) -> object:
     return timeline.events
 
 
-@st.composite
-def _costs(draw: st.DrawFn, schedule: Schedule) -> Costs:
-    """Per micro-batch scales (the tokens cut's), per-stage or flat op costs, a latency and
-    tied weights' transfer time; sometimes one per-stage value short (an error)."""
-    n = schedule.num_stages + (-1 if draw(st.integers(0, 9)) == 0 else 0)
-    quarters = st.integers(0, 16).map(lambda q: q / 4)
-    per_stage = st.lists(quarters, min_size=max(n, 0), max_size=max(n, 0))
-    scales = st.lists(st.integers(0, 40).map(lambda q: q / 8), min_size=1,
-                      max_size=schedule.total_microbatches + 1)
-    return Costs(forward=draw(quarters | per_stage), backward=draw(quarters | per_stage),
-                 backward_input=draw(quarters), backward_weight=draw(quarters),
-                 update=draw(quarters), comm=draw(quarters), tie=draw(quarters | per_stage),
-                 reduce_grad=draw(quarters | per_stage), overflow=draw(quarters),
-                 microbatch=draw(scales))
-
-
 @settings(max_examples=150)
 @given(st.data(), st.sampled_from(["plain", "lowered", "program", "mutated"]))
 def test_the_kept_graph_times_exactly_as_a_fresh_build(data: st.DataObject, kind: str) -> None:
@@ -69,7 +54,7 @@ def test_the_kept_graph_times_exactly_as_a_fresh_build(data: st.DataObject, kind
     schedule = data.draw(strategy)
     # One program, timed again and again under other costs, as the tokens cut times it.
     for _ in range(data.draw(st.integers(1, 4))):
-        costs = data.draw(_costs(schedule))
+        costs = data.draw(microbatch_costs(schedule))
         assert _cached(schedule, costs) == _uncached(schedule, costs)
 
 
@@ -117,3 +102,19 @@ def test_a_timeline_timed_from_the_kept_graph_is_the_simulators() -> None:
     assert [(str(e.action), e.start) for e in again.lane(0)] == [
         ("0F0", 0.0), ("0F1", 3.0), ("0B0", 12.5), ("0F2", 18.5), ("0B1", 20.5), ("0B2", 27.0)]
     assert again.makespan == 31.0
+
+
+@settings(max_examples=100)
+@given(st.data(), st.sampled_from(["program", "mutated"]), st.booleans())
+def test_makespan_is_the_timelines(data: st.DataObject, kind: str, scaled: bool) -> None:
+    schedule = data.draw(sync_programs() if kind == "program" else mutated_schedules())
+    costs = data.draw(microbatch_costs(schedule, scaled))
+
+    def outcome(fn: Callable[[], float]) -> object:
+        try:
+            return fn()
+        except (ValueError, IndexError) as exc:  # a deadlock, a cost missing for a stage
+            return (type(exc), str(exc))
+
+    want = outcome(lambda: schedules.simulate(schedule, costs).makespan)
+    assert outcome(lambda: makespan(schedule, costs)) == want
