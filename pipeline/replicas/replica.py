@@ -48,11 +48,6 @@ class FaultTolerance:
     def __init__(self, pipe: Any, timeout: float) -> None:
         check_installed("Pipe(fault_tolerance=True)")
         self.replica_id, self.num_replicas, lighthouse = read_environment()
-        if not pipe.world:
-            raise PipeConfigError(
-                "Pipe(fault_tolerance=True) needs one process per rank (a replica group is a "
-                "multi-process pipeline); got a single-process Pipe: start the script with "
-                "`python -m pipeline.launch --replicas R --nproc N script.py`")
         if pipe.mesh is None and pipe.group is not None:
             raise PipeConfigError(
                 f"Pipe(fault_tolerance=True) runs the replica group's whole world as one "
@@ -68,7 +63,9 @@ class FaultTolerance:
         # Rank r of every replica group holds the same stage and tp shard (every group lays
         # its world out alike), so the Manager's group of rank r joins exactly the peers whose
         # gradients and state are r's.
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        # A group of one process (`--nproc 1`) holds every stage: rank 0 of 1.
+        rank, world_size = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
+                            if pipe.world else (0, 1))
         wait = timedelta(seconds=timeout)
         self._pipe = pipe
         self._optimizer: torch.optim.Optimizer | None = None
