@@ -2,6 +2,7 @@
 
     python -m pipeline.launch --nproc 2 train.py --steps 10
     python -m pipeline.launch --replicas 2 --nproc 2 --max-restarts 3 train.py   # torchft
+    python -m pipeline.launch --replicas 2 --nproc 2 --spares 1 train.py         # + a spare
 
 
 Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
@@ -240,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --replicas: restarts allowed per replica group "
                              "(default: %(default)s)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="with --replicas: spare groups of --nproc ranks that start, build "
+                             "their Pipe and wait, and take a lost group's place at once (no "
+                             "start, no import, no build; each holds a full group's memory "
+                             "while it waits) (default: %(default)s)")
     parser.add_argument("--heartbeat-timeout", default=None,
                         type=settings.flag("--heartbeat-timeout", low=0.001, high=86400,
                                            unit=" seconds"),
@@ -276,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         if not started_inside:
             return exit_status(private_net.relaunch(sys.argv[1:] if argv is None else argv))
+    if ns.spares and ns.replicas is None:
+        parser.error(f"--spares {ns.spares} needs --replicas (spares take a lost replica "
+                     f"group's place): add --replicas R, or drop --spares")
     extra = {INIT_TIMEOUT_ENV: str(ns.init_timeout)}
     if ns.replicas is not None:
         from pipeline.errors import PipeConfigError
@@ -285,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_replicas(ns.script, ns.args, replicas=ns.replicas, nproc=ns.nproc,
                                 max_restarts=ns.max_restarts, init_timeout_env=extra,
                                 heartbeat_timeout=ns.heartbeat_timeout,
-                                progress_timeout=ns.progress_timeout)
+                                progress_timeout=ns.progress_timeout, spares=ns.spares)
         except PipeConfigError as exc:
             parser.error(str(exc))
     store, port = host_store()

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from pipeline.replicas.auth import host_port
 from pipeline.replicas.tls import JobTLS
-from pipeline.replicas.wire import Client, Server, expect
+from pipeline.replicas.wire import Client, RemoteError, Server, expect
 
 __all__ = ["KeyStore", "Lighthouse", "StoreClient", "address", "lighthouse_hostport",
            "serve_coordinator"]
@@ -295,6 +295,17 @@ class StoreClient:
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", keys=list(keys)))
+
+    def wait(self, key: str, seconds: float) -> bytes | None:
+        """The key's value once it is set, or None if it is not within `seconds` (the
+        coordinator holds the request meanwhile: the answer comes the moment it is set)."""
+        try:
+            return str(self._client.call({"op": "get", "key": key, "timeout": float(seconds)},
+                                         seconds + self._timeout)).encode()
+        except RemoteError as exc:
+            if str(exc).startswith(f"{TimeoutError.__name__}:"):
+                return None
+            raise
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", key=key, amount=int(amount)))

@@ -50,6 +50,7 @@ from pipeline.replicas.record import (
     Liveness,
     group_key,
 )
+from pipeline.replicas.spares import Spares
 from pipeline.replicas.tls import CERT_ENV, job_cert_env, job_tls, make_job_cert
 
 __all__ = ["CONFIG_EXIT", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "PROGRESS_TIMEOUT_S",
@@ -184,12 +185,14 @@ def _describe(code: int) -> str:
 def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                  max_restarts: int, init_timeout_env: dict[str, str],
                  heartbeat_timeout: float | None = None,
-                 progress_timeout: float | None = None) -> int:
-    """Run `script args` as `replicas` groups of `nproc` ranks; return the exit code."""
+                 progress_timeout: float | None = None, spares: int = 0) -> int:
+    """Run `script args` as `replicas` groups of `nproc` ranks, `spares` more waiting
+    (spares); return the exit code."""
     check_installed("python -m pipeline.launch --replicas")
-    if replicas < 1 or max_restarts < 0:
-        raise PipeConfigError(f"--replicas must be >= 1 and --max-restarts >= 0; got "
-                              f"--replicas {replicas}, --max-restarts {max_restarts}")
+    if replicas < 1 or max_restarts < 0 or spares < 0:
+        raise PipeConfigError(f"--replicas must be >= 1, --max-restarts >= 0 and --spares >= "
+                              f"0; got --replicas {replicas}, --max-restarts {max_restarts}, "
+                              f"--spares {spares}")
     beats = (HEARTBEAT_TIMEOUT_MS if heartbeat_timeout is None
              else max(1, round(heartbeat_timeout * 1e3)))
     # The job's certificate and key (tls): one per job, unless the user gave one to share
@@ -209,13 +212,14 @@ def run_replicas(script: str, args: Sequence[str], *, replicas: int, nproc: int,
                LAUNCHER_ENV: str(os.getpid()), **init_timeout_env, **made}
         return _supervise(script, args, replicas, nproc, max_restarts, env, record,
                           rank_timeout, PROGRESS_TIMEOUT_S if progress_timeout is None
-                          else progress_timeout)
+                          else progress_timeout, spares)
 
 
 def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                max_restarts: int, env: dict[str, str], record: Any,
-               rank_timeout: float, progress_timeout: float) -> int:
-    """Start the groups, restart lost ones, and end the job (its exit code)."""
+               rank_timeout: float, progress_timeout: float, spares: int) -> int:
+    """Start the groups and spares, hand a lost group's id to a spare or restart it, and end
+    the job (its exit code)."""
     argv = [sys.executable, "-c", _BOOT, script, *args]
     groups = [ReplicaGroup(r) for r in range(replicas)]
     stopping: list[int] = []  # a signal the launcher was sent: passed on to every rank
@@ -223,21 +227,27 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     for g in groups:
         g.start(argv, nproc, env)
-    print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks; lighthouse "
+    liveness = Liveness(record, rank_timeout)
+    # Spares after the groups: the groups' ranks start first on a loaded host.
+    waiting = Spares(spares, argv, nproc, env, record, liveness, replicas, max_restarts)
+    waiting.fill()
+    print(f"pipeline.launch: {replicas} replica groups x {nproc} ranks"
+          f"{f', {spares} spare group(s)' if spares else ''}; lighthouse "
           f"{env[LIGHTHOUSE_ENV]}", file=sys.stderr)
     stuck = Stuck(record, groups, nproc)
     progress = Progress(record, groups, nproc, progress_timeout)
-    liveness = Liveness(record, rank_timeout)
     next_look = 0.0
     try:
         while not all(g.done for g in groups):
             if stopping:
+                waiting.stop(stopping[0])
                 return _stopped(groups, stopping[0])
             why = stuck.check() or progress.check()
             if why is not None:
                 return _end(groups, why)
             look = time.monotonic() >= next_look
             next_look = time.monotonic() + _LIVENESS_LOOK_S if look else next_look
+            waiting.watch(look)
             for g in groups:
                 if g.done:
                     continue
@@ -265,18 +275,26 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                 if unhealable is not None:
                     return _end(groups, f"replica group {g.replica_id} lost rank {rank} "
                                         f"({how}); {unhealable}")
-                print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
-                      f"({how}); restarting it (restart {len(g.failures)} of at most "
-                      f"{max_restarts})", file=sys.stderr)
                 for r in range(nproc):  # it holds no history now (a heal in part undone)
                     record.set(group_key(g.replica_id, r), "0 0")
-                g.start(argv, nproc, env)
+                spare = waiting.take(g.replica_id)  # a restart too, without the start
+                what = ("restarting it" if spare is None
+                        else f"spare group {spare.number} takes its place")
+                print(f"pipeline.launch: replica group {g.replica_id} lost rank {rank} "
+                      f"({how}); {what} (restart {len(g.failures)} of at most "
+                      f"{max_restarts})", file=sys.stderr)
+                if spare is None:
+                    g.start(argv, nproc, env)
+                else:
+                    g.procs, g.store = spare.procs, spare.store
                 progress.restarted(g)
             time.sleep(0.05)
+        waiting.end()
         return compare_ends(record, groups, nproc)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        waiting.stop(signal.SIGTERM)
         for g in groups:
             g.stop(signal.SIGTERM if stopping else signal.SIGKILL)
 

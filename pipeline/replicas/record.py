@@ -45,7 +45,7 @@ from pipeline.replicas.environment import NUM_REPLICAS_ENV as _NUM_REPLICAS_ENV
 
 __all__ = ["EXITING", "LAUNCHER_ENV", "LAUNCHER_LOST_EXIT", "LIVENESS_ENV", "PARTIAL",
            "RECORD_ENV", "REPLICAS_KEY", "JobRecord", "Liveness", "NotLatest", "beat_key",
-           "connect", "group_key", "read_record", "serve"]
+           "connect", "group_key", "read_record", "serve", "start_beating"]
 
 RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port, on the lighthouse's host
 # Seconds a rank may go without a beat before the launcher ends its group; set by the launcher
@@ -118,12 +118,7 @@ class JobRecord:
             return None
         store = connect(int(port), timeout)
         _check_count(store, replica)
-        liveness = settings.number(LIVENESS_ENV, default=None, low=0.001, high=86400,
-                                   unit=" seconds")
-        if liveness is not None and os.getpid() not in _beating:
-            _beating.add(os.getpid())
-            _start_beats(int(port), liveness, timeout,
-                         f"replica group {replica} rank {rank}", last_state)
+        start_beating(timeout, f"replica group {replica} rank {rank}", last_state)
         return cls(store, replica, rank)
 
     def conflict(self, step: int, lineage_after: int) -> int | None:
@@ -155,6 +150,17 @@ class JobRecord:
         history, if one was recorded."""
         key = f"digest/{self.rank}/{steps}"
         return int(self.store.get(key)) if self.store.check([key]) else None
+
+
+def start_beating(timeout: float, who: str, last_state: Any = None) -> None:
+    """Beat into the record (`_start_beats`) from now on, once per process, where the
+    launcher watches beats (LIVENESS_ENV set); `who` names this rank in a message."""
+    port = os.environ.get(RECORD_ENV)
+    liveness = settings.number(LIVENESS_ENV, default=None, low=0.001, high=86400,
+                               unit=" seconds")
+    if port and liveness is not None and os.getpid() not in _beating:
+        _beating.add(os.getpid())
+        _start_beats(int(port), liveness, timeout, who, last_state)
 
 
 def connect(port: int, timeout: float) -> Any:

@@ -26,6 +26,7 @@ from pipeline.replicas.environment import (
 )
 from pipeline.replicas.heal import check_heal
 from pipeline.replicas.record import JobRecord, NotLatest
+from pipeline.replicas.spares import await_replica_id
 
 __all__ = ["FaultTolerance"]
 
@@ -47,7 +48,6 @@ class FaultTolerance:
 
     def __init__(self, pipe: Any, timeout: float) -> None:
         check_installed("Pipe(fault_tolerance=True)")
-        self.replica_id, self.num_replicas, lighthouse = read_environment()
         if pipe.mesh is None and pipe.group is not None:
             raise PipeConfigError(
                 f"Pipe(fault_tolerance=True) runs the replica group's whole world as one "
@@ -66,6 +66,10 @@ class FaultTolerance:
         # A group of one process (`--nproc 1`) holds every stage: rank 0 of 1.
         rank, world_size = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
                             if pipe.world else (0, 1))
+        # A spare group (`--spares`) waits here, built, for the id of a lost group: the
+        # latest point, since the Manager below is named by it.
+        await_replica_id(timeout, rank)
+        self.replica_id, self.num_replicas, lighthouse = read_environment()
         wait = timedelta(seconds=timeout)
         self._pipe = pipe
         self._optimizer: torch.optim.Optimizer | None = None

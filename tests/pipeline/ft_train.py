@@ -3,7 +3,7 @@ under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measu
 
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
                                       [--scaler] [--layout L] [--min-step-ms MS]
-                                      [--deadline S]
+                                      [--deadline S] [--until PATH] [--kill-after PATH]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -33,6 +33,13 @@ carried by a heal (`pipe.fault_tolerant(..., state={"scheduler": ...})`); its st
 --deadline S: pipe.training_steps(..., deadline=S) (the library's 300 s by default): how long
 a group that reached STEPS waits for a lost group to come back (none does in a job started by
 hand, where no launcher restarts it).
+
+--kill-after PATH: no kill is armed before PATH exists (a test's word: a spare it waited for is
+ready); the job goes on meanwhile, as it does until every kill ran.
+
+--until PATH: after STEPS, go on one step at a time until PATH exists (a test's word: a spare
+it waited for is ready); the first replica to see it fixes the step all end at, a few steps
+on (OUT/stop_at), so that every replica reads it before it gets there.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -107,8 +114,10 @@ def parse_kills(text: str) -> list[Kill]:
 class Killer:
     """This rank's part in the job's kills: which one (if any) is armed at a step."""
 
-    def __init__(self, out: str, kills: list[Kill], replica: int, rank: int) -> None:
+    def __init__(self, out: str, kills: list[Kill], replica: int, rank: int,
+                 after: str = "") -> None:
         self.out, self.kills, self.replica, self.rank = out, kills, replica, rank
+        self.after = after  # --kill-after: the file that arms the kills
         self.last_everyone = -1  # the last committed step every replica took part in
         self.step = 0  # the step this rank runs now
         self.now: tuple[str, int] | None = None  # what is armed for it
@@ -141,7 +150,7 @@ class Killer:
         """("forward" | ... | "partner", i) when kill i is this rank's to run (or to be the
         collective's other end of) at this step."""
         i = self.next()
-        if i is None:
+        if i is None or (self.after and not os.path.exists(self.after)):
             return None
         kill = self.kills[i]
         if kill.point in ("heal", "source") or kill.rank != self.rank or committed < kill.step:
@@ -328,12 +337,13 @@ def _full(state: Any) -> Any:
 
 
 def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
-          layout: str = "", schedule_lr: bool = False, deadline: float = 300.0) -> None:
+          layout: str = "", schedule_lr: bool = False, deadline: float = 300.0,
+          until: str = "", kill_after: str = "") -> None:
     pipe = (_mesh_pipe(layout) if layout else
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
     mlp = bool(layout)  # a mesh layout: the tests' tp MLP and its data
     rank = int(os.environ["RANK"])
-    killer = Killer(out, kills, pipe.replica_id, rank)
+    killer = Killer(out, kills, pipe.replica_id, rank, kill_after)
     heal = killer.heal_armed()
     if heal is not None:
         _kill_during_heal(pipe, killer, heal)
@@ -355,7 +365,7 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     # picked, the end on a step every replica took), and on until a step every replica took
     # part in is committed after the last kill: a restarted group catches up (heals) before
     # the others stop, so all end at one step.
-    for step in _steps(pipe, steps, killer, deadline):
+    for step in _steps(pipe, steps, killer, deadline, until):
         killer.arm(step)
         begun = time.monotonic()
         x, y = (tp_batch if mlp else batch)(pipe.replica_id, step)
@@ -389,14 +399,38 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     pipe.close()
 
 
-def _steps(pipe: Pipe, steps: int, killer: Killer, deadline: float) -> Iterator[int]:
-    """pipe.training_steps(steps), then one step more at a time until every kill ran."""
+def _steps(pipe: Pipe, steps: int, killer: Killer, deadline: float,
+           until: str = "") -> Iterator[int]:
+    """pipe.training_steps(steps), then one step more at a time until every kill ran (and
+    with `until`, the step the replicas end at is reached)."""
     total = steps
     while True:
         yield from pipe.training_steps(total, deadline=deadline)
-        if killer.finished():
+        stop = _stop_at(killer.out, until, pipe.committed_steps)
+        if killer.finished() and stop is not None and pipe.committed_steps >= stop:
             return
-        total = pipe.committed_steps + 1
+        total = max(pipe.committed_steps + 1, stop or 0)
+
+
+def _stop_at(out: str, until: str, committed: int) -> int | None:
+    """The step every replica ends at: now without `until`; with it, None until the file
+    exists, then 5 steps on from where the first replica to see it was."""
+    if not until:
+        return committed
+    if not os.path.exists(until):
+        return None
+    mark = os.path.join(out, "stop_at")
+    staged = f"{mark}.{os.getpid()}"
+    with open(staged, "w") as f:
+        f.write(str(committed + 5))
+    try:
+        os.link(staged, mark)  # the first replica's word stands
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(staged)
+    with open(mark) as f:
+        return int(f.read())
 
 
 def train_from_checkpoints(out: str, steps: int, kills: list[Kill], every: int) -> None:
@@ -446,13 +480,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scheduler", action="store_true")
     parser.add_argument("--layout", choices=("tp", "replicate", "fsdp"), default="")
     parser.add_argument("--deadline", type=float, default=300.0)
+    parser.add_argument("--until", default="")
+    parser.add_argument("--kill-after", default="")
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
         train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout,
-              ns.scheduler, ns.deadline)
+              ns.scheduler, ns.deadline, ns.until, ns.kill_after)
 
 
 if __name__ == "__main__":
