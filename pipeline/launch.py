@@ -12,7 +12,8 @@ The launcher itself hosts the rendezvous store, listening on 127.0.0.1 only (as 
 agent hosts it), so the store outlives any rank and nothing off this machine can reach it.
 If a rank fails, the others are given a few seconds to report their own error, then stopped.
 With --replicas, R groups of N ranks train one model under torchft and a lost group is
-restarted while the others go on (pipeline/replicas/launch.py, docs/fault-tolerance.md).
+restarted while the others go on, or its place taken at once by a spare group that waits
+built (--spares; pipeline/replicas/launch.py, docs/fault-tolerance.md).
 """
 
 from __future__ import annotations

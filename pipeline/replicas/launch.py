@@ -12,7 +12,8 @@ starts again, at most `max_restarts` times per group, if a live group still hold
 history to heal it from; the other groups keep training. When none does, the job ends with an
 error: a group started again from its initial weights would silently begin another history.
 A rank that stops beating into the record for `rank_timeout` seconds (stopped, or held off the
-CPU) is taken for lost the same way: the lighthouse hears group rank 0's manager alone. A rank
+CPU) is taken for lost the same way: the lighthouse hears group rank 0's manager alone. With
+spares (spares.py), a lost group's id goes to a waiting spare instead of a fresh start. A rank
 that exits with a configuration error (CONFIG_EXIT) ends the job at once: a restart would
 meet the same error.
 """

@@ -167,9 +167,11 @@ class Spares:
         return spare
 
     def watch(self, look: bool) -> None:
-        """Refill, note spares ready, and replace a spare lost while it waits (a rank that
-        exited, or with `look`, one that stopped beating): the job goes on as it was."""
-        self._refill()
+        """Replace a spare lost while it waits (a rank that exited; with `look`, one that
+        stopped beating): the job goes on as it was. With `look`, also refill and note the
+        spares that became ready (the record is read only then)."""
+        if look:
+            self._refill()
         for spare in list(self.waiting):
             how = None
             for r, p in enumerate(spare.procs):
@@ -185,8 +187,8 @@ class Spares:
                     how = f"rank {ranks[stall[0]]} stalled: no beat for {stall[1]:.1f}s"
             if how is not None:
                 self._lost(spare, how)
-            elif not spare.ready and int(self.record.add(ready_key(spare.number), 0)) >= \
-                    self.nproc:
+            elif look and not spare.ready and int(
+                    self.record.add(ready_key(spare.number), 0)) >= self.nproc:
                 spare.ready = True
                 print(f"pipeline.launch: spare group {spare.number} ready (its {self.nproc} "
                       f"rank(s) built their Pipe and wait for a lost group's id)",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.spares import kill_to_healed
 from pipeline import PipeConfigError
 from pipeline.replicas.spares import SPARE_ENV
 from tests.pipeline import ft_train
@@ -152,12 +153,17 @@ class Launch:
             self.err.close()
 
 
-def _kill_to_healed(out: Path, replicas: int) -> float:
-    """Seconds from the kill (its marker) to the first committed step every replica held."""
-    killed = json.loads((out / "killed_0").read_text())["t"]
-    together = [e["t"] for path in out.glob("log_*.jsonl") for e in map(json.loads, path.open())
-                if e["committed"] and e["t"] > killed and len(e["members"]) == replicas]
-    return min(together) - killed
+def test_kill_to_healed_is_read_off_the_first_step_every_replica_held(tmp_path: Path) -> None:
+    """The measurement: from the kill's marker to the first committed step with every
+    replica, whichever log holds it (not a step alone, not one that was not committed)."""
+    (tmp_path / "killed_0").write_text(json.dumps({"t": 100.0, "step": 3}))
+    logs = {0: [(99.0, True, [0, 1]), (101.0, True, [0]), (104.0, False, [0, 1]),
+                (106.5, True, [0, 1])],
+            1: [(99.0, True, [0, 1]), (106.0, True, [0, 1])]}
+    for replica, entries in logs.items():
+        (tmp_path / f"log_{replica}_0.jsonl").write_text("".join(
+            json.dumps({"t": t, "committed": c, "members": m}) + "\n" for t, c, m in entries))
+    assert kill_to_healed(tmp_path, 2) == 6.0
 
 
 @needs_torchft
@@ -189,7 +195,7 @@ def test_a_lost_group_s_id_goes_to_the_waiting_spare(tmp_path: Path, busy: None)
     starts = [json.loads(line) for line in (out / "start_1_0.jsonl").open()]
     assert len(starts) == 2 and starts[1]["step"] >= 3  # the spare began healed, not at 0
     _assert_whole_equal_to_replay(out, (0, 1), _logged_members(out))
-    healed = _kill_to_healed(out, 2)
+    healed = kill_to_healed(out, 2)
     print(f"kill -> healed with a warm spare: {healed:.2f} s (load {os.getloadavg()[0]:.1f})")
     assert healed < LAUNCH_TIMEOUT / 2  # a hang guard only: the speed is measured, not here
 
