@@ -174,11 +174,13 @@ def test_planning_48_layers_for_8_ranks_takes_under_10_seconds(overhead: float,
                                                               contention: float) -> None:
     costs = [(1e-5 * (1 + i % 3), 4096.0 * (1 + i % 2), float(1 << 20)) for i in range(48)]
     profile = synthetic_profile(costs, 64, overhead=overhead)
-    start = time.perf_counter()
+    # CPU time, not wall time: a bound on the search's work that other programs on the
+    # machine do not move (under a load of 30 on 2 cores the wall clock took 3-4 times it).
+    start = time.process_time()
     p = _plan(profile, 8, None, transport="gloo", link=Link("gloo", 5e-5, 1e-9),
               max_stages_per_rank=4, contention=contention)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0, f"planning took {elapsed:.1f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 10.0, f"planning took {elapsed:.1f} s of CPU"
     assert len(p.candidates) > 500 and len(p.balance) >= 8
     assert {c.dp for c in p.candidates} == {1, 2, 4, 8}
 
