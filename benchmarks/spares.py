@@ -74,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs of each (default 3)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per group (default 2)")
-    parser.add_argument("--kill-at", type=int, default=5)
+    parser.add_argument("--kill-at", type=int, default=5,
+                        help="the first step at which the kill may land (default 5)")
     parser.add_argument("--point", default="backward",
-                        choices=["forward", "backward", "step", "allreduce", "optimizer"])
+                        choices=["forward", "backward", "step", "allreduce", "optimizer"],
+                        help="where in that step the rank is killed (default backward)")
     ns = parser.parse_args(argv)
     times: dict[int, list[float]] = {1: [], 0: []}
     for run in range(ns.runs):
