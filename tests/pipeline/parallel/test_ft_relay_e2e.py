@@ -169,8 +169,14 @@ def test_a_relay_of_another_user_reads_nothing_and_changes_nothing(
     report: dict[str, Any] = {"codes": codes, "job_s": round(ended - started, 1)}
     if mode == "pass":
         assert codes == [0, 0], outputs
+        # Every rank ends on one step that every group held. A group that came up late
+        # heals into the history the other one trained alone meanwhile (under load, group
+        # 0 logged only its final step, 50), so the steps each rank logged may differ.
         logs = _committed(tmp_path)
-        assert len(logs) == 4 and all(len(steps) >= STEPS for steps in logs.values()), report
+        last = {key: max(steps) for key, steps in logs.items()}
+        assert len(logs) == 4 and len(set(last.values())) == 1, (report, last)
+        assert min(last.values()) >= STEPS - 1, (report, last)
+        assert all(logs[key][step] == [0, 1] for key, step in last.items()), (report, logs)
         return
     flips = Path(capture + ".flips").read_text().split("\n")
     assert flips[0], "the relay changed no byte"
