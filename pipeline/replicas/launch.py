@@ -259,9 +259,9 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                         return _config_error(record, groups, g, rank)
                     how = _describe(code)
                 elif look and (stall := _stalled(liveness, g)) is not None:
-                    rank, silent = stall
-                    how = (f"stalled: no beat for {silent:.1f}s, stopped or held off the CPU; "
-                           f"its group killed")
+                    rank, silent, starved = stall
+                    how = (f"stalled: no beat for {silent:.1f}s ({starved:.1f}s of it waiting "
+                           f"for a CPU), stopped or frozen; its group killed")
                 else:
                     if all(p.poll() == 0 for p in g.procs):
                         g.done = True
@@ -300,11 +300,12 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
             g.stop(signal.SIGTERM if stopping else signal.SIGKILL)
 
 
-def _stalled(liveness: Liveness, group: ReplicaGroup) -> tuple[int, float] | None:
-    """(rank, seconds silent) of a rank of `group` that stopped beating, if any."""
+def _stalled(liveness: Liveness, group: ReplicaGroup) -> tuple[int, float, float] | None:
+    """(rank, seconds silent, seconds of them it waited for a CPU) of a rank of `group` that
+    stopped beating, if any."""
     ranks = {p.pid: r for r, p in enumerate(group.procs) if p.poll() is None}
     stall = liveness.stalled(ranks)
-    return None if stall is None else (ranks[stall[0]], stall[1])
+    return None if stall is None else (ranks[stall.pid], stall.silent, stall.starved)
 
 
 def _config_error(record: Any, groups: list[ReplicaGroup], group: ReplicaGroup,

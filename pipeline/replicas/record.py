@@ -22,9 +22,10 @@ job's count of groups (`replicas`): the first to join (the launcher) writes it, 
 started with another NUM_REPLICA_GROUPS is refused at join. Every rank's liveness (`beat/<pid>`):
 torchft heartbeats the lighthouse from group rank 0 alone, so a stalled rank 1 held every
 replica until the Pipe's timeout; each rank beats here from a daemon thread, which a stall of
-the process (SIGSTOP, a rank held off the CPU) stops too, and the launcher ends a group whose
-rank has not beaten for its timeout (`Liveness`). A beat tied to progress would not do: a live
-rank waits in a quorum for up to a minute for a group that is starting.
+the process (SIGSTOP, a freeze) stops too, and the launcher ends a group whose rank has not
+beaten for its timeout, not counting the time the rank waited for a CPU (`Liveness`: a rank
+held off the CPU by a loaded host is slow, not stalled). A beat tied to progress would not do:
+a live rank waits in a quorum for up to a minute for a group that is starting.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from pipeline import settings
 from pipeline.errors import PipeConfigError, PipelineError
 from pipeline.replicas.environment import NUM_REPLICAS_ENV as _NUM_REPLICAS_ENV
+from pipeline.replicas.run_queue import PROC, RunQueue, Window, stderr_note
 
 __all__ = ["EXITING", "LAUNCHER_ENV", "LAUNCHER_LOST_EXIT", "LIVENESS_ENV", "PARTIAL",
-           "RECORD_ENV", "REPLICAS_KEY", "JobRecord", "Liveness", "NotLatest", "beat_key",
-           "connect", "group_key", "read_record", "serve", "start_beating"]
+           "RECORD_ENV", "REPLICAS_KEY", "STARVED_LIMIT_S", "JobRecord", "Liveness", "NotLatest",
+           "Stall", "beat_key", "connect", "group_key", "read_record", "serve", "start_beating"]
 
 RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port, on the lighthouse's host
 # Seconds a rank may go without a beat before the launcher ends its group; set by the launcher
@@ -63,7 +65,23 @@ EXITING = 1 << 40
 _BEATS_PER_TIMEOUT = 10
 _EXIT_JOIN_S = 10.0  # how long an exiting rank waits for a beat in flight
 _LOST_FLOOR_S = 5.0  # replica_launch.RANK_TIMEOUT_FLOOR_S
+# The most run-queue wait taken off a rank's silence: a rank that ran nothing for longer than
+# this past the timeout (a host loaded beyond use) is ended as stalled. Below the progress
+# timeout (600 s by default), which would end the whole job instead of restarting one group.
+STARVED_LIMIT_S = 60.0
+# A rank's threads are read once it has been silent for this share of the timeout (it beats
+# ten times a timeout: a live rank is read rarely); waits before then are not taken off.
+_READ_AFTER = 0.25
 _beating: set[int] = set()  # this process's pid once its beats started (a fork beats anew)
+
+
+class Stall(NamedTuple):
+    """A rank the watch takes for stalled: its pid, how long it went without a beat, and how
+    much of that it waited for a CPU (taken off its silence before it was judged)."""
+
+    pid: int
+    silent: float
+    starved: float
 
 
 class NotLatest(PipelineError):
@@ -276,21 +294,34 @@ def _launcher_lost(port: int, who: str, what: str, last_state: Any) -> None:
 
 class Liveness:
     """The launcher's watch on the ranks' beats: a rank whose count has not moved for
-    `timeout` seconds while the watch looked is stalled (a rank not yet beating, or exiting,
-    is not watched)."""
+    `timeout` seconds while the watch looked, not counting the time it waited for a CPU, is
+    stalled (a rank not yet beating, or exiting, is not watched).
 
-    def __init__(self, store: Any, timeout: float) -> None:
-        self.store, self.timeout = store, timeout
+    A rank held off the CPU by a loaded host is runnable, a stopped one is not: the run-queue
+    wait its threads added while it was silent (the most of any one thread, from a quarter of
+    the timeout on: run_queue.Window) is taken off its silence, up to STARVED_LIMIT_S. A
+    SIGSTOPped rank waits on no run queue and is seen at the timeout. Ranks with no entry
+    under `proc` (not started on this host), or where the kernel keeps no waits, are judged
+    by the plain timeout.
+    `proc`, `note` and `clock`: run_queue.RunQueue's, and the watch's time (for tests)."""
+
+    def __init__(self, store: Any, timeout: float, *, proc: str | os.PathLike[str] = PROC,
+                 note: Callable[[str], None] = stderr_note,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.timeout, self.clock = store, timeout, clock
+        self.run_queue = RunQueue(proc, note)
         self.seen: dict[int, tuple[int, float]] = {}  # pid: (its count, when it last moved)
+        self.windows: dict[int, Window] = {}  # pid: its threads' waits since it went silent
         self.last_look: float | None = None
 
-    def stalled(self, pids: Iterable[int]) -> tuple[int, float] | None:
-        """(pid, seconds silent) of a stalled rank among `pids`, if any."""
-        now = time.monotonic()
+    def stalled(self, pids: Iterable[int]) -> Stall | None:
+        """The first stalled rank among `pids`, if any."""
+        now = self.clock()
         if self.last_look is not None and now - self.last_look > self.timeout / 2:
             # The watch itself did not run (this process held off the CPU, the host
             # suspended): it saw no beat, which says nothing of the ranks. A fresh window.
             self.seen = {pid: (count, now) for pid, (count, _) in self.seen.items()}
+            self.windows.clear()
         self.last_look = now
         for pid in pids:
             count = int(self.store.add(beat_key(pid), 0))
@@ -299,14 +330,23 @@ class Liveness:
             last = self.seen.get(pid)
             if last is None or last[0] != count:
                 self.seen[pid] = (count, now)
-            elif now - last[1] > self.timeout:
-                return pid, now - last[1]
+                self.windows.pop(pid, None)
+                continue
+            silent = now - last[1]
+            if silent < self.timeout * _READ_AFTER:
+                continue
+            waits = self.run_queue.waits(pid)
+            window = self.windows.setdefault(pid, Window(waits, now))
+            starved = min(window.waited(waits, now), STARVED_LIMIT_S)
+            if silent - starved > self.timeout:
+                return Stall(pid, silent, starved)
         return None
 
     def forget(self, pids: Iterable[int]) -> None:
         """Ranks that are gone (their pids may come again)."""
         for pid in pids:
             self.seen.pop(pid, None)
+            self.windows.pop(pid, None)
             self.store.delete_key(beat_key(pid))
 
 

@@ -63,7 +63,7 @@ def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> No
         rank.send_signal(signal.SIGSTOP)
         found: list[tuple[int, float]] = []
         _wait(lambda: found.append(got) is None if (got := watch.stalled([rank.pid])) else False)
-        pid, silent = found[0]
+        pid, silent = found[0].pid, found[0].silent
         assert pid == rank.pid and silent > 1.0  # never before the timeout
         rank.send_signal(signal.SIGCONT)
         count = watch.seen[rank.pid][0]
@@ -75,6 +75,95 @@ def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> No
         if rank.poll() is None:
             rank.kill()
             rank.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_seen_within_the_timeout_beside_busy_processes(
+        record: tuple[Any, int], busy: None) -> None:
+    """On a loaded host a SIGSTOPped rank waits on no run queue: nothing is taken off its
+    silence, and the watch names it within the timeout and a look of the SIGSTOP."""
+    store, port = record
+    code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
+            "JobRecord.from_environment(0, 30)\nsys.stdin.read()\n")
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "2.0"}
+    rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE)
+    try:
+        watch = Liveness(store, timeout=2.0)
+        _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen.get(rank.pid))
+        rank.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        found: list[ft_record.Stall] = []
+        _wait(lambda: found.append(got) is None if (got := watch.stalled([rank.pid])) else False)
+        seen_after = time.monotonic() - stopped
+        assert found[0].pid == rank.pid and found[0].starved < 0.5, found
+        assert seen_after < 2.0 + 1.0, (seen_after, found)  # the timeout, and slack for a look
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+# A rank held off the CPU: every thread of it (its beating thread too) pinned to one CPU in the
+# idle class, beside processes pinned there that spin (SCHED_IDLE runs only when nothing else
+# on its CPU is runnable; no privilege is needed to enter it). Its main thread spins too, so
+# the beating thread also waits for the GIL that a starved thread holds.
+_STARVED_RANK = """\
+import os, sys
+from pipeline.replicas.record import JobRecord
+JobRecord.from_environment(0, 30)
+cpu = int(sys.stdin.readline())
+for tid in os.listdir("/proc/self/task"):
+    os.sched_setaffinity(int(tid), {cpu})
+    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+print("starved", flush=True)
+while True:
+    pass
+"""
+_PINNED_SPIN = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\n"
+                "parent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_starved_of_the_cpu_past_the_timeout_is_not_stalled(
+        record: tuple[Any, int], busy: None) -> None:
+    """A live rank silent for longer than the timeout because it waited for a CPU (its
+    silence ends with a beat) is not taken for stalled: the time its threads waited on a run
+    queue is taken off its silence. Before, the watch ended it at the timeout (a loaded host
+    restarted live groups, up to --max-restarts)."""
+    if not hasattr(os, "SCHED_IDLE") or not Path(
+            f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists():
+        pytest.skip("needs Linux's SCHED_IDLE and run-queue waits (CONFIG_SCHED_INFO)")
+    store, port = record
+    timeout = 1.0
+    cpu = max(os.sched_getaffinity(0))
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: str(timeout)}
+    rank = subprocess.Popen([sys.executable, "-c", _STARVED_RANK], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    spinners: list[subprocess.Popen[bytes]] = []
+    try:
+        watch = Liveness(store, timeout=timeout)
+        _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen.get(rank.pid))
+        spinners = [subprocess.Popen([sys.executable, "-c", _PINNED_SPIN, str(cpu)])
+                    for _ in range(3)]
+        assert rank.stdin is not None and rank.stdout is not None
+        rank.stdin.write(f"{cpu}\n")
+        rank.stdin.flush()
+        assert rank.stdout.readline() == "starved\n"
+        longest = 0.0  # the longest silence the watch saw that a beat ended
+        deadline = time.monotonic() + 60
+        while longest <= 2 * timeout and time.monotonic() < deadline:
+            count, since = watch.seen[rank.pid]
+            stall = watch.stalled([rank.pid])
+            assert stall is None, f"a starved rank taken for stalled: {stall}"
+            if watch.seen[rank.pid][0] != count:
+                longest = max(longest, watch.seen[rank.pid][1] - since)
+            time.sleep(0.05)
+        assert longest > 2 * timeout, (
+            f"the rank was never silent for twice the timeout ({longest:.2f}s at most): it was "
+            f"not held off the CPU, and the test shows nothing")
+    finally:
+        for proc in [rank, *spinners]:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_rank_exits_cleanly_with_a_beat_in_flight(record: tuple[Any, int]) -> None:
