@@ -223,6 +223,15 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
     lost_after = max(liveness, _LOST_FLOOR_S)
 
     answered = [time.monotonic()]  # when the coordinator last answered a beat (either side)
+    # Where the launcher started this rank, it is the rank's parent: gone once the parent is
+    # another (this rank was handed to a reaper), alive, if slow, while it is the same. Its
+    # silence alone ended live ranks on a loaded host where the launcher was held off the CPU.
+    parent = _launcher_parent()
+
+    def gone() -> str | None:
+        now = os.getppid()
+        return None if parent is None or now == parent else (
+            f"exited (this rank's parent is now pid {now})")
 
     def beat() -> None:
         beats = None
@@ -230,6 +239,8 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
         # At exit beats stop, but not the watch while the coordinator is not answering: a
         # rank whose exit hangs (a quorum, a process group's teardown) still ends in time.
         while not (stop.is_set() and beats is not None):
+            if (what := gone()) is not None:
+                _launcher_lost(port, who, what, last_state)
             try:
                 beats = connect(port, min(timeout, lost_after)) if beats is None else beats
                 beats.add(key, 1)
@@ -237,7 +248,9 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
             except Exception as exc:
                 beats, why = None, f"{type(exc).__name__}: {exc}"
                 silent = time.monotonic() - answered[0]
-                if silent >= lost_after:
+                if (what := gone()) is not None:
+                    _launcher_lost(port, who, f"{what}; {why}", last_state)
+                if parent is None and silent >= lost_after:
                     _launcher_lost(port, who, f"has answered no beat for {silent:.1f}s ({why})",
                                    last_state)
             stop.wait(period)
@@ -251,6 +264,8 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
         # without an active exception"), after its last commit.
         stop.set()
         thread.join(timeout=_EXIT_JOIN_S)
+        if (what := gone()) is not None:  # nobody to tell: say so now, not after retries
+            _launcher_lost(port, who, what, last_state)
         try:
             # Bounded as a beat is, not by the record's timeout: with the coordinator gone
             # (met first by the main thread) the record's client retried connecting for all
@@ -259,6 +274,8 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
             last.add(key, EXITING)
             last.close()
         except Exception as exc:  # a rank whose main thread met the lost coordinator first
+            if parent is not None and gone() is None:
+                return  # the launcher lives, held up: it sees this rank's exit all the same
             ago = time.monotonic() - answered[0]
             _launcher_lost(port, who, f"did not answer as this rank exited "
                                       f"({type(exc).__name__}: {exc}; it last answered a beat "
@@ -266,6 +283,13 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
 
     atexit.register(exiting)
     thread.start()
+
+
+def _launcher_parent() -> int | None:
+    """The launcher's pid where it is this process's parent (it started this rank on this
+    host), else None (a group started by hand, or a launcher on another host)."""
+    raw = os.environ.get(LAUNCHER_ENV, "")
+    return int(raw) if raw.isdigit() and int(raw) == os.getppid() else None
 
 
 LAUNCHER_LOST_EXIT = 75  # sysexits' EX_TEMPFAIL: the job may be started again from its save

@@ -210,6 +210,52 @@ def test_a_rank_exiting_after_the_coordinator_is_gone_ends_within_the_liveness_t
     assert took < 20, (took, err[-2000:])  # 5 s, and slack for a loaded host
 
 
+_SLOW_LAUNCHER = r"""
+import os, subprocess, sys
+from pipeline.replicas import record
+from pipeline.replicas.coordinator import serve_coordinator
+rank_code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
+             "JobRecord.from_environment(0, 60)\nsys.stdin.read()\n")
+with serve_coordinator() as (server, _, store):
+    env = {**os.environ, record.RECORD_ENV: str(server.port), record.LIVENESS_ENV: "1.0",
+           record.LAUNCHER_ENV: str(os.getpid())}
+    rank = subprocess.Popen([sys.executable, "-c", rank_code], env=env, stdin=subprocess.PIPE)
+    print(rank.pid, flush=True)
+    sys.stdin.readline()  # the test says when to end
+    rank.stdin.close()
+    print(rank.wait(), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_launcher_held_off_the_cpu_is_not_taken_for_lost(job_cert: Any, busy: None) -> None:
+    """The launcher that started a rank (its parent) stopped for longer than the liveness
+    floor (5 s), as a loaded host may hold it: its coordinator answers no beat meanwhile,
+    but the rank's parent is still the launcher, so the rank goes on and ends normally. It
+    took the silence for a lost launcher and exited 75 (a live rank ended under load)."""
+    launcher = subprocess.Popen([sys.executable, "-c", _SLOW_LAUNCHER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert launcher.stdin is not None and launcher.stdout is not None
+    try:
+        rank = int(launcher.stdout.readline())
+        time.sleep(2.0)  # beating
+        launcher.send_signal(signal.SIGSTOP)
+        time.sleep(8.0)  # past the floor, with slack for a beat already in flight
+        launcher.send_signal(signal.SIGCONT)
+        with open(f"/proc/{rank}/stat") as stat:
+            assert stat.read().rsplit(")", 1)[1].split()[0] != "Z", "the rank exited"
+        launcher.stdin.write("\n")
+        launcher.stdin.flush()
+        code = launcher.stdout.readline().strip()
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGCONT)
+            launcher.kill()
+            launcher.wait()
+    assert code == "0", err[-2000:]
+
+
 def test_an_exiting_rank_is_watched_no_more(record: tuple[Any, int]) -> None:
     store, _ = record
     watch = Liveness(store, timeout=0.2)
