@@ -211,10 +211,11 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
     """Beat every `liveness / 10` seconds from a daemon thread (a SIGSTOP stops it with the
     rest of the process), on a connection of its own: the rank's calls never wait behind a
     beat. At exit the thread is stopped first, then the rank says so on its own connection:
-    its teardown is not watched. A coordinator that answers no beat for `liveness` seconds
-    is gone (the launcher killed or crashed): nothing is left to form a quorum or keep the
-    record, so the rank ends (LAUNCHER_LOST_EXIT) saying so, where it waited in a quorum
-    until its timeout and died of a bare connection error."""
+    its teardown is not watched. A launcher that is no longer this rank's parent, or, for a
+    rank it did not start, a coordinator that answers no beat for `liveness` seconds, is gone
+    (killed or crashed): nothing is left to form a quorum or keep the record, so the rank ends
+    (LAUNCHER_LOST_EXIT) saying so, where it waited in a quorum until its timeout and died of
+    a bare connection error."""
     key = beat_key(os.getpid())
     stop = threading.Event()
     period = liveness / _BEATS_PER_TIMEOUT
