@@ -51,7 +51,7 @@ from pipeline.replicas.record import (
     Liveness,
     group_key,
 )
-from pipeline.replicas.spares import Spares
+from pipeline.replicas.spares import Spares, stop_ranks
 from pipeline.replicas.tls import CERT_ENV, job_cert_env, job_tls, make_job_cert
 
 __all__ = ["CONFIG_EXIT", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "PROGRESS_TIMEOUT_S",
@@ -138,16 +138,7 @@ class ReplicaGroup:
 
     def stop(self, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
         """Signal every live rank and reap them all (killed after `wait` seconds)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(sig)
-        deadline = time.monotonic() + wait
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_ranks(self.procs, sig, wait)
         self.store = None  # the store lived as long as this incarnation's ranks
 
 

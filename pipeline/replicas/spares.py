@@ -39,7 +39,7 @@ from pipeline.replicas.record import (
 )
 
 __all__ = ["ENDED", "REFILL_AFTER_S", "SPARE_ENV", "Spare", "Spares", "await_replica_id",
-           "ready_key", "spare_key"]
+           "ready_key", "reap_ranks", "spare_key", "stop_ranks"]
 
 SPARE_ENV = "PIPELINE_FT_SPARE"  # a spare's number, in its ranks' environment
 ENDED = "end"  # written in place of a replica id: the job ended, the spare's ranks exit 0
@@ -87,6 +87,26 @@ def await_replica_id(timeout: float, rank: int) -> None:
     del os.environ[SPARE_ENV]
 
 
+def stop_ranks(procs: list[subprocess.Popen[bytes]], sig: int, wait: float) -> list[int]:
+    """Signal every live one of `procs`, then reap them all (`reap_ranks`); their codes."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    return reap_ranks(procs, wait)
+
+
+def reap_ranks(procs: list[subprocess.Popen[bytes]], wait: float) -> list[int]:
+    """Wait for every one of `procs` to exit (killed after `wait` seconds); their codes."""
+    deadline = time.monotonic() + wait
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
+
+
 @dataclass
 class Spare:
     """One spare group's ranks and its rendezvous store, while it waits."""
@@ -98,21 +118,11 @@ class Spare:
 
     def stop(self, sig: int = signal.SIGKILL, wait: float = 10.0) -> list[int]:
         """Signal every live rank, reap them all (killed after `wait` seconds); their codes."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(sig)
-        return self.reap(wait)
+        return stop_ranks(self.procs, sig, wait)
 
     def reap(self, wait: float) -> list[int]:
         """Wait for every rank to exit (killed after `wait` seconds); their exit codes."""
-        deadline = time.monotonic() + wait
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return [p.returncode for p in self.procs]
+        return reap_ranks(self.procs, wait)
 
 
 class Spares:
