@@ -131,14 +131,22 @@ def _median_step(model: Any, balance: list[int], chunks: int, schedule: str | Sc
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_schedule",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
-    parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16, 32])
-    parser.add_argument("--head", type=float, default=4.0)
-    parser.add_argument("--head-w", type=float, default=2.0)
-    parser.add_argument("--comm", type=float, default=0.25)
-    parser.add_argument("--measure", action="store_true")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4],
+                        help="pipeline ranks p, one table row group each (default 2 4)")
+    parser.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16, 32],
+                        help="micro-batch counts m (default 4 8 16 32)")
+    parser.add_argument("--head", type=float, default=4.0,
+                        help="the head's F and I cost in blocks (default 4)")
+    parser.add_argument("--head-w", type=float, default=2.0,
+                        help="the head's W cost as a multiple of its I (default 2)")
+    parser.add_argument("--comm", type=float, default=0.25,
+                        help="a transfer's cost in blocks (default 0.25)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also time Pipe's steps (threads, CPU) for a model of that shape")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="with --measure: timed steps per cell after a warm-up (default 5)")
+    parser.add_argument("--width", type=int, default=256,
+                        help="with --measure: a block's hidden width (default 256)")
     args = parser.parse_args(argv)
     print(f"head {args.head} blocks, its W {args.head_w}x its I, comm {args.comm}; memory: p "
           f"micro-batches per rank")
