@@ -9,27 +9,22 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import schedules
 from schedules import Costs, Schedule, ScheduleError, Syncs, Timeline
-from schedules.csvio import MAX_CSV_BYTES
-from schedules.files import FileRefused, read_file, write_atomic
+from schedules.files import FileRefused, write_atomic
 from viz.compare import Comparison, compare
 from viz.layout import Layout, format_costs, layout
 from viz.limits import (
-    LimitError,
     check_costs,
-    check_csv,
-    check_named,
-    check_schedule,
-    check_timeline,
 )
 from viz.measured import over_predicted
 from viz.render_dot import MAX_NODES, dot_to_image, render_dot
 from viz.render_png import render_png
 from viz.render_svg import render_svg
 from viz.render_text import render_text
+from viz.sources import DEFAULT_MICROBATCHES, DEFAULT_RANKS, load
+from viz.usage import Parser, UsageError
 
 __all__ = ["main"]
 
@@ -37,19 +32,6 @@ FORMATS = ("text", "svg", "png", "chrome", "dot", "json")
 _BY_SUFFIX = {".txt": "text", ".svg": "svg", ".png": "png", ".json": "chrome", ".dot": "dot",
               ".gv": "dot"}
 _DOT_IMAGES = (".svg", ".png", ".pdf")
-_NAMED_ONLY = (("ranks", "--ranks"), ("stages_per_rank", "--stages-per-rank"),
-               ("batches", "--batches"))
-_DEFAULT_RANKS, _DEFAULT_MICROBATCHES = 4, 8
-
-
-class _UsageError(Exception):
-    """A bad argument or an unreadable input: one line on stderr, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # argparse would print the whole usage block; one line says it and keeps scripts readable.
-        raise _UsageError(message)
 
 
 def _positive(text: str) -> int:
@@ -76,9 +58,9 @@ def _costs(text: str) -> Costs:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _parser() -> _Parser:
+def _parser() -> Parser:
     names = ", ".join(schedules.available())
-    parser = _Parser(
+    parser = Parser(
         prog="pipeviz",
         usage="pipeviz [options] SOURCE\n"
               "       pipeviz compare SOURCE SOURCE [SOURCE ...] [options]\n"
@@ -111,9 +93,9 @@ exit status: 0 drawn; 1 the schedule is invalid (drawn, failing step marked); 2 
                         help="a schedule name, a .csv schedule or a .json timeline; "
                              "or 'compare' followed by several of them")
     parser.add_argument("-p", "--ranks", type=_positive,
-                        help=f"pipeline ranks (named schedules; default {_DEFAULT_RANKS})")
+                        help=f"pipeline ranks (named schedules; default {DEFAULT_RANKS})")
     parser.add_argument("-m", "--microbatches", type=_positive,
-                        help=f"micro-batches per batch (default {_DEFAULT_MICROBATCHES}; for a "
+                        help=f"micro-batches per batch (default {DEFAULT_MICROBATCHES}; for a "
                              f"multi-batch CSV, its micro-batches per batch)")
     parser.add_argument("-v", "--stages-per-rank", type=_positive,
                         help="virtual stages per rank (interleaved)")
@@ -154,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_main(args[1:])
     try:
         return _main(_parser().parse_args(args))
-    except _UsageError as exc:
+    except UsageError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the cause wrote
         print(f"pipeviz: error: {message} (see pipeviz --help)", file=sys.stderr)
         return 2
@@ -168,21 +150,21 @@ def _main(args: argparse.Namespace) -> int:
     if comparing:
         sources = sources[1:]
         if not sources:
-            raise _UsageError("compare needs at least one schedule, CSV or timeline")
+            raise UsageError("compare needs at least one schedule, CSV or timeline")
     elif len(sources) > 1:
-        raise _UsageError(f"give one source, not {len(sources)} (to draw several on one time "
+        raise UsageError(f"give one source, not {len(sources)} (to draw several on one time "
                           f"axis: pipeviz compare {' '.join(sources)})")
     fmt = args.format or _BY_SUFFIX.get(Path(args.output or "").suffix.lower(), "text")
     if fmt == "png" and not args.output:
-        raise _UsageError("png is binary: give -o FILE.png")
+        raise UsageError("png is binary: give -o FILE.png")
     if comparing and fmt not in ("text", "svg", "png"):
-        raise _UsageError(f"compare draws text, svg or png, not {fmt}")
+        raise UsageError(f"compare draws text, svg or png, not {fmt}")
     used: set[str] = set()
-    loaded = [_load(source, args, lenient=comparing, used=used) for source in sources]
+    loaded = [load(source, args, lenient=comparing, used=used) for source in sources]
     for attr, flag in (("stages_per_rank", "--stages-per-rank"), ("batches", "--batches")):
         if comparing and getattr(args, attr) is not None and attr not in used:
             # Comparing, an option no compared schedule takes is a mistake, not a default.
-            raise _UsageError(f"{flag} applies to none of {', '.join(sources)}")
+            raise UsageError(f"{flag} applies to none of {', '.join(sources)}")
     if args.predicted:
         return _predicted(loaded, sources, args, fmt, comparing)
     costs = args.costs or Costs()
@@ -195,7 +177,7 @@ def _main(args: argparse.Namespace) -> int:
         else:
             target = layout(loaded[0], costs=costs)
     except ValueError as exc:  # e.g. per-stage costs that do not match the stages
-        raise _UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     layouts = target.layouts if isinstance(target, Comparison) else (target,)
     if fmt in ("text", "svg", "png"):
         _draw(args, fmt, target)
@@ -228,7 +210,7 @@ def _draw(args: argparse.Namespace, fmt: str, target: Layout | Comparison) -> No
         try:
             _write(args, render_png(target))
         except RuntimeError as exc:  # no Pillow
-            raise _UsageError(str(exc)) from None
+            raise UsageError(str(exc)) from None
 
 
 def _predicted(loaded: Sequence[Schedule | Timeline], sources: Sequence[str],
@@ -236,14 +218,14 @@ def _predicted(loaded: Sequence[Schedule | Timeline], sources: Sequence[str],
     """`--predicted`: the measured timeline above its prediction (or the prediction as JSON)."""
     measured = loaded[0]
     if comparing or not isinstance(measured, Timeline) or measured.unit != "s":
-        raise _UsageError(f"--predicted takes one measured timeline (a .json a run wrote), not "
+        raise UsageError(f"--predicted takes one measured timeline (a .json a run wrote), not "
                           f"{' '.join(sources)}")
     if fmt not in ("text", "svg", "png", "json"):
-        raise _UsageError(f"--predicted draws text, svg or png (or writes json), not {fmt}")
+        raise UsageError(f"--predicted draws text, svg or png (or writes json), not {fmt}")
     try:
         target = over_predicted(measured)
     except (ScheduleError, ValueError) as exc:
-        raise _UsageError(f"{sources[0]}: cannot predict it: {exc}") from None
+        raise UsageError(f"{sources[0]}: cannot predict it: {exc}") from None
     guess = target.layouts[1].timeline
     if fmt == "json" and guess is not None:
         _write(args, guess.to_json() + "\n")
@@ -258,86 +240,6 @@ def _say_invalid(name: str, message: str) -> None:
     print(f"pipeviz: {name} is not a valid schedule: {text}", file=sys.stderr)
 
 
-def _load(source: str, args: argparse.Namespace, *, lenient: bool,
-          used: set[str]) -> Schedule | Timeline:
-    """A schedule (named, or from a CSV) or a timeline; `used` collects the options applied."""
-    if source in schedules.available():
-        schedule = _generate(source, args, lenient=lenient, used=used)
-        return _lowered(schedule, args)
-    path = Path(source)
-    if path.is_dir():
-        raise _UsageError(f"{source} is a directory; give a schedule name "
-                          f"({', '.join(schedules.available())}), a .csv schedule file or a "
-                          f".json timeline file (written by a run or by --format json)")
-    if not path.is_file():
-        if path.suffix.lower() in (".csv", ".json") or os.sep in source:
-            raise _UsageError(f"no such file: {source}")
-        raise _UsageError(f"unknown schedule {source!r}; known: "
-                          f"{', '.join(schedules.available())} (or give a .csv schedule or a "
-                          f".json timeline)")
-    try:  # through the file gate: a regular file, no planted link, bounded
-        text = read_file(path, limit=MAX_CSV_BYTES).decode("utf-8")
-    except (OSError, FileRefused, UnicodeDecodeError) as exc:
-        raise _UsageError(f"cannot read {source}: {exc}") from None
-    is_timeline = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
-    given = [flag for attr, flag in _NAMED_ONLY if getattr(args, attr) is not None]
-    if is_timeline:
-        given += [flag for attr, flag in (("microbatches", "--microbatches"),
-                                          ("costs", "--costs"), ("lower", "--lower"),
-                                          ("syncs", "--syncs"))
-                  if getattr(args, attr) not in (None, False)]
-    if given and not lenient:
-        what = "a timeline carries its own times" if is_timeline else "a CSV gives its own"
-        verb = "applies" if len(given) == 1 else "apply"
-        raise _UsageError(f"{', '.join(given)} {verb} to named schedules; {what} ({source})")
-    try:
-        if is_timeline:
-            check_timeline(text)
-            return Timeline.from_json(text)
-        check_csv(text)
-        schedule = schedules.loads_csv(text, num_microbatches=args.microbatches, name=path.name)
-        check_schedule(schedule)
-    except (ScheduleError, ValueError) as exc:  # LimitError is a ValueError
-        raise _UsageError(f"{source}: {exc}") from None
-    return _lowered(schedule, args)
-
-
-def _lowered(schedule: Schedule, args: argparse.Namespace) -> Schedule:
-    """`--syncs`: the program; `--lower`: the lowered schedule; else as it is."""
-    if args.syncs is not None:
-        try:
-            return schedules.program(schedule, args.syncs)
-        except ScheduleError as exc:
-            raise _UsageError(f"--syncs {args.syncs}: {exc}") from None
-    return schedules.lower(schedule) if args.lower else schedule
-
-
-def _generate(name: str, args: argparse.Namespace, *, lenient: bool,
-              used: set[str]) -> Schedule:
-    flags = {"stages_per_rank": "stages_per_rank", "num_batches": "batches"}
-    options = {key: value for key, value in (("stages_per_rank", args.stages_per_rank),
-                                             ("num_batches", args.batches)) if value is not None}
-    ranks = args.ranks or _DEFAULT_RANKS
-    microbatches = args.microbatches or _DEFAULT_MICROBATCHES
-    if lenient:
-        # Comparing: each option goes to the schedules that take it (--stages-per-rank to
-        # interleaved only).
-        try:
-            accepted = schedules.options(name)
-        except ScheduleError as exc:
-            raise _UsageError(str(exc)) from None
-        options = {key: value for key, value in options.items() if key in accepted}
-    try:
-        check_named(name, ranks, microbatches, options)
-        schedule = schedules.get_schedule(name, ranks, microbatches, **options)
-        check_schedule(schedule)
-    except (ScheduleError, LimitError) as exc:
-        raise _UsageError(str(exc)) from None
-    kept = options
-    used.update(flags[key] for key in kept)
-    return schedule
-
-
 def _compare_subtitle(loaded: Sequence[Schedule | Timeline], costs: Costs) -> str | None:
     plans = [s for s in loaded if isinstance(s, Schedule)]
     if len(plans) != len(loaded):
@@ -350,12 +252,12 @@ def _compare_subtitle(loaded: Sequence[Schedule | Timeline], costs: Costs) -> st
 
 def _dot(source: Schedule | Timeline, args: argparse.Namespace, costs: Costs) -> int:
     if isinstance(source, Timeline):
-        raise _UsageError("--format dot draws a schedule's dependencies: give a schedule name "
+        raise UsageError("--format dot draws a schedule's dependencies: give a schedule name "
                           "or a CSV, not a timeline")
     try:
         text = render_dot(source, costs=costs, max_nodes=args.max_nodes)
     except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     out = Path(args.output) if args.output else None
     # -o graph.svg (or .png, .pdf) asks for a picture; any other name gets the DOT source.
     image_format = out.suffix.lower()[1:] if out and out.suffix.lower() in _DOT_IMAGES else None
@@ -391,7 +293,7 @@ def _width(args: argparse.Namespace) -> int:
     else:
         width = shutil.get_terminal_size((100, 24)).columns
     if width < 40:
-        raise _UsageError(f"--width must be at least 40 columns (got {width})")
+        raise UsageError(f"--width must be at least 40 columns (got {width})")
     return width
 
 
@@ -413,6 +315,6 @@ def _write(args: argparse.Namespace, content: str | bytes, *, path: Path | None 
     try:
         write_atomic(target, content)
     except FileRefused as exc:
-        raise _UsageError(f"cannot write {target}: {exc}") from None
+        raise UsageError(f"cannot write {target}: {exc}") from None
     except OSError as exc:
-        raise _UsageError(f"cannot write {target}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write {target}: {exc.strerror or exc}") from None

@@ -10,9 +10,10 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from schedules.files import FileRefused, write_atomic
+from viz.usage import Parser, UsageError
 
 if TYPE_CHECKING:
     from pipeline.planner.contention import Reading
@@ -21,15 +22,6 @@ __all__ = ["main", "parse_bytes", "parse_tp_plan", "resolve_model"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10,
           "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-class _UsageError(Exception):
-    """A bad argument: one line on stderr, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
 
 
 def parse_bytes(text: str) -> float | None:
@@ -53,17 +45,17 @@ def resolve_model(spec: str) -> tuple[Any, Any, Any, Any]:
     name."""
     module_name, sep, path = spec.partition(":")
     if not sep or not module_name or not path:
-        raise _UsageError(f"give the model as module:name (e.g. "
+        raise UsageError(f"give the model as module:name (e.g. "
                           f"pipeline.examples.models:MODELS.mlp), got {spec!r}")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise _UsageError(f"cannot import {module_name!r}: {exc}") from None
+        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
     for part in path.split("."):
         try:
             obj = obj[part] if isinstance(obj, Mapping) else getattr(obj, part)
         except (KeyError, AttributeError):
-            raise _UsageError(f"{spec}: no {part!r} in {module_name}") from None
+            raise UsageError(f"{spec}: no {part!r} in {module_name}") from None
     if all(hasattr(obj, a) for a in ("build", "batch", "loss")):
         sample, target = obj.batch()
         return obj.build(), sample, target, obj.loss()
@@ -71,7 +63,7 @@ def resolve_model(spec: str) -> tuple[Any, Any, Any, Any]:
         got = obj()
         if isinstance(got, tuple) and len(got) == 4:
             return got
-    raise _UsageError(f"{spec} must be a function returning (model, sample, target, loss_fn) "
+    raise UsageError(f"{spec} must be a function returning (model, sample, target, loss_fn) "
                       f"or an object with build(), batch() and loss()")
 
 
@@ -176,8 +168,8 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _parser() -> _Parser:
-    parser = _Parser(prog="pipeviz plan", description=(
+def _parser() -> Parser:
+    parser = Parser(prog="pipeviz plan", description=(
         "Profile a model, plan its pipeline (dp x pp, and x tp with --tp-plan) for a memory "
         "budget per rank, print the plan and every candidate, and draw the chosen schedule's "
         "predicted timeline beside the runner-up."))
@@ -232,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `pipeviz plan`; returns 0 planned, 1 nothing fits the budget, 2 bad arguments."""
     try:
         return _main(_parser().parse_args(argv))
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"pipeviz plan: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help
@@ -250,18 +242,18 @@ def _main(args: argparse.Namespace) -> int:
     from viz.render_text import render_text
 
     if args.ranks < 1:
-        raise _UsageError(f"--ranks must be >= 1 (got {args.ranks})")
+        raise UsageError(f"--ranks must be >= 1 (got {args.ranks})")
     fmt = args.format or ("png" if (args.output or "").endswith(".png") else
                           "svg" if (args.output or "").endswith(".svg") else "text")
     if fmt == "png" and not args.output:
-        raise _UsageError("png is binary: give -o FILE.png")
+        raise UsageError("png is binary: give -o FILE.png")
     if args.rows_deprecated is not None:
         # The table's own `rows` column is rows per micro-batch: --rows read as that.
         print("pipeviz plan: warning: --rows is deprecated (the table's rows column is rows "
               "per micro-batch): use --show N for the candidates to list", file=sys.stderr)
         args.show = args.rows_deprecated
     if args.threads < 0:
-        raise _UsageError(f"--threads must be >= 0 (0: torch's own), got {args.threads}")
+        raise UsageError(f"--threads must be >= 0 (0: torch's own), got {args.threads}")
     model, sample, target, loss_fn = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -296,7 +288,7 @@ def _main(args: argparse.Namespace) -> int:
         return 1
     except ValueError as exc:
         bar.close()
-        raise _UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     bar.close()
     print(chosen.summary())
     flagged = _say_load(meter.reading)
@@ -323,7 +315,7 @@ def _main(args: argparse.Namespace) -> int:
         try:
             content = render_png(drawing)
         except RuntimeError as exc:  # no Pillow
-            raise _UsageError(str(exc)) from None
+            raise UsageError(str(exc)) from None
     if args.output is None:
         assert isinstance(content, str)
         print(content, end="")
@@ -331,7 +323,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         write_atomic(args.output, content)
     except FileRefused as exc:
-        raise _UsageError(f"cannot write {args.output}: {exc}") from None
+        raise UsageError(f"cannot write {args.output}: {exc}") from None
     except OSError as exc:
-        raise _UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     return 0
