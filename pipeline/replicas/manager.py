@@ -11,6 +11,9 @@ same calls, over wire (mutual TLS under the job's certificate) and with no kill:
   its rank among the replicas, whom it heals from or sends to, the quorum's store (torchft's
   `compute_quorum_results`, the same rule);
 - `should_commit`: the ranks' votes, True for all once every rank voted yes;
+- `agree`: the same gathering for this library's own questions to the group (a group at the
+  end of its loop ends only if every rank saw every replica with it: hold), kept apart from
+  torchft's vote, which commits a step when it says yes;
 - `checkpoint_metadata`: where a healing peer fetches this group's rank r checkpoint.
 """
 
@@ -108,6 +111,7 @@ class ManagerServer:
         self._metadata: dict[int, str] = {}
         self._quorum = _Round()
         self._vote = _Round()
+        self._agreement = _Round()
         host = bind_host(lighthouse_addr)
         self._server = Server(self._handle, host=host,
                               port=int(bind.rsplit(":", 1)[1]), name="pipeline-ft-manager")
@@ -141,7 +145,9 @@ class ManagerServer:
         if op == "quorum":
             return self._gather_quorum(request)
         if op == "should_commit":
-            return self._gather_vote(request)
+            return self._gather_vote(request, "_vote", "should_commit")
+        if op == "agree":
+            return self._gather_vote(request, "_agreement", "yes")
         if op == "checkpoint_metadata":
             rank = expect(request, "rank", int)
             with self._lock:
@@ -181,17 +187,19 @@ class ManagerServer:
             raise RuntimeError(gathering.error)
         return asdict(quorum_result(self._replica_id, rank, gathering.value, init_sync))
 
-    def _gather_vote(self, request: dict[str, Any]) -> Any:
+    def _gather_vote(self, request: dict[str, Any], rounds: str, field: str) -> Any:
+        """One rank's yes or no in the round `rounds` names (a vote to commit, or an
+        agreement); True for all once every rank said yes."""
         rank, timeout = expect(request, "rank", int), expect(request, "timeout", float)
-        yes = expect(request, "should_commit", bool)
+        yes = expect(request, field, bool)
         with self._lock:
-            gathering = self._vote
+            gathering = getattr(self, rounds)
             gathering.ranks.add(rank)
             if not yes:
                 gathering.noes.add(rank)
             if len(gathering.ranks) >= self._world_size:
                 gathering.value = not gathering.noes
-                self._vote = _Round()
+                setattr(self, rounds, _Round())
                 gathering.done.set()
         if not gathering.done.wait(timeout):
             raise TimeoutError(f"the group's ranks did not all vote within {timeout:g}s")
@@ -226,6 +234,12 @@ class ManagerClient:
                       timeout: timedelta) -> bool:
         return bool(self._call({"op": "should_commit", "rank": group_rank, "step": step,
                                 "should_commit": should_commit,
+                                "timeout": timeout.total_seconds()}, timeout))
+
+    def agree(self, group_rank: int, yes: bool, timeout: timedelta) -> bool:
+        """True once every rank of the group said yes (False if one said no): a question of
+        this library's, which commits nothing."""
+        return bool(self._call({"op": "agree", "rank": group_rank, "yes": yes,
                                 "timeout": timeout.total_seconds()}, timeout))
 
 
