@@ -6,12 +6,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from pipeline.replicas.record import PARTIAL, read_record
+from pipeline.replicas.record import PARTIAL, group_key, hold_key, read_record
 
 if TYPE_CHECKING:
     from pipeline.replicas.launch import ReplicaGroup
 
-__all__ = ["HISTORY_GRACE_S", "Progress", "Stuck", "compare_ends", "history_lost"]
+__all__ = ["HISTORY_GRACE_S", "Progress", "Stuck", "compare_ends", "history_lost", "holding"]
 
 # After a group is lost, how long the live groups get to show (in the record) that one of
 # them holds the job's history, before the job is declared unable to heal: a group writes
@@ -90,10 +90,19 @@ def history_lost(record: Any, groups: list[ReplicaGroup], lost: ReplicaGroup,
             f"docs/checkpoints.md): start the job again with a script that loads it")
 
 
+def holding(record: Any, replica: int, nproc: int) -> bool:
+    """Whether every rank of group `replica` holds at the count it last wrote (hold.py: at the
+    end of its loop, waiting for its peers, its own deadline bounding the wait)."""
+    keys = [(hold_key(replica, r), group_key(replica, r)) for r in range(nproc)]
+    return all(record.check([hold, entry]) and record.get(hold) == record.get(entry)
+               for hold, entry in keys)
+
+
 class Progress:
     """A live group whose committed count (all its ranks') has not moved for `timeout`
     seconds since it started or last moved: it will not commit again (retrying a step of
-    another history, waiting for a heal none can give), and the job ends saying so."""
+    another history, waiting for a heal none can give), and the job ends saying so. A group
+    that holds at the end of its loop is not stuck: it waits for its peers to come back."""
 
     def __init__(self, record: Any, groups: list[ReplicaGroup], nproc: int,
                  timeout: float) -> None:
@@ -115,7 +124,7 @@ class Progress:
         for g in self.groups:
             count = entries.get(g.replica_id, (0, 0))[0]
             seen, since = self.seen[g.replica_id]
-            if count != seen or g.done:
+            if count != seen or g.done or holding(self.record, g.replica_id, self.nproc):
                 self.seen[g.replica_id] = (count, now)
             elif now - since > self.timeout:
                 return (f"replica group {g.replica_id} committed no step for {now - since:.0f}s "

@@ -50,6 +50,7 @@ from pipeline.replicas.record import (
     REPLICAS_KEY,
     Liveness,
     group_key,
+    hold_key,
 )
 from pipeline.replicas.spares import Spares, stop_ranks
 from pipeline.replicas.tls import CERT_ENV, job_cert_env, job_tls, make_job_cert
@@ -269,6 +270,7 @@ def _supervise(script: str, args: Sequence[str], replicas: int, nproc: int,
                                         f"({how}); {unhealable}")
                 for r in range(nproc):  # it holds no history now (a heal in part undone)
                     record.set(group_key(g.replica_id, r), "0 0")
+                    record.delete_key(hold_key(g.replica_id, r))
                 spare = waiting.take(g.replica_id)  # a restart too, without the start
                 what = ("restarting it" if spare is None
                         else f"spare group {spare.number} takes its place")

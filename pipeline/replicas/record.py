@@ -47,7 +47,8 @@ from pipeline.replicas.run_queue import PROC, RunQueue, Window, stderr_note
 
 __all__ = ["EXITING", "LAUNCHER_ENV", "LAUNCHER_LOST_EXIT", "LIVENESS_ENV", "PARTIAL",
            "RECORD_ENV", "REPLICAS_KEY", "STARVED_LIMIT_S", "JobRecord", "Liveness", "NotLatest",
-           "Stall", "beat_key", "connect", "group_key", "read_record", "serve", "start_beating"]
+           "Stall", "beat_key", "connect", "group_key", "hold_key", "read_record", "serve",
+           "start_beating"]
 
 RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port, on the lighthouse's host
 # Seconds a rank may go without a beat before the launcher ends its group; set by the launcher
@@ -90,6 +91,11 @@ class NotLatest(PipelineError):
 
 def group_key(replica: int, rank: int = 0) -> str:
     return f"group/{replica}/{rank}"
+
+
+def hold_key(replica: int, rank: int = 0) -> str:
+    """Where a rank writes the count and lineage it holds at (its group's entry while it holds)."""
+    return f"hold/{replica}/{rank}"
 
 
 def beat_key(pid: int) -> str:
@@ -157,6 +163,10 @@ class JobRecord:
         """This rank now holds `steps` committed steps of history `lineage` (its group holds
         them once every rank wrote the same count)."""
         self.store.set(group_key(self.replica, self.rank), f"{steps} {lineage}")
+
+    def holds(self, steps: int, lineage: int) -> None:
+        """This rank holds at `steps` (hold.py): its count stays until its peers are back."""
+        self.store.set(hold_key(self.replica, self.rank), f"{steps} {lineage}")
 
     def digest(self, steps: int, digest: int) -> int:
         """Record that this rank's state after `steps` committed steps has `digest`, unless

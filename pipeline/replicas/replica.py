@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 
 from pipeline.comm.handed import Handed
-from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.errors import PipeConfigError
 from pipeline.parallel.tensor_parallel import local_tensor
 from pipeline.replicas import auth as ft_auth
 from pipeline.replicas import heal_state
@@ -72,6 +71,8 @@ class FaultTolerance:
         self.replica_id, self.num_replicas, lighthouse = read_environment()
         wait = timedelta(seconds=timeout)
         self._pipe = pipe
+        self._wait = wait
+        self.holding_said = False  # the warning that this group holds at its total was given
         self._optimizer: torch.optim.Optimizer | None = None
         self._quorum_started = False
         self._stepped = False  # pipe.step ran since the last commit
@@ -381,26 +382,15 @@ class FaultTolerance:
         return ok
 
     def training_steps(self, total: int, deadline: float) -> Iterator[int]:
-        """The step to train next, its quorum (and a heal) done first, until `total` steps
-        are committed and the last one held every replica; `deadline` seconds after reaching
-        `total` without such a step, PipelineError."""
-        reached: float | None = None
-        while True:
-            everyone = self.last_committed and len(self.participants) == self.num_replicas
-            if self.committed_steps >= total and everyone:
-                return
-            # The quorum here, at the top of the loop: a heal lands after the loop body's own
-            # updates of the last step (a scheduler's step) and before it picks the data.
-            self._quorum()
-            step = self.committed_steps
-            if step >= total:
-                reached = time.monotonic() if reached is None else reached
-                if time.monotonic() - reached > deadline:
-                    raise PipelineError(
-                        f"replica group {self.replica_id} reached {total} committed steps, "
-                        f"but no step since held every replica (last: {self.participants}) "
-                        f"within {deadline:g}s: a group did not come back")
-            yield step
+        """The step to train next until `total` are committed, then hold (hold.py)."""
+        from pipeline.replicas.hold import training_steps
+
+        return training_steps(self, total, deadline)
+
+    def agree(self, yes: bool) -> bool:
+        """Whether every rank of this replica group says `yes` (through its manager server,
+        committing nothing)."""
+        return bool(self.manager._client.agree(self.rank, yes, self._wait))
 
     @property
     def committed_steps(self) -> int:

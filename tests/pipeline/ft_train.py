@@ -4,6 +4,7 @@ under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measu
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
                                       [--scaler] [--layout L] [--min-step-ms MS]
                                       [--deadline S] [--until PATH] [--kill-after PATH]
+                                      [--exact] [--restart-delay S]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -40,6 +41,13 @@ ready); the job goes on meanwhile, as it does until every kill ran.
 --until PATH: after STEPS, go on one step at a time until PATH exists (a test's word: a spare
 it waited for is ready); the first replica to see it fixes the step all end at, a few steps
 on (OUT/stop_at), so that every replica reads it before it gets there.
+
+--exact: the loop is `pipe.training_steps(STEPS)` alone: no step past STEPS, whether or not
+every kill ran (without it, the loop goes on a step at a time until every kill ran).
+
+--restart-delay S: a group's rank started again (it logged a start before) sleeps S seconds
+before it builds its Pipe: a restart as slow as on a loaded host, so that its peers reach STEPS
+before it is back.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -338,7 +346,12 @@ def _full(state: Any) -> Any:
 
 def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
           layout: str = "", schedule_lr: bool = False, deadline: float = 300.0,
-          until: str = "", kill_after: str = "") -> None:
+          until: str = "", kill_after: str = "", exact: bool = False,
+          restart_delay: float = 0.0) -> None:
+    replica = os.environ.get("REPLICA_GROUP_ID", "")  # unset in a spare until its Pipe is built
+    if restart_delay and os.path.exists(os.path.join(
+            out, f"start_{replica}_{os.environ['RANK']}.jsonl")):
+        time.sleep(restart_delay)
     pipe = (_mesh_pipe(layout) if layout else
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
     mlp = bool(layout)  # a mesh layout: the tests' tp MLP and its data
@@ -365,7 +378,9 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
     # picked, the end on a step every replica took), and on until a step every replica took
     # part in is committed after the last kill: a restarted group catches up (heals) before
     # the others stop, so all end at one step.
-    for step in _steps(pipe, steps, killer, deadline, until):
+    loop = (pipe.training_steps(steps, deadline=deadline) if exact
+            else _steps(pipe, steps, killer, deadline, until))
+    for step in loop:
         killer.arm(step)
         begun = time.monotonic()
         x, y = (tp_batch if mlp else batch)(pipe.replica_id, step)
@@ -482,13 +497,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, default=300.0)
     parser.add_argument("--until", default="")
     parser.add_argument("--kill-after", default="")
+    parser.add_argument("--exact", action="store_true")
+    parser.add_argument("--restart-delay", type=float, default=0.0)
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
         train_from_checkpoints(ns.out, ns.steps, kills, ns.checkpoint_every)
     else:
         train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout,
-              ns.scheduler, ns.deadline, ns.until, ns.kill_after)
+              ns.scheduler, ns.deadline, ns.until, ns.kill_after, ns.exact,
+              ns.restart_delay)
 
 
 if __name__ == "__main__":
