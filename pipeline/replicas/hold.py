@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HOLD_PAUSE_S", "Holding", "hold_round", "training_steps"]
 
-_log = logging.getLogger("pipeline.replicas.replica")
+_log = logging.getLogger(__name__)
 
 # Between two rounds of a group that holds without all its peers: a lone survivor asks the
 # lighthouse for a quorum a few times a second, not as fast as it can (a restarting group

@@ -43,7 +43,8 @@ it waited for is ready); the first replica to see it fixes the step all end at, 
 on (OUT/stop_at), so that every replica reads it before it gets there.
 
 --exact: the loop is `pipe.training_steps(STEPS)` alone: no step past STEPS, whether or not
-every kill ran (without it, the loop goes on a step at a time until every kill ran).
+every kill ran (without it, a job with kills or --until goes on past STEPS until every kill
+ran and a step held every replica).
 
 --restart-delay S: a group's rank started again (it logged a start before) sleeps S seconds
 before it builds its Pipe: a restart as slow as on a loaded host, so that its peers reach STEPS
@@ -416,15 +417,21 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
 
 def _steps(pipe: Pipe, steps: int, killer: Killer, deadline: float,
            until: str = "") -> Iterator[int]:
-    """pipe.training_steps(steps), then one step more at a time until every kill ran (and
-    with `until`, the step the replicas end at is reached)."""
-    total = steps
-    while True:
-        yield from pipe.training_steps(total, deadline=deadline)
+    """pipe.training_steps(steps); with kills to run or `until`, on past STEPS until every
+    kill ran (and the step the replicas end at is reached), ending after a step that every
+    replica took: each group sees that step alike, so all end on it."""
+    if not killer.kills and not until:
+        yield from pipe.training_steps(steps, deadline=deadline)
+        return
+    # A total never reached: the loop would hold at one (training_steps stops there until
+    # every group is back), and a survivor must go on alone while a group is lost.
+    for step in pipe.training_steps(1 << 40, deadline=deadline):
+        yield step
+        everyone = pipe.last_step_committed and len(pipe.participants) == pipe.num_replicas
         stop = _stop_at(killer.out, until, pipe.committed_steps)
-        if killer.finished() and stop is not None and pipe.committed_steps >= stop:
+        if (everyone and pipe.committed_steps >= steps and killer.finished()
+                and stop is not None and pipe.committed_steps >= stop):
             return
-        total = max(pipe.committed_steps + 1, stop or 0)
 
 
 def _stop_at(out: str, until: str, committed: int) -> int | None:

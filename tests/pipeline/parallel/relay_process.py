@@ -8,8 +8,8 @@ exists, it changes one bit in the next TLS record the server sends on each conne
 the handshake (after the client's first encrypted record: the server's whole first flight has
 passed by then), as a user in the middle rewriting answers would; each change is a line of
 CAPTURE.flips ("connection record-index"). MODE "once" changes one such record in all, on
-the first connection to carry one (a group left alone then trains until its training_steps
-deadline: docs/security.md). MODE "pass" forwards every byte as it came.
+the first connection to carry one (a group left alone then holds at its total until its
+training_steps deadline: docs/security.md). MODE "pass" forwards every byte as it came.
 """
 
 from __future__ import annotations

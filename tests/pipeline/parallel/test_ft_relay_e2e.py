@@ -35,7 +35,7 @@ STEPS = 8
 JOB_BOUND_S = 150  # the job ends by then, whatever the relay does: a hang fails here
 # How long a group that reached STEPS waits for a lost group to come back (training_steps'
 # deadline, 300 s by default): groups started by hand have no launcher to restart a lost one,
-# so a survivor of "once" trains on alone until then and ends with PipelineError.
+# so a survivor of "once" holds at STEPS until then and ends with PipelineError.
 DEADLINE_S = 20
 # From the first changed byte to every group's exit: a broken connection ends its rank at
 # once (its launcher then gives the group's others 15 s); 9 s measured on 2 loaded cores.
@@ -169,14 +169,13 @@ def test_a_relay_of_another_user_reads_nothing_and_changes_nothing(
     report: dict[str, Any] = {"codes": codes, "job_s": round(ended - started, 1)}
     if mode == "pass":
         assert codes == [0, 0], outputs
-        # Every rank ends on one step that every group held. A group that came up late
-        # heals into the history the other one trained alone meanwhile (under load, group
-        # 0 logged only its final step, 50), so the steps each rank logged may differ.
+        # Every rank ends with exactly STEPS committed steps, one history. A group that came
+        # up late heals into the steps the other one trained alone meanwhile, which holds at
+        # STEPS until it is back: the late one may log no step of its own.
+        finals = [torch.load(p)["committed_steps"] for p in sorted(tmp_path.glob("final_*"))]
+        assert finals == [STEPS] * 4, (report, finals)
         logs = _committed(tmp_path)
-        last = {key: max(steps) for key, steps in logs.items()}
-        assert len(logs) == 4 and len(set(last.values())) == 1, (report, last)
-        assert min(last.values()) >= STEPS - 1, (report, last)
-        assert all(logs[key][step] == [0, 1] for key, step in last.items()), (report, logs)
+        assert all(max(steps, default=-1) < STEPS for steps in logs.values()), (report, logs)
         return
     flips = Path(capture + ".flips").read_text().split("\n")
     assert flips[0], "the relay changed no byte"
