@@ -10,7 +10,10 @@ head's stage gets fewer: uneven layer counts); transfers of `--comm` blocks. Wit
 `--measure`, it also times steps of `Pipe` (threads, CPU) for a real model of that shape
 (Linear + GELU blocks of `--width`, a head Linear `--head` times wider), under `auto`
 synthesised from a per-layer profile and under the fixed schedule the same profile ranks
-best: median seconds of `--steps` steps after one warm-up.
+best: median seconds of `--steps` steps after one warm-up. With `--measure --sleep MS`, the
+stages are made of the model's costs in sleeps of MS milliseconds a block unit
+(benchmarks/auto_sleep.py): `auto`, timing its own first step, against every fixed schedule
+within the same memory, one step of each per round, with the simulated figures beside them.
 """
 
 from __future__ import annotations
@@ -147,7 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --measure: timed steps per cell after a warm-up (default 5)")
     parser.add_argument("--width", type=int, default=256,
                         help="with --measure: a block's hidden width (default 256)")
+    parser.add_argument("--sleep", type=float, default=None, metavar="MS",
+                        help="with --measure: stages that sleep their costs, MS milliseconds a "
+                             "block unit, instead of matmuls (e.g. 3)")
     args = parser.parse_args(argv)
+    if args.sleep is not None and (not args.measure or args.sleep <= 0):
+        parser.error(f"--sleep sets the block unit of --measure's sleep stages in milliseconds: "
+                     f"it needs --measure and a value > 0 (got {args.sleep}, measure "
+                     f"{args.measure}); e.g. --measure --sleep 3")
     print(f"head {args.head} blocks, its W {args.head_w}x its I, comm {args.comm}; memory: p "
           f"micro-batches per rank")
     print("| p | blocks | m | auto | best fixed | auto / best fixed | auto / ideal | chosen |")
@@ -161,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['fixed_makespan']:.2f} ({r['fixed']}) "
                   f"| {r['auto'] / r['fixed_makespan']:.3f} | {r['auto'] / r['ideal']:.3f} "
                   f"| {r['chosen']} |", flush=True)
-    if args.measure:
+    if args.sleep is not None:
+        _measure_sleeps(args)
+    elif args.measure:
         print(f"\nmeasured (threads, CPU), load {_load()}")
         print("| p | m | auto s | fixed s | measured auto / fixed | simulated | chosen |")
         print("|---|---|---|---|---|---|---|")
@@ -174,6 +186,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{r['auto_s'] / r['fixed_s']:.3f} | {r['sim_ratio']:.3f} | "
                       f"{r['chosen']} |", flush=True)
     return 0
+
+
+def _measure_sleeps(args: argparse.Namespace) -> None:
+    from benchmarks.auto_sleep import HEADER, measure_cell, row
+
+    print(f"\nmeasured: sleep stages over threads, {args.sleep:g} ms a block unit, comm 0 "
+          f"(handed over in memory); median of {args.steps} steps after a warm-up, one step "
+          f"of each schedule per round; load {_load()} at the start")
+    print(HEADER)
+    cpu = 0.0
+    for p in args.ranks:
+        blocks = balanced(p, 4 * p, head=args.head, head_w=args.head_w)
+        for m in args.microbatches:
+            r = measure_cell(blocks, m, head=args.head, head_w=args.head_w,
+                             unit=args.sleep / 1000, steps=args.steps)
+            cpu += r["cpu_s"]
+            print(row(r), flush=True)
+    print(f"load {_load()} at the end; this process's CPU time in the cells: {cpu:.1f} s")
 
 
 def _load() -> str:
