@@ -11,6 +11,7 @@ two schedules' measured steps meaningful where real matmuls would fight for the 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.replicas.run_queue import RunQueue, Waits
 from schedules import Costs, Op, Schedule
 from schedules.auto import search
 
@@ -117,7 +119,9 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
     """Median step seconds, over threads, of `auto` and of every fixed schedule within 1F1B's
     memory, one step of each per round (the order turned every round, so drift hits all
     alike), after a warm-up step each (auto's first step is its measurement); beside them the
-    simulated makespans (sleep units) of the costs the runtime runs (`runtime_costs`)."""
+    simulated makespans (sleep units) of the costs the runtime runs (`runtime_costs`), and
+    the seconds this process's threads waited on a CPU's run queue per step (the load's toll:
+    a sleep that ends waits there for a core)."""
     from benchmarks.auto_schedule import stage_costs
     from pipeline import Pipe
 
@@ -131,6 +135,8 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
     loss_fn = nn.MSELoss()
     pipes: dict[str, Any] = {}
     times: dict[str, list[float]] = {}
+    queued: dict[str, list[float]] = {}
+    queue = RunQueue(note=lambda _: None)  # where the kernel keeps no waits: reported as NaN
     cpu = time.process_time()
     try:
         for label in ("auto", *fixed):
@@ -139,13 +145,14 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
             pipe = pipes[label] = Pipe(model, balance, devices=["cpu"] * p, chunks=m,
                                        schedule=label, checkpoint="never")
             pipe.step(x, y, loss_fn)  # warm-up (auto: timed, and synthesised for)
-            times[label] = []
+            times[label], queued[label] = [], []
         labels = list(pipes)
         for r in range(steps):
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-                start = time.perf_counter()
+                before, start = queue.waits(os.getpid()), time.perf_counter()
                 pipes[label].step(x, y, loss_fn)
                 times[label].append(time.perf_counter() - start)
+                queued[label].append(_waited(before, queue.waits(os.getpid())))
         auto = pipes["auto"].auto
         measured_costs, chosen, schedule = auto.costs, auto.synthesis.chosen, auto.schedule
     finally:
@@ -161,8 +168,17 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
             "sim_best_fixed": sim_best, "sim_ideal": _ideal(nominal, p, m),
             "chosen": chosen, "planned": planned.chosen,
             "same_order": _rows(schedule) == _rows(planned.schedule),
+            "queued_s": {label: statistics.median(q) for label, q in queued.items()},
             "measured_costs": measured_costs, "profile": _profile(measured_costs, nominal, unit, p),
             "cpu_s": time.process_time() - cpu}
+
+
+def _waited(before: Waits | None, after: Waits | None) -> float:
+    """Seconds the threads alive at both reads waited on a run queue between them, summed."""
+    if before is None or after is None:
+        return float("nan")
+    return sum(max(t.waited - before[tid].waited, 0) for tid, t in after.items()
+               if tid in before) / 1e9
 
 
 def _profile(measured: Costs | None, nominal: Costs, unit: float, num_stages: int) -> float:
@@ -179,16 +195,19 @@ def _rows(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
 
 HEADER = ("| p | m | auto ms | best fixed ms | auto / best fixed | auto / ideal | simulated: "
           "auto / best fixed | auto / ideal | chosen (for the sleeps) | profile / sleeps | "
-          "every fixed ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "queued ms (auto, best fixed) | every fixed ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(r: dict[str, Any]) -> str:
     """One cell of the measured table (`HEADER`), from `measure_cell`'s result."""
     ms = {k: 1000 * v for k, v in r["median_s"].items()}
     planned = "" if r["same_order"] else f" (sleeps: {r['planned']})"
+    q = {k: 1000 * v for k, v in r["queued_s"].items()}
     every = ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if k != "auto")
     return (f"| {r['p']} | {r['m']} | {ms['auto']:.1f} | {ms[r['best_fixed']]:.1f} "
             f"({r['best_fixed']}) | {r['auto_s'] / r['fixed_s']:.3f} | "
             f"{r['auto_s'] / r['ideal_s']:.3f} | {r['sim_auto'] / r['sim_fixed']:.3f} "
             f"({r['sim_best_fixed']}) | {r['sim_auto'] / r['sim_ideal']:.3f} | "
-            f"{r['chosen']}{planned} | {r['profile']:.3f} | {every} |")
+            f"{r['chosen']}{planned} | {r['profile']:.3f} | {q['auto']:.1f}, "
+            f"{q[r['best_fixed']]:.1f} | {every} |")

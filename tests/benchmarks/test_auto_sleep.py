@@ -87,6 +87,7 @@ def test_the_measured_cell_runs_and_autos_profile_sees_the_sleeps() -> None:
             got, slept = r["measured_costs"].of(op, s), nominal.of(op, s) * UNIT
             assert got >= slept, (op, s, got, slept)
     assert r["profile"] >= 1.0
+    assert set(r["queued_s"]) == set(r["median_s"])
 
 
 def test_main_prints_the_measured_table(capsys: pytest.CaptureFixture[str]) -> None:
