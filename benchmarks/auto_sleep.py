@@ -12,6 +12,7 @@ two schedules' measured steps meaningful where real matmuls would fight for the 
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,9 +25,10 @@ from pipeline.replicas.run_queue import RunQueue, Waits
 from schedules import Costs, Op, Schedule
 from schedules.auto import search
 
-__all__ = ["HEADER", "SleepBlock", "measure_cell", "row", "runtime_costs", "sleep_model"]
+__all__ = ["HEADER", "REPLAY", "SleepBlock", "measure_cell", "row", "runtime_costs", "sleep_model"]
 
 _COMPUTE = (Op.F, Op.I, Op.W)
+REPLAY = "auto's order"  # the control: the order auto chose, given to a Pipe as a Schedule
 Log = Callable[[str, str], None]  # (the block's label, "F", "I" or "W"): called at each sleep
 
 
@@ -117,8 +119,10 @@ def _ideal(costs: Costs, num_ranks: int, num_microbatches: int) -> float:
 def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, head_w: float,
                  unit: float, steps: int, rows: int = 2, width: int = 8) -> dict[str, Any]:
     """Median step seconds, over threads, of `auto` and of every fixed schedule within 1F1B's
-    memory, one step of each per round (the order turned every round, so drift hits all
-    alike), after a warm-up step each (auto's first step is its measurement); beside them the
+    memory, one step of each per round (in an order shuffled every round, so drift hits all
+    alike), after a warm-up step each (auto's first step is its measurement). A control runs
+    the order auto chose as a given schedule (`REPLAY`): auto against its own order is the
+    noise floor of the ratios. Beside them the
     simulated makespans (sleep units) of the costs the runtime runs (`runtime_costs`), and
     the seconds this process's threads waited on a CPU's run queue per step (the load's toll:
     a sleep that ends waits there for a core)."""
@@ -139,16 +143,18 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
     queue = RunQueue(note=lambda _: None)  # where the kernel keeps no waits: reported as NaN
     cpu = time.process_time()
     try:
-        for label in ("auto", *fixed):
+        for label in ("auto", REPLAY, *fixed):
             model, balance = sleep_model(blocks, head=head, head_w=head_w, unit=unit,
                                          width=width)
+            order = pipes["auto"].auto.schedule if label == REPLAY else label
             pipe = pipes[label] = Pipe(model, balance, devices=["cpu"] * p, chunks=m,
-                                       schedule=label, checkpoint="never")
+                                       schedule=order, checkpoint="never")
             pipe.step(x, y, loss_fn)  # warm-up (auto: timed, and synthesised for)
             times[label], queued[label] = [], []
         labels = list(pipes)
         for r in range(steps):
-            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            random.Random(r).shuffle(labels)  # no schedule always follows the same one
+            for label in labels:
                 before, start = queue.waits(os.getpid()), time.perf_counter()
                 pipes[label].step(x, y, loss_fn)
                 times[label].append(time.perf_counter() - start)
@@ -195,8 +201,8 @@ def _rows(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
 
 HEADER = ("| p | m | auto ms | best fixed ms | auto / best fixed | auto / ideal | simulated: "
           "auto / best fixed | auto / ideal | chosen (for the sleeps) | profile / sleeps | "
-          "queued ms (auto, best fixed) | every fixed ms |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "auto / its order replayed | queued ms (auto, best fixed) | every fixed ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(r: dict[str, Any]) -> str:
@@ -204,10 +210,11 @@ def row(r: dict[str, Any]) -> str:
     ms = {k: 1000 * v for k, v in r["median_s"].items()}
     planned = "" if r["same_order"] else f" (sleeps: {r['planned']})"
     q = {k: 1000 * v for k, v in r["queued_s"].items()}
-    every = ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if k != "auto")
+    every = ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if k not in ("auto", REPLAY))
     return (f"| {r['p']} | {r['m']} | {ms['auto']:.1f} | {ms[r['best_fixed']]:.1f} "
             f"({r['best_fixed']}) | {r['auto_s'] / r['fixed_s']:.3f} | "
             f"{r['auto_s'] / r['ideal_s']:.3f} | {r['sim_auto'] / r['sim_fixed']:.3f} "
             f"({r['sim_best_fixed']}) | {r['sim_auto'] / r['sim_ideal']:.3f} | "
-            f"{r['chosen']}{planned} | {r['profile']:.3f} | {q['auto']:.1f}, "
+            f"{r['chosen']}{planned} | {r['profile']:.3f} | "
+            f"{r['auto_s'] / r['median_s'][REPLAY]:.3f} | {q['auto']:.1f}, "
             f"{q[r['best_fixed']]:.1f} | {every} |")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from benchmarks.auto_schedule import main, stage_costs
-from benchmarks.auto_sleep import SleepBlock, measure_cell, runtime_costs, sleep_model
+from benchmarks.auto_sleep import REPLAY, SleepBlock, measure_cell, runtime_costs, sleep_model
 from pipeline import Pipe
 from schedules import Op
 
@@ -77,7 +77,8 @@ def test_the_measured_cell_runs_and_autos_profile_sees_the_sleeps() -> None:
     blocks = [2, 1]
     r = measure_cell(blocks, 2, head=2.0, head_w=2.0, unit=UNIT, steps=2)
     # m = p: every fixed schedule holds at most p micro-batches (gpipe and zb-h2 too).
-    assert set(r["median_s"]) == {"auto", "gpipe", "1f1b", "zb-h1", "zb-h2", "zb-h1-tight"}
+    assert set(r["median_s"]) == {"auto", REPLAY, "gpipe", "1f1b", "zb-h1", "zb-h2",
+                                  "zb-h1-tight"}
     assert r["best_fixed"] in r["median_s"] and r["sim_auto"] <= r["sim_fixed"]
     # A sleep lasts at least its time: what auto measured per stage is never below it.
     nominal = runtime_costs(stage_costs(blocks, head=2.0, head_w=2.0, comm=0.25), 2)
