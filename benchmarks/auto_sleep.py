@@ -3,7 +3,8 @@
 A block combines its input x with a weight w (tanh(x * w)); x passes through a function whose
 forward sleeps F and whose backward sleeps I, w through one whose backward sleeps W. The split
 backward (pipeline/runtime/split_backward.py) reaches x's branch in the I pass and w's in the
-W pass, so the sleeps land in the actions that a schedule's I and W name. A sleep holds neither
+W pass, so the sleeps land in the actions that a schedule's I and W name (on the first stage,
+whose input needs no gradient, W runs both branches). A sleep holds neither
 the GIL nor a core: p ranks' threads overlap on a machine with fewer cores, and a step takes the
 schedule's makespan in sleep units plus the runtime's host time. That makes the ratio between
 two schedules' measured steps meaningful where real matmuls would fight for the cores.
