@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PROC", "RunQueue", "Thread", "Waits", "Window", "stderr_note"]
+from pipeline.schedstat import PROC, not_kept, parse
 
-PROC = Path("/proc")
+__all__ = ["PROC", "RunQueue", "Thread", "Waits", "Window", "stderr_note"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class RunQueue:
         out: Waits = {}
         for tid in tids:
             try:
-                fields = (task / str(tid) / "schedstat").read_text().split()
+                counters = parse((task / str(tid) / "schedstat").read_text())
                 stat = (task / str(tid) / "stat").read_text()
             except FileNotFoundError:
                 if (task / str(tid)).is_dir() and not (task / str(tid) / "schedstat").exists():
@@ -76,18 +76,17 @@ class RunQueue:
                 continue  # the thread ended between the listing and the read
             except OSError:
                 continue
-            if len(fields) < 2 or not (fields[0].isdigit() and fields[1].isdigit()):
+            if counters is None:
                 self._not_kept(task / str(tid) / "schedstat")
                 return None
             # The state follows the command's name, which is in parentheses and may hold any.
             state = stat[stat.rfind(")") + 1:].split()[:1]
-            out[tid] = Thread(int(fields[0]), int(fields[1]), state == ["R"])
+            out[tid] = Thread(counters[0], counters[1], state == ["R"])
         return out
 
     def _not_kept(self, path: Path) -> None:
         self.kept = False
-        self.note(f"this kernel keeps no run-queue waits ({path} is missing or not "
-                  f"'<run ns> <wait ns> <slices>': CONFIG_SCHED_INFO): a rank held off the "
+        self.note(f"{not_kept(path)}: a rank held off the "
                   f"CPU for the heartbeat timeout is taken for stalled as a stopped one is; "
                   f"on a loaded host raise --heartbeat-timeout")
 
