@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import statistics
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.comm.failures import PeerFailure, PeerTimeout, PipelineAborted
 from pipeline.errors import PipeConfigError, PipelineError, PipeTypeError
-from schedules import Costs, Event, Op, Schedule
+from pipeline.schedstat import ThreadWait
+from schedules import Action, Costs, Event, Op, Schedule
 from schedules.auto import Synthesis, search
 
 if TYPE_CHECKING:
@@ -65,14 +66,19 @@ def check_memory(auto_memory: object, schedule: object, num_ranks: int | None = 
     return auto_memory if isinstance(auto_memory, int) else list(values)
 
 
-def stage_costs(events: Iterable[Event], stages: Iterable[int]
+def stage_costs(events: Iterable[Event], stages: Iterable[int],
+                waited: Mapping[tuple[int, Action], float] | None = None
                 ) -> dict[int, tuple[float, float, float]]:
     """Per stage of `stages`: the medians over micro-batches of its F, I and W seconds in
-    `events` (a measured timeline's); a whole backward B counts half as I and half as W."""
+    `events` (a measured timeline's); a whole backward B counts half as I and half as W.
+    `waited`: per (rank, action), the seconds its thread waited on a CPU's run queue in its
+    span, taken off its wall time (never below the floor)."""
+    waited = waited or {}
     seen: dict[tuple[int, Op], list[float]] = {}
     for e in events:
         if e.action.op in (Op.F, Op.B, Op.I, Op.W):
-            seen.setdefault((e.action.stage, e.action.op), []).append(e.end - e.start)
+            busy = e.end - e.start - waited.get((e.rank, e.action), 0.0)
+            seen.setdefault((e.action.stage, e.action.op), []).append(max(busy, _FLOOR))
     out = {}
     for s in stages:
         if (s, Op.F) not in seen:
@@ -95,6 +101,7 @@ class AutoSchedule:
     per-stage `schedules.Costs` (seconds) it was synthesised for, None before. `synthesis`: the
     search's report (`chosen` candidate, simulated `makespan`, `best_fixed`). `memory_limit`:
     the micro-batches each rank may hold, per rank. `measures`: whether the first step is timed.
+    `thread_wait`: what reads a thread's run-queue wait in the timed step (a test's fake).
     """
 
     def __init__(self, pipe: Pipe, chunks: int, memory: int | Sequence[int] | None) -> None:
@@ -108,6 +115,7 @@ class AutoSchedule:
         self.measures = pipe._ft is None and (mesh is None or (mesh.dp_size, mesh.tp_size)
                                               == (1, 1))
         self.costs: Costs | None = None
+        self.thread_wait: Callable[[], int | None] = ThreadWait()
         self.synthesis: Synthesis | None = None
         # Weakly: the Pipe holds this, and must still be freed (its threads stopped) as soon
         # as its last reference goes, not at the next garbage collection.
@@ -127,6 +135,11 @@ class AutoSchedule:
         self.costs, self.synthesis = costs, found
         self.schedule = self._adopt(found)
         return self.schedule
+
+    def profiling(self) -> Callable[[], int | None] | None:
+        """For the next step's inputs: the run-queue wait reader while that step is the one
+        timed, else None (no step after it pays for the reads)."""
+        return self.thread_wait if self.measures and self.costs is None else None
 
     def after_step(self) -> None:
         """After a training step: the first one's measured costs agreed and synthesised for."""
@@ -155,8 +168,11 @@ class AutoSchedule:
         stages = [s for s in range(len(pipe.balance)) if pipe._probe.rank_of(s) in ranks]
         sends = [e.end - e.start for rt in pipe._executor.runtimes for e in rt.comm
                  if e.action.op in _SENDS]
+        # Each compute action's run-queue wait, as its runtime read it (none on a GPU).
+        waited = {(rt.rank, e.action): q for rt in pipe._executor.runtimes
+                  for e, q in zip(rt.events, rt.queued, strict=False)}
         return json.dumps({"stages": {str(s): c for s, c in
-                                      stage_costs(timeline.events, stages).items()},
+                                      stage_costs(timeline.events, stages, waited).items()},
                            "comm": round(statistics.median(sends), _DIGITS) if sends else 0.0})
 
     def _adopt(self, found: Synthesis) -> Schedule:

@@ -135,7 +135,8 @@ def step_inputs(pipe: Any, program: Schedule, pairs: list[tuple[Any, Any]], loss
     return StepInputs(inputs, targets, loss_fn, weights, checkpointed, seed,
                       versions=pipe._versions if versioned else None,
                       track_memory=pipe.track_memory, caller=CallerState.capture(),
-                      scaler=scaler, syncs=syncs, rows=rows, target_rows=target_rows)
+                      scaler=scaler, syncs=syncs, rows=rows, target_rows=target_rows,
+                      thread_wait=pipe.auto.profiling() if pipe.auto is not None else None)
 
 
 def one_at_a_time(step: Callable[[Any, Any], torch.Tensor], pairs: Sequence[tuple[Any, Any]],

@@ -30,6 +30,7 @@ from pipeline.runtime.step_io import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import handlers
 from pipeline.runtime.versions import call_with
 from pipeline.runtime.weighting import zero_loss
+from pipeline.schedstat import waited_between
 from schedules import Action, Event, Op
 from schedules.lower import Message
 
@@ -96,6 +97,12 @@ class StageRuntime:
         # within one), not once per forward (a walk of every submodule).
         self._modes: dict[int, tuple[int, tuple[bool, ...]]] = {}
         self._ready = 0.0  # when the current action had its inputs
+        # schedule="auto"'s profiled step: per event of `events`, the seconds its thread waited
+        # on a CPU's run queue from `_ready` to its end (empty in other steps), read through
+        # `_wait` (the step's thread_wait; None: not read) from `_waited_at` on.
+        self.queued: list[float] = []
+        self._wait: Callable[[], int | None] | None = None
+        self._waited_at: int | None = None
         # On a GPU the host's clock sees launches: the timeline takes CUDA events' times.
         self.gpu_clock = GpuClock(device) if device.type == "cuda" else None
         # The rows tensor a forward's message carries (see _give), one per row count.
@@ -107,7 +114,7 @@ class StageRuntime:
     # -- driving ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         """Execute this rank's lowered actions for one step."""
-        self.events, self.waits, self.comm = [], [], []
+        self.events, self.waits, self.comm, self.queued = [], [], [], []
         self.peak_stashed = self.stashed_bytes = self.peak_stashed_bytes = 0
         self.released_bytes = self.activation_bytes = self.peak_activation_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox, self._rows):
@@ -118,7 +125,9 @@ class StageRuntime:
 
     def _run(self, actions: Sequence[Action], step: StepInputs, result: StepResult) -> None:
         events, comm, t0, clock = self.events, self.comm, step.t0, time.perf_counter
-        gpu, rank = self.gpu_clock, self.rank
+        gpu, rank, queued = self.gpu_clock, self.rank, self.queued
+        # On a GPU the events take the GPU's times, which no host thread's wait is part of.
+        wait = self._wait = step.thread_wait if gpu is None else None
         self._t0 = t0
         first = clock()
         if gpu is not None:
@@ -126,12 +135,16 @@ class StageRuntime:
         for action, handler, moves in self._plans.of(actions):
             self.current = action
             self._ready = clock()
+            if wait is not None and not moves:
+                self._waited_at = wait()
             if gpu is not None and not moves:  # a message's time is the host's
                 gpu.ready()
             handler(action, step, result)
             if not moves:
                 # Compute (and sync) time only: waiting for a peer's data is idle time (a
                 # bubble), so the clock starts when the handler has its inputs (see _take).
+                if wait is not None:
+                    queued.append(waited_between(self._waited_at, wait()))
                 events.append(Event(rank, action, self._ready - t0, clock() - t0))
                 if gpu is not None:
                     gpu.done(len(events) - 1)
@@ -168,6 +181,8 @@ class StageRuntime:
         waited = time.perf_counter()
         values = self.transport.wait(msg, src, self.device)
         self._ready = time.perf_counter()
+        if self._wait is not None:
+            self._waited_at = self._wait()
         if self.gpu_clock is not None:
             self.gpu_clock.ready()
         self.waits.append((msg, waited - self._t0, self._ready - self._t0))
@@ -386,3 +401,4 @@ class StageRuntime:
 def _first_layer(stage: nn.Module) -> nn.Module:
     """The layer that receives a stage's input (the stage itself if it is not a Sequential)."""
     return stage[0] if isinstance(stage, nn.Sequential) and len(stage) else stage
+

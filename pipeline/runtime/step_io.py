@@ -38,6 +38,9 @@ class StepInputs:
     # them (runtime/batches.py); None: counted at the action
     rows: Sequence[int | None] | None = None
     target_rows: Sequence[int | None] | None = None
+    # The profiled step of schedule="auto": reads the calling thread's nanoseconds waited on a
+    # CPU's run queue so far (pipeline/schedstat.py), around each compute action; None: unread
+    thread_wait: Callable[[], int | None] | None = None
 
 
 @dataclass
