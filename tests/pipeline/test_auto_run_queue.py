@@ -14,12 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.auto_sleep import sleep_model
+from benchmarks.auto_schedule import stage_costs as nominal_costs
+from benchmarks.auto_sleep import runtime_costs, sleep_model
 from pipeline import Pipe
 from pipeline.auto_schedule import stage_costs
 from pipeline.schedstat import ThreadWait
 from schedules import Action, Event, Op
+from tests.busy import busy_cores
 
+_COMPUTE = (Op.F, Op.I, Op.W)
 WAIT_NS = 4_000_000  # what the fake reader adds to the acting thread's wait at each sleep
 
 
@@ -107,3 +110,41 @@ def test_thread_wait_reads_the_calling_threads_schedstat_and_notes_once_where_no
     assert read() is None and read() is None
     assert len(notes) == 1 and "schedstat" in notes[0] and "CONFIG_SCHED_INFO" in notes[0]
     assert "wall time" in notes[0]
+
+
+def test_on_one_cpu_shared_with_spinners_auto_measures_the_sleeps_not_the_waits() -> None:
+    """The Pipe's threads pinned to one CPU beside three spinning processes pinned there: every
+    sleep's end and every bit of host work waits on that CPU's run queue, so the wall times of
+    the sleep-cost stages are far above their sleeps, while auto's costs (the waits taken off)
+    stay near them (above by the runtime's own host time only)."""
+    if not Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat").exists():
+        pytest.skip("this kernel keeps no run-queue waits (no /proc/<pid>/task/<tid>/schedstat)")
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no os.sched_setaffinity here: the test cannot share one CPU")
+    unit, blocks = 0.004, [2, 1]
+    sleeps = runtime_costs(nominal_costs(blocks, head=1.0, head_w=1.0, comm=0.0), 2)
+    mask = os.sched_getaffinity(0)
+    cpu = min(mask)
+    with busy_cores(3) as spinners:
+        for spinner in spinners:
+            os.sched_setaffinity(spinner.pid, {cpu})
+        # This thread's affinity only; the Pipe's threads, made below, inherit it.
+        os.sched_setaffinity(0, {cpu})
+        try:
+            model, balance = sleep_model(blocks, head=1.0, head_w=1.0, unit=unit)
+            pipe = Pipe(model, balance, devices=["cpu"] * 2, chunks=4, schedule="auto",
+                        checkpoint="never")
+            try:
+                pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss())
+                wall = stage_costs(pipe.last_timeline().events, [0, 1])
+                assert pipe.auto is not None and pipe.auto.costs is not None
+                costs = pipe.auto.costs
+            finally:
+                pipe.close()
+        finally:
+            os.sched_setaffinity(0, mask)
+    for s in (0, 1):
+        slept = sum(sleeps.of(op, s) * unit for op in _COMPUTE)
+        measured = sum(costs.of(op, s) for op in _COMPUTE)
+        assert slept * 0.95 < measured < slept * 1.35, (s, measured, slept)
+        assert sum(wall[s]) > slept * 1.5, (s, wall[s], slept)  # what main measured
