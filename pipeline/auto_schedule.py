@@ -4,9 +4,15 @@ order synthesised for what it measured.
 By name, `auto` is synthesised at equal unit costs (zb-h1 under 1F1B's memory), which is what
 every rank can build before anything has run. The first training step runs that order (exact,
 as every schedule is) while the runtime times each action's compute, from when it has its
-inputs to when it ends (the timeline `Pipe.last_timeline()` shows). Per stage, the medians
-over micro-batches of its F, I and W, and the median host time of a SEND as the transfer, are
-the costs `schedules.auto.search` synthesises for; every later step runs that schedule.
+inputs to when it ends (the timeline `Pipe.last_timeline()` shows), less the time the thread
+that ran it waited on a CPU's run queue in that span (pipeline/schedstat.py: the kernel's
+per-thread count, read before and after each compute action of that step only; where the
+kernel keeps none, the wall time, with one note). Waits of other threads are not read: the
+intra-op workers (OpenMP) of a CPU op that fans out wait on run queues too, and their waits
+stay in the time as far as the acting thread waits for them; on a GPU the times are the CUDA
+events', taken as they are. Per stage, the medians over micro-batches of its F, I and W, and
+the median host time of a SEND as the transfer, are the costs `schedules.auto.search`
+synthesises for; every later step runs that schedule.
 
 Every rank must run the same order. In one process one timeline holds every rank's actions.
 Over processes each rank times only its own stage: the ranks exchange their measurements

@@ -57,13 +57,12 @@ class ThreadWait:
                  note: Callable[[str], None] = _stderr_note) -> None:
         self.proc, self.note = Path(proc), note
         self.kept = True  # False once the calling thread's schedstat was missing or malformed
-        self._pid = os.getpid()
 
     def __call__(self) -> int | None:
         if not self.kept:
             return None
         # By pid and thread id, not /proc/thread-self: the same layout a test lays out.
-        path = self.proc / str(self._pid) / "task" / str(threading.get_native_id()) / "schedstat"
+        path = self.proc / str(os.getpid()) / "task" / str(threading.get_native_id()) / "schedstat"
         try:
             counters = parse(path.read_text())
         except OSError:
