@@ -401,4 +401,3 @@ class StageRuntime:
 def _first_layer(stage: nn.Module) -> nn.Module:
     """The layer that receives a stage's input (the stage itself if it is not a Sequential)."""
     return stage[0] if isinstance(stage, nn.Sequential) and len(stage) else stage
-
