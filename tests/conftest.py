@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import workers
 from tests.busy import busy_cores
 from tests.limits import DIST_TEST_TIMEOUT
 from tests.other_user import shared_dir  # noqa: F401  (a fixture: a directory two users share)
@@ -41,12 +42,41 @@ def busy() -> Iterator[None]:
         yield
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Tests that spawn processes get a hang guard above spawn's own (see tests/limits.py);
     # pyproject's 120 s stays the limit of everything else.
     for item in items:
         if item.get_closest_marker("dist") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(DIST_TEST_TIMEOUT))
+    workers.group_shared(config, items)  # on the suite's workers (tests/workers.py)
+
+
+# The suite on pytest-xdist's workers (`make unit`): tests that share a module's fixture on
+# one worker, and `alone` tests with none beside them (tests/workers.py).
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: object) -> None:
+    workers.configure_node(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    return workers.Grouped(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    workers.remove_run_directory(config)
+
+
+# tryfirst: outside pytest-timeout's timer, so that a test waiting for its turn (an `alone`
+# test for the others to end, or the others for it) is not timed meanwhile.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if not workers.on_worker(item.config):
+        yield
+        return
+    with workers.turn(workers.worker_directory(item.config),
+                      alone=item.get_closest_marker(workers.ALONE) is not None):
+        yield
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -109,8 +109,8 @@ def _python_blocks() -> list[Block]:
     return [b for b in _all_blocks() if b.lang == "python"]
 
 
-def script_of(block: Block) -> str:
-    """The block's code, after the blocks it continues (markers `continue`)."""
+def _chain(block: Block) -> list[Block]:
+    """The blocks `block` continues (markers `continue`), first to last, and `block`."""
     on_page = [b for b in _python_blocks() if b.page == block.page]
     index = next(i for i, b in enumerate(on_page) if b.line == block.line)
     start = index
@@ -118,7 +118,12 @@ def script_of(block: Block) -> str:
         if start == 0:
             raise AssertionError(f"{block.name}: `continue` on a page's first Python block")
         start -= 1
-    return "".join(f"# {b.name}\n{b.code}" for b in on_page[start:index + 1])
+    return on_page[start:index + 1]
+
+
+def script_of(block: Block) -> str:
+    """The block's code, after the blocks it continues (markers `continue`)."""
+    return "".join(f"# {b.name}\n{b.code}" for b in _chain(block))
 
 
 def _param(block: Block) -> Any:
@@ -129,6 +134,10 @@ def _param(block: Block) -> Any:
         marks.append(pytest.mark.dist)
     if "launch" in block.markers:  # a hang guard for every launch, beside busy processes
         marks.append(pytest.mark.timeout(SPAWN_TIMEOUT * exit_repeat() + 60))
+    if "continue" in block.markers or _continued(block):
+        # A chain's blocks on one of the suite's workers (tests/workers.py), in the page's
+        # order: each then runs once, after the one before it, not the chain again.
+        marks.append(pytest.mark.xdist_group(_chain(block)[0].name))
     return pytest.param(block, id=block.name, marks=marks)
 
 

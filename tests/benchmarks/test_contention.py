@@ -331,6 +331,9 @@ def _ping_pong(seconds: float) -> int:
     return hops[0]
 
 
+# `alone`: on the suite's workers, the tests beside it would take the CPUs and it would skip
+# (tests/workers.py); with none beside it, it shows what it says on a quiet machine.
+@pytest.mark.alone
 @_PROC_STAT
 def test_a_waiting_pipeline_alone_on_a_quiet_machine_is_not_flagged() -> None:
     """Every p=2 cell of an idle quick run was flagged by the CPU share: a pipeline that waits
@@ -351,6 +354,7 @@ def test_a_waiting_pipeline_alone_on_a_quiet_machine_is_not_flagged() -> None:
     pytest.fail(f"a waiting pipeline alone was flagged in 3 tries out of 3: {flagged}")
 
 
+@pytest.mark.alone  # a quiet machine, as above
 @_PROC_STAT
 def test_children_of_a_measurement_count_as_its_own() -> None:
     """A process-backed pipeline's ranks are child processes: their CPU time is the run's,

@@ -122,6 +122,10 @@ _PINNED_SPIN = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\n"
                 "parent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n")
 
 
+# `alone`: three processes spin pinned to one CPU beside one busy process per core, more load
+# than any other test is held to; on the suite's workers no test runs beside it
+# (tests/workers.py).
+@pytest.mark.alone
 @pytest.mark.timeout(120)
 def test_a_rank_starved_of_the_cpu_past_the_timeout_is_not_stalled(
         record: tuple[Any, int], busy: None) -> None:
