@@ -39,8 +39,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check schedules pipeline viz benchmarks tests
 	$(PY) -m mypy schedules pipeline viz benchmarks
 
+# Three pytest-xdist workers on CI's two cores: most tests wait on ranks, launchers and
+# heartbeats. loadgroup: tests sharing a module's fixture, and `alone` tests, are placed by
+# tests/workers.py (docs/testing.md#on-several-workers).
 unit: $(STAMP)
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=40
 
 # CI's hypothesis profile is derandomized (a red build reproduces); this batch of the
 # transparency property draws fresh examples on every run, so CI keeps exploring too.
