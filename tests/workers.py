@@ -37,8 +37,8 @@ from typing import IO, Any
 import pytest
 from xdist.scheduler import LoadGroupScheduling
 
-__all__ = ["ALONE", "SHARED_SCOPES", "Grouped", "group_shared", "on_worker", "run_directory",
-           "turn", "worker_directory"]
+__all__ = ["ALONE", "SHARED_SCOPES", "Grouped", "configure_node", "group_shared", "on_worker",
+           "remove_run_directory", "run_directory", "turn", "worker_directory"]
 
 ALONE = "alone"  # the marker's name (registered in pyproject.toml)
 SHARED_SCOPES = ("class", "module", "package")
