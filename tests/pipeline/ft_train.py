@@ -4,7 +4,7 @@ under `python -m pipeline.launch --replicas R --nproc 2`, and by the docs' measu
     python tests/pipeline/ft_train.py OUT STEPS [--kill SPEC[,SPEC...]] [--checkpoint-every N]
                                       [--scaler] [--layout L] [--min-step-ms MS]
                                       [--deadline S] [--until PATH] [--kill-after PATH]
-                                      [--exact] [--restart-delay S]
+                                      [--exact] [--restart-delay S] [--start-together]
 
 SPEC is "replica:rank:step:point": that rank SIGKILLs itself at `point` of the first step it
 runs at or after committed step `step`. Points: forward, backward (inside the pipeline's),
@@ -49,6 +49,11 @@ ran and a step held every replica).
 --restart-delay S: a group's rank started again (it logged a start before) sleeps S seconds
 before it builds its Pipe: a restart as slow as on a loaded host, so that its peers reach STEPS
 before it is back.
+
+--start-together: at its first start, each rank waits (up to START_WAIT_S) once its Pipe is built
+until every rank of every group has built its own (OUT/built_<replica>_<rank>), so that the
+groups meet in their first quorum: on a loaded host a group that starts late was not there,
+the other trained alone to STEPS, and no kill of a step before it ran.
 
 --min-step-ms: each step lasts at least MS (the rest slept): a survivor training alone then
 leaves the CPUs to the group restarting beside it, on a small test machine.
@@ -345,10 +350,27 @@ def _full(state: Any) -> Any:
     return tree_map_only(DTensor, DTensor.full_tensor, state)
 
 
+START_WAIT_S = 300.0  # --start-together: how long a rank waits for the others to be built
+
+
+def _wait_for_every_group(out: str, replica: int, rank: int, replicas: int) -> None:
+    """--start-together: mark this rank built, and at its first start wait until every rank
+    of every group is (a restarted rank goes on at once)."""
+    if os.path.exists(os.path.join(out, f"start_{replica}_{rank}.jsonl")):
+        return
+    with open(os.path.join(out, f"built_{replica}_{rank}"), "w") as f:
+        f.write("built\n")
+    ranks = int(os.environ["WORLD_SIZE"])
+    wanted = [os.path.join(out, f"built_{g}_{r}") for g in range(replicas) for r in range(ranks)]
+    deadline = time.monotonic() + START_WAIT_S
+    while not all(map(os.path.exists, wanted)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
           layout: str = "", schedule_lr: bool = False, deadline: float = 300.0,
           until: str = "", kill_after: str = "", exact: bool = False,
-          restart_delay: float = 0.0) -> None:
+          restart_delay: float = 0.0, start_together: bool = False) -> None:
     replica = os.environ.get("REPLICA_GROUP_ID", "")  # unset in a spare until its Pipe is built
     if restart_delay and os.path.exists(os.path.join(
             out, f"start_{replica}_{os.environ['RANK']}.jsonl")):
@@ -357,6 +379,8 @@ def train(out: str, steps: int, kills: list[Kill], min_step_s: float, amp: bool,
             Pipe(build_model(), balance=[2, 2], chunks=2, fault_tolerance=True, timeout=60))
     mlp = bool(layout)  # a mesh layout: the tests' tp MLP and its data
     rank = int(os.environ["RANK"])
+    if start_together:
+        _wait_for_every_group(out, pipe.replica_id, rank, pipe.num_replicas)
     killer = Killer(out, kills, pipe.replica_id, rank, kill_after)
     heal = killer.heal_armed()
     if heal is not None:
@@ -506,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-after", default="")
     parser.add_argument("--exact", action="store_true")
     parser.add_argument("--restart-delay", type=float, default=0.0)
+    parser.add_argument("--start-together", action="store_true")
     ns = parser.parse_args(argv)
     kills = parse_kills(ns.kill)
     if ns.checkpoint_every:
@@ -513,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         train(ns.out, ns.steps, kills, ns.min_step_ms / 1000, ns.scaler, ns.layout,
               ns.scheduler, ns.deadline, ns.until, ns.kill_after, ns.exact,
-              ns.restart_delay)
+              ns.restart_delay, ns.start_together)
 
 
 if __name__ == "__main__":

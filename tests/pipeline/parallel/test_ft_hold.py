@@ -227,7 +227,8 @@ def test_a_survivor_holds_at_total_until_the_restarted_group_is_back(tmp_path: P
     nothing. Every rank ends with exactly 12 committed steps, every group equal to the replay
     of the logged quorums, exit 0."""
     done = _launch_with_defaults(tmp_path, str(TOTAL), "--exact", "--kill", "1:1:2:backward",
-                                 "--restart-delay", "10", "--min-step-ms", "20")
+                                 "--restart-delay", "10", "--min-step-ms", "20",
+                                 "--start-together")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "replica group 1 lost rank 1 (killed by SIGKILL)" in done.stderr, done.stderr[-4000:]
     logged = _steps_logged(tmp_path)
@@ -256,7 +257,7 @@ def test_a_survivor_whose_peer_does_not_come_back_holds_then_names_its_deadline(
     the deadline; the launcher then has no live group holding the history, and exits 1."""
     done = _launch_with_defaults(tmp_path, str(TOTAL), "--exact", "--kill", "1:1:2:backward",
                                  "--restart-delay", "120", "--deadline", "8",
-                                 "--min-step-ms", "20")
+                                 "--min-step-ms", "20", "--start-together")
     assert done.returncode == 1, done.stderr[-4000:]
     assert (f"replica group 0 reached {TOTAL} committed steps and held there" in done.stderr
             and "within 8s" in done.stderr), done.stderr[-4000:]
