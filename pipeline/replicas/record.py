@@ -225,15 +225,20 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
     rank it did not start, a coordinator that answers no beat for `liveness` seconds, is gone
     (killed or crashed): nothing is left to form a quorum or keep the record, so the rank ends
     (LAUNCHER_LOST_EXIT) saying so, where it waited in a quorum until its timeout and died of
-    a bare connection error."""
+    a bare connection error. A coordinator that still takes the rank's connections but
+    answers nothing is slow (`_shows`): the rank waits for it up to its own `timeout`."""
     key = beat_key(os.getpid())
     stop = threading.Event()
     period = liveness / _BEATS_PER_TIMEOUT
     # The coordinator is taken for gone after the liveness timeout, but never less than the
     # launcher's floor for a rank's (a slow answer on a loaded host is not a lost launcher).
     lost_after = max(liveness, _LOST_FLOOR_S)
+    # A coordinator seen slow is waited for as long as any call of this rank waits for it:
+    # ended sooner, a live rank of a live job would end; never, a stopped one holds it forever.
+    slow_after = max(lost_after, timeout)
 
     answered = [time.monotonic()]  # when the coordinator last answered a beat (either side)
+    held = [False]  # whether it took a connection and answered nothing since it last answered
     # Where the launcher started this rank, it is the rank's parent: gone once the parent is
     # another (this rank was handed to a reaper), alive, if slow, while it is the same. Its
     # silence alone ended live ranks on a loaded host where the launcher was held off the CPU.
@@ -255,15 +260,22 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
             try:
                 beats = connect(port, min(timeout, lost_after)) if beats is None else beats
                 beats.add(key, 1)
-                answered[0] = time.monotonic()
+                answered[0], held[0] = time.monotonic(), False
             except Exception as exc:
                 beats, why = None, f"{type(exc).__name__}: {exc}"
                 silent = time.monotonic() - answered[0]
                 if (what := gone()) is not None:
                     _launcher_lost(port, who, f"{what}; {why}", last_state)
-                if parent is None and silent >= lost_after:
-                    _launcher_lost(port, who, f"has answered no beat for {silent:.1f}s ({why})",
-                                   last_state)
+                shows = _shows(exc)
+                held[0] = held[0] or shows == _SLOW
+                slow = _slow(shows, held[0])
+                if parent is None and silent >= (slow_after if slow else lost_after):
+                    _launcher_lost(
+                        port, who,
+                        (f"takes this rank's connections but has answered nothing for "
+                         f"{silent:.1f}s, this rank's timeout ({why})" if slow else
+                         f"has answered no beat for {silent:.1f}s ({why})"),
+                        last_state, _HELD if slow else _GONE_SAYS)
             stop.wait(period)
 
     thread = threading.Thread(target=beat, name="pipeline-ft-beat", daemon=True)
@@ -287,6 +299,8 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
         except Exception as exc:  # a rank whose main thread met the lost coordinator first
             if parent is not None and gone() is None:
                 return  # the launcher lives, held up: it sees this rank's exit all the same
+            if parent is None and _slow(_shows(exc), held[0]):
+                return  # the coordinator lives, held up: nothing of this rank is lost
             ago = time.monotonic() - answered[0]
             _launcher_lost(port, who, f"did not answer as this rank exited "
                                       f"({type(exc).__name__}: {exc}; it last answered a beat "
@@ -294,6 +308,38 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
 
     atexit.register(exiting)
     thread.start()
+
+
+# What a failed beat shows of the coordinator (`_shows`).
+_GONE = "gone"  # refused or reset: its listening socket is closed, its process gone
+_SLOW = "slow"  # its host took a fresh connection, its process answered nothing
+_UNDECIDED = "undecided"  # a kept connection went silent: the next beat connects anew
+_UNREACHABLE = "unreachable"  # no connection: its host gone, or its accept queue full
+_GONE_SAYS = "it is gone, and with it the quorums and the job's record"
+_HELD = ("it is stopped, or held off the CPU for longer than any call of this rank waits: "
+         "the job cannot go on with it")
+
+
+def _shows(exc: BaseException) -> str:
+    """What a beat's failure `exc` shows of the coordinator, by the exception's type: a
+    process that is killed has its sockets closed by the kernel (connections refused, a kept
+    one reset or closed), one held off the CPU still has its kernel complete connections
+    (its accept queue) but answers nothing, a host gone answers no connection."""
+    from pipeline.replicas.wire import WireSilent
+
+    if isinstance(exc, WireSilent):
+        return _SLOW if exc.fresh else _UNDECIDED
+    if isinstance(exc, ConnectionError):  # refused, reset, aborted, a broken pipe, closed
+        return _GONE
+    return _UNREACHABLE
+
+
+def _slow(shows: str, held: bool) -> bool:
+    """Whether a beat's failure that `shows` this leaves the coordinator slow, not gone
+    (`held`: it was seen slow since it last answered). A full accept queue of a stopped
+    coordinator drops connections as a host gone does: once it was seen slow, only a refusal
+    says it is gone."""
+    return shows in (_SLOW, _UNDECIDED) or (held and shows == _UNREACHABLE)
 
 
 def _launcher_parent() -> int | None:
@@ -306,10 +352,12 @@ def _launcher_parent() -> int | None:
 LAUNCHER_LOST_EXIT = 75  # sysexits' EX_TEMPFAIL: the job may be started again from its save
 
 
-def _launcher_lost(port: int, who: str, what: str, last_state: Any) -> None:
-    """End this rank: the job's coordinator is gone (`what` says how it was seen gone). Says
-    whose it was and where the last committed state is; exits at once (the main thread may be
-    waiting in a quorum that nobody will form)."""
+def _launcher_lost(port: int, who: str, what: str, last_state: Any,
+                   says: str = _GONE_SAYS) -> None:
+    """End this rank: the job's coordinator is gone, or held past this rank's timeout (`what`
+    says how it was seen, `says` what that means). Says whose it was and where the last
+    committed state is; exits at once (the main thread may be waiting in a quorum that nobody
+    will form)."""
     host = "127.0.0.1"
     with contextlib.suppress(Exception):
         from pipeline.replicas.coordinator import lighthouse_hostport
@@ -321,8 +369,7 @@ def _launcher_lost(port: int, who: str, what: str, last_state: Any) -> None:
     with contextlib.suppress(Exception):
         state = str(last_state()) if last_state is not None else state
     print(f"pipeline: {who}: the job's coordinator at {host}:{port}, kept by {owner}, "
-          f"{what}: it is gone, and with it the quorums and the job's record; this rank "
-          f"exits ({LAUNCHER_LOST_EXIT}). {state}",
+          f"{what}: {says}; this rank exits ({LAUNCHER_LOST_EXIT}). {state}",
           file=sys.stderr, flush=True)
     os._exit(LAUNCHER_LOST_EXIT)
 

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 
 from pipeline.errors import PipeConfigError, PipelineError
 
-__all__ = ["CERT_ENV", "JobTLS", "NotTheJob", "job_cert_env", "job_tls", "make_job_cert"]
+__all__ = ["CERT_ENV", "HandshakeTimedOut", "JobTLS", "NotTheJob", "job_cert_env", "job_tls",
+           "make_job_cert"]
 
 CERT_ENV = "PIPELINE_FT_CERT"
 _VALID_DAYS = 3650  # the key is the job's, not a name's: its life is the job's
@@ -38,6 +39,12 @@ _SKEW = datetime.timedelta(days=1)  # hosts whose clocks differ still accept it
 class NotTheJob(PipelineError):
     """The other end did not complete the job's TLS handshake (not the job's certificate, or
     another protocol)."""
+
+
+class HandshakeTimedOut(NotTheJob, TimeoutError):
+    """The other end took the connection (its host's kernel did) but completed no handshake
+    in time: a process stopped or held off the CPU, or one that speaks no TLS. A client tells
+    it from a refusal: the other end's process still holds its listening socket."""
 
 
 def make_job_cert() -> str:
@@ -133,6 +140,9 @@ class JobTLS:
                 tls.close()
             if isinstance(exc, NotTheJob):
                 raise
+            if isinstance(exc, TimeoutError):
+                raise HandshakeTimedOut(f"no TLS handshake under the job's certificate within "
+                                        f"{timeout:g}s ({exc})") from None
             reason = getattr(exc, "reason", None) or exc
             raise NotTheJob(f"no TLS handshake under the job's certificate ({reason})") from None
         return tls

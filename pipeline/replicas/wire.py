@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import PipeConfigError, PipelineError
-from pipeline.replicas.tls import CERT_ENV, JobTLS, NotTheJob, job_tls
+from pipeline.replicas.tls import CERT_ENV, HandshakeTimedOut, JobTLS, NotTheJob, job_tls
 
 __all__ = ["HANDSHAKE_S", "MAX_CONNECTIONS", "MAX_FRAME", "BadRequest", "Client", "RemoteError",
-           "Server", "WireBroken", "WireRefused", "expect"]
+           "Server", "WireBroken", "WireRefused", "WireSilent", "expect"]
 
 _log = logging.getLogger(__name__)
 
@@ -48,6 +48,18 @@ class WireRefused(NotTheJob):
 
 class WireBroken(PipelineError, ConnectionError):
     """A connection under TLS broke mid-exchange: closed, or its bytes altered in transit."""
+
+
+class WireSilent(PipelineError, TimeoutError):
+    """The other end holds the connection but answered nothing in time: its process is stopped
+    or held off the CPU (or, on a connection kept from before, its host is gone). `fresh`:
+    the connection was made for this request, so the other end's host took it just now and
+    its process still holds its listening socket (a process that is gone has it closed: the
+    connection is refused)."""
+
+    def __init__(self, message: str, *, fresh: bool) -> None:
+        super().__init__(message)
+        self.fresh = fresh
 
 
 class RemoteError(PipelineError):
@@ -235,6 +247,12 @@ class Client:
                     f"the connection to {self.host}:{self.port} broke mid-request ({exc}): "
                     f"closed, or its bytes altered on the way; the request may not have "
                     f"been served") from None
+            except TimeoutError:
+                sock.close()
+                raise WireSilent(
+                    f"{self.host}:{self.port} took the request but answered nothing within "
+                    f"{timeout:g}s (its process stopped or held off the CPU"
+                    f"{'' if fresh else ', or its host gone'})", fresh=fresh) from None
             except BaseException:
                 sock.close()
                 raise
@@ -257,6 +275,10 @@ class Client:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             return self._tls.client(sock, max(0.001, until - time.monotonic()))
+        except HandshakeTimedOut as exc:  # not a refusal: its process holds the socket
+            raise WireSilent(f"{self.host}:{self.port} took the connection but said nothing: "
+                             f"{exc}: its process stopped or held off the CPU",
+                             fresh=True) from None
         except NotTheJob as exc:
             raise self._refused(str(exc)) from None
 
