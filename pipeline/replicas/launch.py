@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import PipeConfigError
+from pipeline.replicas.beats import LAUNCHER_ENV, LIVENESS_ENV
 from pipeline.replicas.coordinator import address, serve_coordinator
 from pipeline.replicas.environment import (
     LIGHTHOUSE_ENV,
@@ -44,8 +45,6 @@ from pipeline.replicas.environment import (
 )
 from pipeline.replicas.history_watch import Progress, Stuck, compare_ends, history_lost
 from pipeline.replicas.record import (
-    LAUNCHER_ENV,
-    LIVENESS_ENV,
     RECORD_ENV,
     REPLICAS_KEY,
     Liveness,

@@ -30,42 +30,26 @@ a live rank waits in a quorum for up to a minute for a group that is starting.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
-import sys
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from pipeline import settings
 from pipeline.errors import PipeConfigError, PipelineError
+from pipeline.replicas.beats import EXITING, beat_key, start_beating
 from pipeline.replicas.environment import NUM_REPLICAS_ENV as _NUM_REPLICAS_ENV
 from pipeline.replicas.run_queue import PROC, RunQueue, Window, stderr_note
 
-__all__ = ["EXITING", "LAUNCHER_ENV", "LAUNCHER_LOST_EXIT", "LIVENESS_ENV", "PARTIAL",
-           "RECORD_ENV", "REPLICAS_KEY", "STARVED_LIMIT_S", "JobRecord", "Liveness", "NotLatest",
-           "Stall", "beat_key", "connect", "group_key", "hold_key", "read_record", "serve",
-           "start_beating"]
+__all__ = ["PARTIAL", "RECORD_ENV", "REPLICAS_KEY", "STARVED_LIMIT_S", "JobRecord", "Liveness",
+           "NotLatest", "Stall", "connect", "group_key", "hold_key", "read_record", "serve"]
 
 RECORD_ENV = "PIPELINE_FT_RECORD"  # the record's port, on the lighthouse's host
-# Seconds a rank may go without a beat before the launcher ends its group; set by the launcher
-# (unset: no beats, as under torchrun by hand).
-LIVENESS_ENV = "PIPELINE_FT_LIVENESS"
 REPLICAS_KEY = "replicas"  # the job's count of replica groups
-# The launcher's pid, in its ranks' environment: named by a rank that finds it gone.
-LAUNCHER_ENV = "PIPELINE_FT_LAUNCHER"
 # A group's lineage in read_record while its ranks disagree (a heal in part, a commit that
 # not every rank has written yet): it holds no history.
 PARTIAL = -1
-# Added to a rank's beat count as it exits: from then on it is not watched (its teardown may
-# take longer than the timeout, with its beating thread already stopped by the interpreter).
-EXITING = 1 << 40
-_BEATS_PER_TIMEOUT = 10
-_EXIT_JOIN_S = 10.0  # how long an exiting rank waits for a beat in flight
-_LOST_FLOOR_S = 5.0  # replica_launch.RANK_TIMEOUT_FLOOR_S
 # The most run-queue wait taken off a rank's silence: a rank that ran nothing for longer than
 # this past the timeout (a host loaded beyond use) is ended as stalled. Below the progress
 # timeout (600 s by default), which would end the whole job instead of restarting one group.
@@ -73,7 +57,6 @@ STARVED_LIMIT_S = 60.0
 # A rank's threads are read once it has been silent for this share of the timeout (it beats
 # ten times a timeout: a live rank is read rarely); waits before then are not taken off.
 _READ_AFTER = 0.25
-_beating: set[int] = set()  # this process's pid once its beats started (a fork beats anew)
 
 
 class Stall(NamedTuple):
@@ -96,10 +79,6 @@ def group_key(replica: int, rank: int = 0) -> str:
 def hold_key(replica: int, rank: int = 0) -> str:
     """Where a rank writes the count and lineage it holds at (its group's entry while it holds)."""
     return f"hold/{replica}/{rank}"
-
-
-def beat_key(pid: int) -> str:
-    return f"beat/{pid}"
 
 
 def read_record(store: Any, replicas: int, ranks: int = 1) -> dict[int, tuple[int, int]]:
@@ -142,7 +121,7 @@ class JobRecord:
             return None
         store = connect(int(port), timeout)
         _check_count(store, replica)
-        start_beating(timeout, f"replica group {replica} rank {rank}", last_state)
+        start_beating(int(port), timeout, f"replica group {replica} rank {rank}", last_state)
         return cls(store, replica, rank)
 
     def conflict(self, step: int, lineage_after: int) -> int | None:
@@ -180,17 +159,6 @@ class JobRecord:
         return int(self.store.get(key)) if self.store.check([key]) else None
 
 
-def start_beating(timeout: float, who: str, last_state: Any = None) -> None:
-    """Beat into the record (`_start_beats`) from now on, once per process, where the
-    launcher watches beats (LIVENESS_ENV set); `who` names this rank in a message."""
-    port = os.environ.get(RECORD_ENV)
-    liveness = settings.number(LIVENESS_ENV, default=None, low=0.001, high=86400,
-                               unit=" seconds")
-    if port and liveness is not None and os.getpid() not in _beating:
-        _beating.add(os.getpid())
-        _start_beats(int(port), liveness, timeout, who, last_state)
-
-
 def connect(port: int, timeout: float) -> Any:
     """A client of the record kept by the job's coordinator at `port` on the lighthouse's host
     (coordinator: the same server, under the job's TLS)."""
@@ -214,164 +182,6 @@ def _check_count(store: Any, replica: int) -> None:
             f"holds {held} (set by the launcher, or by the first group to join): every group "
             f"of one job needs the same {_NUM_REPLICAS_ENV}; start them all with {held} (or "
             f"all with {count})")
-
-
-def _start_beats(port: int, liveness: float, timeout: float, who: str,
-                 last_state: Any) -> None:
-    """Beat every `liveness / 10` seconds from a daemon thread (a SIGSTOP stops it with the
-    rest of the process), on a connection of its own: the rank's calls never wait behind a
-    beat. At exit the thread is stopped first, then the rank says so on its own connection:
-    its teardown is not watched. A launcher that is no longer this rank's parent, or, for a
-    rank it did not start, a coordinator that answers no beat for `liveness` seconds, is gone
-    (killed or crashed): nothing is left to form a quorum or keep the record, so the rank ends
-    (LAUNCHER_LOST_EXIT) saying so, where it waited in a quorum until its timeout and died of
-    a bare connection error. A coordinator that still takes the rank's connections but
-    answers nothing is slow (`_shows`): the rank waits for it up to its own `timeout`."""
-    key = beat_key(os.getpid())
-    stop = threading.Event()
-    period = liveness / _BEATS_PER_TIMEOUT
-    # The coordinator is taken for gone after the liveness timeout, but never less than the
-    # launcher's floor for a rank's (a slow answer on a loaded host is not a lost launcher).
-    lost_after = max(liveness, _LOST_FLOOR_S)
-    # A coordinator seen slow is waited for as long as any call of this rank waits for it:
-    # ended sooner, a live rank of a live job would end; never, a stopped one holds it forever.
-    slow_after = max(lost_after, timeout)
-
-    answered = [time.monotonic()]  # when the coordinator last answered a beat (either side)
-    held = [False]  # whether it took a connection and answered nothing since it last answered
-    # Where the launcher started this rank, it is the rank's parent: gone once the parent is
-    # another (this rank was handed to a reaper), alive, if slow, while it is the same. Its
-    # silence alone ended live ranks on a loaded host where the launcher was held off the CPU.
-    parent = _launcher_parent()
-
-    def gone() -> str | None:
-        now = os.getppid()
-        return None if parent is None or now == parent else (
-            f"exited (this rank's parent is now pid {now})")
-
-    def beat() -> None:
-        beats = None
-        why = "no answer"
-        # At exit beats stop, but not the watch while the coordinator is not answering: a
-        # rank whose exit hangs (a quorum, a process group's teardown) still ends in time.
-        while not (stop.is_set() and beats is not None):
-            if (what := gone()) is not None:
-                _launcher_lost(port, who, what, last_state)
-            try:
-                beats = connect(port, min(timeout, lost_after)) if beats is None else beats
-                beats.add(key, 1)
-                answered[0], held[0] = time.monotonic(), False
-            except Exception as exc:
-                beats, why = None, f"{type(exc).__name__}: {exc}"
-                silent = time.monotonic() - answered[0]
-                if (what := gone()) is not None:
-                    _launcher_lost(port, who, f"{what}; {why}", last_state)
-                shows = _shows(exc)
-                held[0] = held[0] or shows == _SLOW
-                slow = _slow(shows, held[0])
-                if parent is None and silent >= (slow_after if slow else lost_after):
-                    _launcher_lost(
-                        port, who,
-                        (f"takes this rank's connections but has answered nothing for "
-                         f"{silent:.1f}s, this rank's timeout ({why})" if slow else
-                         f"has answered no beat for {silent:.1f}s ({why})"),
-                        last_state, _HELD if slow else _GONE_SAYS)
-            stop.wait(period)
-
-    thread = threading.Thread(target=beat, name="pipeline-ft-beat", daemon=True)
-
-    def exiting() -> None:
-        # Joined before the interpreter finalizes: a daemon thread still inside the store's
-        # call then (which let go of the GIL) is ended by pthread_exit as it takes the GIL
-        # back, through C++ frames that may not unwind: the rank aborts ("terminate called
-        # without an active exception"), after its last commit.
-        stop.set()
-        thread.join(timeout=_EXIT_JOIN_S)
-        if (what := gone()) is not None:  # nobody to tell: say so now, not after retries
-            _launcher_lost(port, who, what, last_state)
-        try:
-            # Bounded as a beat is, not by the record's timeout: with the coordinator gone
-            # (met first by the main thread) the record's client retried connecting for all
-            # of it, 60 s, before this rank could say so.
-            last = connect(port, min(timeout, lost_after))
-            last.add(key, EXITING)
-            last.close()
-        except Exception as exc:  # a rank whose main thread met the lost coordinator first
-            if parent is not None and gone() is None:
-                return  # the launcher lives, held up: it sees this rank's exit all the same
-            if parent is None and _slow(_shows(exc), held[0]):
-                return  # the coordinator lives, held up: nothing of this rank is lost
-            ago = time.monotonic() - answered[0]
-            _launcher_lost(port, who, f"did not answer as this rank exited "
-                                      f"({type(exc).__name__}: {exc}; it last answered a beat "
-                                      f"{ago:.1f}s before)", last_state)
-
-    atexit.register(exiting)
-    thread.start()
-
-
-# What a failed beat shows of the coordinator (`_shows`).
-_GONE = "gone"  # refused or reset: its listening socket is closed, its process gone
-_SLOW = "slow"  # its host took a fresh connection, its process answered nothing
-_UNDECIDED = "undecided"  # a kept connection went silent: the next beat connects anew
-_UNREACHABLE = "unreachable"  # no connection: its host gone, or its accept queue full
-_GONE_SAYS = "it is gone, and with it the quorums and the job's record"
-_HELD = ("it is stopped, or held off the CPU for longer than any call of this rank waits: "
-         "the job cannot go on with it")
-
-
-def _shows(exc: BaseException) -> str:
-    """What a beat's failure `exc` shows of the coordinator, by the exception's type: a
-    process that is killed has its sockets closed by the kernel (connections refused, a kept
-    one reset or closed), one held off the CPU still has its kernel complete connections
-    (its accept queue) but answers nothing, a host gone answers no connection."""
-    from pipeline.replicas.wire import WireSilent
-
-    if isinstance(exc, WireSilent):
-        return _SLOW if exc.fresh else _UNDECIDED
-    if isinstance(exc, ConnectionError):  # refused, reset, aborted, a broken pipe, closed
-        return _GONE
-    return _UNREACHABLE
-
-
-def _slow(shows: str, held: bool) -> bool:
-    """Whether a beat's failure that `shows` this leaves the coordinator slow, not gone
-    (`held`: it was seen slow since it last answered). A full accept queue of a stopped
-    coordinator drops connections as a host gone does: once it was seen slow, only a refusal
-    says it is gone."""
-    return shows in (_SLOW, _UNDECIDED) or (held and shows == _UNREACHABLE)
-
-
-def _launcher_parent() -> int | None:
-    """The launcher's pid where it is this process's parent (it started this rank on this
-    host), else None (a group started by hand, or a launcher on another host)."""
-    raw = os.environ.get(LAUNCHER_ENV, "")
-    return int(raw) if raw.isdigit() and int(raw) == os.getppid() else None
-
-
-LAUNCHER_LOST_EXIT = 75  # sysexits' EX_TEMPFAIL: the job may be started again from its save
-
-
-def _launcher_lost(port: int, who: str, what: str, last_state: Any,
-                   says: str = _GONE_SAYS) -> None:
-    """End this rank: the job's coordinator is gone, or held past this rank's timeout (`what`
-    says how it was seen, `says` what that means). Says whose it was and where the last
-    committed state is; exits at once (the main thread may be waiting in a quorum that nobody
-    will form)."""
-    host = "127.0.0.1"
-    with contextlib.suppress(Exception):
-        from pipeline.replicas.coordinator import lighthouse_hostport
-
-        host = lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE") else host
-    pid = os.environ.get(LAUNCHER_ENV)
-    owner = f"the launcher (pid {pid})" if pid else "`python -m pipeline.replica_launch --record`"
-    state = "unknown"
-    with contextlib.suppress(Exception):
-        state = str(last_state()) if last_state is not None else state
-    print(f"pipeline: {who}: the job's coordinator at {host}:{port}, kept by {owner}, "
-          f"{what}: {says}; this rank exits ({LAUNCHER_LOST_EXIT}). {state}",
-          file=sys.stderr, flush=True)
-    os._exit(LAUNCHER_LOST_EXIT)
 
 
 class Liveness:

@@ -28,15 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import PipeConfigError
+from pipeline.replicas.beats import start_beating
 from pipeline.replicas.environment import REPLICA_ID_ENV
-from pipeline.replicas.record import (
-    PARTIAL,
-    RECORD_ENV,
-    Liveness,
-    connect,
-    read_record,
-    start_beating,
-)
+from pipeline.replicas.record import PARTIAL, RECORD_ENV, Liveness, connect, read_record
 
 __all__ = ["ENDED", "REFILL_AFTER_S", "SPARE_ENV", "Spare", "Spares", "await_replica_id",
            "ready_key", "reap_ranks", "spare_key", "stop_ranks"]
@@ -74,7 +68,7 @@ def await_replica_id(timeout: float, rank: int) -> None:
             f"sets them; got {SPARE_ENV}={raw!r}, {RECORD_ENV}={port!r}: start spares with "
             f"the launcher, or unset {SPARE_ENV}")
     number = int(raw)
-    start_beating(timeout, f"spare group {number} rank {rank}")
+    start_beating(int(port), timeout, f"spare group {number} rank {rank}")
     record = connect(int(port), timeout)
     record.add(ready_key(number), 1)
     value = None

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
+from pipeline.replicas import beats as ft_beats
 from pipeline.replicas import record as ft_record
 from pipeline.replicas import tls as ft_tls
 from pipeline.replicas.coordinator import StoreClient
@@ -54,8 +55,8 @@ def coordinator() -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
 
 
 def _start_rank(env: dict[str, str], timeout: float) -> subprocess.Popen[str]:
-    rank_env = {**env, ft_record.LIVENESS_ENV: "1.0"}  # taken for gone after 5 s (the floor)
-    rank_env.pop(ft_record.LAUNCHER_ENV, None)
+    rank_env = {**env, ft_beats.LIVENESS_ENV: "1.0"}  # taken for gone after 5 s (the floor)
+    rank_env.pop(ft_beats.LAUNCHER_ENV, None)
     rank = subprocess.Popen([sys.executable, "-c", _RANK, str(timeout)], env=rank_env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -68,7 +69,7 @@ def _beats(env: dict[str, str], pid: int) -> int:
     store = StoreClient("127.0.0.1", int(env[ft_record.RECORD_ENV]), 30.0,
                         tls=ft_tls.JobTLS(JOB_PEM))
     try:
-        return int(store.add(ft_record.beat_key(pid), 0))
+        return int(store.add(ft_beats.beat_key(pid), 0))
     finally:
         store.close()
 
@@ -124,7 +125,7 @@ def test_a_coordinator_held_past_the_ranks_timeout_ends_them_saying_it_was_slow(
         _, err = rank.communicate()
     finally:
         _end(rank)
-    assert rank.returncode == ft_record.LAUNCHER_LOST_EXIT, err[-2000:]
+    assert rank.returncode == ft_beats.LAUNCHER_LOST_EXIT, err[-2000:]
     assert "takes this rank's connections but has answered nothing for" in err, err[-2000:]
     assert "stopped, or held off the CPU" in err, err[-2000:]
     assert took >= 8.0, (took, err[-2000:])
@@ -150,7 +151,7 @@ def test_a_killed_coordinator_ends_hand_started_ranks_naming_it(
     finally:
         _end(rank)
     port = env[ft_record.RECORD_ENV]
-    assert rank.returncode == ft_record.LAUNCHER_LOST_EXIT, err[-2000:]
+    assert rank.returncode == ft_beats.LAUNCHER_LOST_EXIT, err[-2000:]
     assert (f"replica group 0 rank 0: the job's coordinator at 127.0.0.1:{port}, kept by "
             f"`python -m pipeline.replica_launch --record`") in err, err[-2000:]
     assert "ConnectionRefusedError" in err and "its last save: ckpt/step_7" in err, err[-2000:]
@@ -171,11 +172,11 @@ def test_a_beat_tells_a_slow_coordinator_from_a_gone_one_by_the_wire(job_cert: A
     port = stopped.getsockname()[1]
     with pytest.raises(WireSilent, match="took the connection but said nothing") as slow:
         Client("127.0.0.1", port, connect_timeout=0.5).call({"op": "add"}, 0.5)
-    assert slow.value.fresh and ft_record._shows(slow.value) == ft_record._SLOW
+    assert slow.value.fresh and ft_beats._shows(slow.value) == ft_beats._SLOW
     stopped.close()
     with pytest.raises(ConnectionRefusedError) as refused:
         Client("127.0.0.1", port, connect_timeout=0.3).call({"op": "add"}, 0.3)
-    assert ft_record._shows(refused.value) == ft_record._GONE
+    assert ft_beats._shows(refused.value) == ft_beats._GONE
 
     server = Server(lambda request: time.sleep(float(request["sleep"])))
     try:
@@ -184,6 +185,6 @@ def test_a_beat_tells_a_slow_coordinator_from_a_gone_one_by_the_wire(job_cert: A
         with pytest.raises(WireSilent, match=r"answered nothing within 0\.3s") as silent:
             kept.call({"sleep": 1.0}, 0.3)
         assert not silent.value.fresh
-        assert ft_record._shows(silent.value) == ft_record._UNDECIDED
+        assert ft_beats._shows(silent.value) == ft_beats._UNDECIDED
     finally:
         server.close()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from pipeline import PipeConfigError
+from pipeline.replicas import beats as ft_beats
 from pipeline.replicas import record as ft_record
 from pipeline.replicas.coordinator import serve_coordinator
 from pipeline.replicas.record import JobRecord, Liveness
@@ -53,7 +54,7 @@ def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> No
     # Up until its stdin closes, then a normal exit.
     code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
             "JobRecord.from_environment(0, 30)\nsys.stdin.read()\n")
-    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "1.0"}
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_beats.LIVENESS_ENV: "1.0"}
     rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE)
     try:
         watch = Liveness(store, timeout=1.0)
@@ -70,7 +71,7 @@ def test_a_stopped_rank_stops_beating_and_is_seen(record: tuple[Any, int]) -> No
         _wait(lambda: watch.stalled([rank.pid]) is None and watch.seen[rank.pid][0] > count)
         rank.communicate(b"", timeout=60)  # a normal exit: it says so, and is watched no more
         assert rank.returncode == 0
-        assert int(store.add(ft_record.beat_key(rank.pid), 0)) >= ft_record.EXITING
+        assert int(store.add(ft_beats.beat_key(rank.pid), 0)) >= ft_beats.EXITING
     finally:
         if rank.poll() is None:
             rank.kill()
@@ -85,7 +86,7 @@ def test_a_stopped_rank_is_seen_within_the_timeout_beside_busy_processes(
     store, port = record
     code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
             "JobRecord.from_environment(0, 30)\nsys.stdin.read()\n")
-    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "2.0"}
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_beats.LIVENESS_ENV: "2.0"}
     rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE)
     try:
         watch = Liveness(store, timeout=2.0)
@@ -139,7 +140,7 @@ def test_a_rank_starved_of_the_cpu_past_the_timeout_is_not_stalled(
     store, port = record
     timeout = 1.0
     cpu = max(os.sched_getaffinity(0))
-    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: str(timeout)}
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_beats.LIVENESS_ENV: str(timeout)}
     rank = subprocess.Popen([sys.executable, "-c", _STARVED_RANK], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     spinners: list[subprocess.Popen[bytes]] = []
@@ -178,7 +179,7 @@ def test_a_rank_exits_cleanly_with_a_beat_in_flight(record: tuple[Any, int]) -> 
     _, port = record
     code = ("import time\nfrom pipeline.replicas.record import JobRecord\n"
             "JobRecord.from_environment(0, 30)\ntime.sleep(0.3)\n")
-    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_record.LIVENESS_ENV: "0.001"}
+    env = {**os.environ, ft_record.RECORD_ENV: str(port), ft_beats.LIVENESS_ENV: "0.001"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -196,7 +197,7 @@ def test_a_rank_exiting_after_the_coordinator_is_gone_ends_within_the_liveness_t
             "JobRecord.from_environment(0, 60)\nsys.stdin.read()\n")
     with serve_coordinator() as (server, _, store):
         env = {**os.environ, ft_record.RECORD_ENV: str(server.port),
-               ft_record.LIVENESS_ENV: "5.0"}
+               ft_beats.LIVENESS_ENV: "5.0"}
         rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         watch = Liveness(store, timeout=5.0)
@@ -209,20 +210,20 @@ def test_a_rank_exiting_after_the_coordinator_is_gone_ends_within_the_liveness_t
         if rank.poll() is None:
             rank.kill()
             rank.wait()
-    assert rank.returncode == ft_record.LAUNCHER_LOST_EXIT, err[-2000:]
+    assert rank.returncode == ft_beats.LAUNCHER_LOST_EXIT, err[-2000:]
     assert "did not answer as this rank exited" in err, err[-2000:]
     assert took < 20, (took, err[-2000:])  # 5 s, and slack for a loaded host
 
 
 _SLOW_LAUNCHER = r"""
 import os, subprocess, sys
-from pipeline.replicas import record
+from pipeline.replicas import beats, record
 from pipeline.replicas.coordinator import serve_coordinator
 rank_code = ("import sys\nfrom pipeline.replicas.record import JobRecord\n"
              "JobRecord.from_environment(0, 60)\nsys.stdin.read()\n")
 with serve_coordinator() as (server, _, store):
-    env = {**os.environ, record.RECORD_ENV: str(server.port), record.LIVENESS_ENV: "1.0",
-           record.LAUNCHER_ENV: str(os.getpid())}
+    env = {**os.environ, record.RECORD_ENV: str(server.port), beats.LIVENESS_ENV: "1.0",
+           beats.LAUNCHER_ENV: str(os.getpid())}
     rank = subprocess.Popen([sys.executable, "-c", rank_code], env=env, stdin=subprocess.PIPE)
     print(rank.pid, flush=True)
     sys.stdin.readline()  # the test says when to end
@@ -263,9 +264,9 @@ def test_a_launcher_held_off_the_cpu_is_not_taken_for_lost(job_cert: Any, busy: 
 def test_an_exiting_rank_is_watched_no_more(record: tuple[Any, int]) -> None:
     store, _ = record
     watch = Liveness(store, timeout=0.2)
-    store.add(ft_record.beat_key(11), 3)
+    store.add(ft_beats.beat_key(11), 3)
     assert watch.stalled([11]) is None
-    store.add(ft_record.beat_key(11), ft_record.EXITING)
+    store.add(ft_beats.beat_key(11), ft_beats.EXITING)
     time.sleep(0.3)
     assert watch.stalled([11]) is None and watch.stalled([12]) is None  # 12: not beating yet
 
@@ -275,7 +276,7 @@ def test_a_launcher_held_off_the_cpu_blames_no_rank(record: tuple[Any, int]) -> 
     the host suspended) says nothing of the ranks: each gets a fresh window."""
     store, _ = record
     watch = Liveness(store, timeout=1.0)
-    store.add(ft_record.beat_key(21), 1)
+    store.add(ft_beats.beat_key(21), 1)
     assert watch.stalled([21]) is None
     time.sleep(1.3)  # no look for longer than the timeout
     assert watch.stalled([21]) is None
@@ -291,7 +292,7 @@ def test_replica_group_counts_that_differ_are_refused_at_join(
     trained alone, exit 0)."""
     _, port = record
     monkeypatch.setenv(ft_record.RECORD_ENV, str(port))
-    monkeypatch.delenv(ft_record.LIVENESS_ENV, raising=False)
+    monkeypatch.delenv(ft_beats.LIVENESS_ENV, raising=False)
     monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
     assert JobRecord.from_environment(0, 10) is not None
     assert JobRecord.from_environment(0, 10) is not None  # a restart of the same count

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.replicas.beats import beat_key
 from pipeline.replicas.coordinator import KeyStore
-from pipeline.replicas.record import STARVED_LIMIT_S, Liveness, Stall, beat_key
+from pipeline.replicas.record import STARVED_LIMIT_S, Liveness, Stall
 from pipeline.replicas.run_queue import RunQueue, Window
 
 PID, BEAT_TID = 4242, 4250  # a rank: its main thread (tid = pid) and its beating thread
