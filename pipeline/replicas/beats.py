@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline import settings
@@ -37,25 +38,57 @@ LAUNCHER_LOST_EXIT = 75  # sysexits' EX_TEMPFAIL: the job may be started again f
 _BEATS_PER_TIMEOUT = 10
 _EXIT_JOIN_S = 10.0  # how long an exiting rank waits for a beat in flight
 _LOST_FLOOR_S = 5.0  # replica_launch.RANK_TIMEOUT_FLOOR_S
-_beating: set[int] = set()  # this process's pid once its beats started (a fork beats anew)
+
+
+@dataclass
+class _Named:
+    """This process's rank as its messages name it, and where its last committed state is
+    (`last_state`, a callable, or None): a spare that takes a lost group's id is named anew,
+    its beats going on, as "replica group g rank r (was spare group N)"."""
+
+    group: str
+    rank: int
+    last_state: Any
+    first: str  # the group it beat under first
+
+    def who(self) -> str:
+        was = "" if self.group == self.first else f" (was {self.first})"
+        return f"{self.group} rank {self.rank}{was}"
+
+    def state(self) -> str:
+        with contextlib.suppress(Exception):
+            return "unknown" if self.last_state is None else str(self.last_state())
+        return "unknown"
+
+
+# This process's rank, by its pid, once its beats started (a fork beats anew).
+_beating: dict[int, _Named] = {}
 
 
 def beat_key(pid: int) -> str:
     return f"beat/{pid}"
 
 
-def start_beating(port: int, timeout: float, who: str, last_state: Any = None) -> None:
+def start_beating(port: int, timeout: float, group: str, rank: int,
+                  last_state: Any = None) -> None:
     """Beat into the record at `port` (`_start_beats`) from now on, once per process, where
-    the launcher watches beats (LIVENESS_ENV set); `who` names this rank in a message."""
+    the launcher watches beats (LIVENESS_ENV set); a message names this rank `rank` of
+    `group` ("replica group 1", "spare group 0"), and says where its last committed state is
+    (`last_state()`). A later call names it anew: a spare's rank beats from its start, and
+    is named as the group whose id it took once it took one (`_Named`)."""
+    named = _beating.get(os.getpid())
+    if named is not None:
+        named.group, named.rank = group, rank
+        named.last_state = last_state if last_state is not None else named.last_state
+        return
     liveness = settings.number(LIVENESS_ENV, default=None, low=0.001, high=86400,
                                unit=" seconds")
-    if liveness is not None and os.getpid() not in _beating:
-        _beating.add(os.getpid())
-        _start_beats(port, liveness, timeout, who, last_state)
+    if liveness is not None:
+        _beating[os.getpid()] = named = _Named(group, rank, last_state, group)
+        _start_beats(port, liveness, timeout, named)
 
 
-def _start_beats(port: int, liveness: float, timeout: float, who: str,
-                 last_state: Any) -> None:
+def _start_beats(port: int, liveness: float, timeout: float, named: _Named) -> None:
     """Beat every `liveness / 10` seconds from a daemon thread (a SIGSTOP stops it with the
     rest of the process), on a connection of its own: the rank's calls never wait behind a
     beat. At exit the thread is stopped first, then the rank says so on its own connection:
@@ -96,7 +129,7 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
         # rank whose exit hangs (a quorum, a process group's teardown) still ends in time.
         while not (stop.is_set() and beats is not None):
             if (what := gone()) is not None:
-                _launcher_lost(port, who, what, last_state)
+                _launcher_lost(port, named, what)
             try:
                 beats = connect(port, min(timeout, lost_after)) if beats is None else beats
                 beats.add(key, 1)
@@ -105,17 +138,17 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
                 beats, why = None, f"{type(exc).__name__}: {exc}"
                 silent = time.monotonic() - answered[0]
                 if (what := gone()) is not None:
-                    _launcher_lost(port, who, f"{what}; {why}", last_state)
+                    _launcher_lost(port, named, f"{what}; {why}")
                 shows = _shows(exc)
                 held[0] = held[0] or shows == _SLOW
                 slow = _slow(shows, held[0])
                 if parent is None and silent >= (slow_after if slow else lost_after):
                     _launcher_lost(
-                        port, who,
+                        port, named,
                         (f"takes this rank's connections but has answered nothing for "
                          f"{silent:.1f}s, this rank's timeout ({why})" if slow else
                          f"has answered no beat for {silent:.1f}s ({why})"),
-                        last_state, _HELD if slow else _GONE_SAYS)
+                        _HELD if slow else _GONE_SAYS)
             stop.wait(period)
 
     thread = threading.Thread(target=beat, name="pipeline-ft-beat", daemon=True)
@@ -128,7 +161,7 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
         stop.set()
         thread.join(timeout=_EXIT_JOIN_S)
         if (what := gone()) is not None:  # nobody to tell: say so now, not after retries
-            _launcher_lost(port, who, what, last_state)
+            _launcher_lost(port, named, what)
         try:
             # Bounded as a beat is, not by the record's timeout: with the coordinator gone
             # (met first by the main thread) the record's client retried connecting for all
@@ -142,9 +175,9 @@ def _start_beats(port: int, liveness: float, timeout: float, who: str,
             if parent is None and _slow(_shows(exc), held[0]):
                 return  # the coordinator lives, held up: nothing of this rank is lost
             ago = time.monotonic() - answered[0]
-            _launcher_lost(port, who, f"did not answer as this rank exited "
+            _launcher_lost(port, named, f"did not answer as this rank exited "
                                       f"({type(exc).__name__}: {exc}; it last answered a beat "
-                                      f"{ago:.1f}s before)", last_state)
+                                      f"{ago:.1f}s before)")
 
     atexit.register(exiting)
     thread.start()
@@ -189,8 +222,7 @@ def _launcher_parent() -> int | None:
     return int(raw) if raw.isdigit() and int(raw) == os.getppid() else None
 
 
-def _launcher_lost(port: int, who: str, what: str, last_state: Any,
-                   says: str = _GONE_SAYS) -> None:
+def _launcher_lost(port: int, named: _Named, what: str, says: str = _GONE_SAYS) -> None:
     """End this rank: the job's coordinator is gone, or held past this rank's timeout (`what`
     says how it was seen, `says` what that means). Says whose it was and where the last
     committed state is; exits at once (the main thread may be waiting in a quorum that nobody
@@ -202,10 +234,7 @@ def _launcher_lost(port: int, who: str, what: str, last_state: Any,
         host = lighthouse_hostport()[0] if os.environ.get("TORCHFT_LIGHTHOUSE") else host
     pid = os.environ.get(LAUNCHER_ENV)
     owner = f"the launcher (pid {pid})" if pid else "`python -m pipeline.replica_launch --record`"
-    state = "unknown"
-    with contextlib.suppress(Exception):
-        state = str(last_state()) if last_state is not None else state
-    print(f"pipeline: {who}: the job's coordinator at {host}:{port}, kept by {owner}, "
-          f"{what}: {says}; this rank exits ({LAUNCHER_LOST_EXIT}). {state}",
+    print(f"pipeline: {named.who()}: the job's coordinator at {host}:{port}, kept by {owner}, "
+          f"{what}: {says}; this rank exits ({LAUNCHER_LOST_EXIT}). {named.state()}",
           file=sys.stderr, flush=True)
     os._exit(LAUNCHER_LOST_EXIT)

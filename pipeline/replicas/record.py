@@ -121,7 +121,7 @@ class JobRecord:
             return None
         store = connect(int(port), timeout)
         _check_count(store, replica)
-        start_beating(int(port), timeout, f"replica group {replica} rank {rank}", last_state)
+        start_beating(int(port), timeout, f"replica group {replica}", rank, last_state)
         return cls(store, replica, rank)
 
     def conflict(self, step: int, lineage_after: int) -> int | None:

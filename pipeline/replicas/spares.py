@@ -68,7 +68,7 @@ def await_replica_id(timeout: float, rank: int) -> None:
             f"sets them; got {SPARE_ENV}={raw!r}, {RECORD_ENV}={port!r}: start spares with "
             f"the launcher, or unset {SPARE_ENV}")
     number = int(raw)
-    start_beating(int(port), timeout, f"spare group {number} rank {rank}")
+    start_beating(int(port), timeout, f"spare group {number}", rank)
     record = connect(int(port), timeout)
     record.add(ready_key(number), 1)
     value = None

@@ -107,6 +107,61 @@ def test_a_rank_that_is_no_spare_does_not_wait(monkeypatch: pytest.MonkeyPatch) 
     spares.await_replica_id(5.0, 0)  # returns at once: no record is even asked
 
 
+# A spare's rank 1: it waits for an id, then builds its record as a replica group's rank does
+# (replica.FaultTolerance) and waits on, beating, until its stdin closes.
+_SPARE_RANK = """\
+import os, sys
+from pipeline.replicas.record import JobRecord
+from pipeline.replicas.spares import await_replica_id
+await_replica_id(60.0, 1)
+JobRecord.from_environment(int(os.environ["REPLICA_GROUP_ID"]), 60.0, 1,
+                           lambda: "its last save: ckpt/step_3")
+print("took", os.environ["REPLICA_GROUP_ID"], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_that_took_a_groups_id_names_itself_as_that_group(job_cert: object) -> None:
+    """A spare's rank that took replica group 2's id, its coordinator then lost: it names
+    itself "replica group 2 rank 1 (was spare group 0)" and says where its last committed
+    state is. It kept the name it beat under while it waited ("spare group 0 rank 1"), and
+    said its state was unknown, as if it were still a spare holding none."""
+    pytest.importorskip("torchft")
+    from pipeline.replicas import beats, record, spares
+    from pipeline.replicas.coordinator import serve_coordinator
+    from pipeline.replicas.environment import NUM_REPLICAS_ENV, REPLICA_ID_ENV
+
+    del job_cert
+    with serve_coordinator() as (server, _, store):
+        env = {**os.environ, spares.SPARE_ENV: "0", record.RECORD_ENV: str(server.port),
+               beats.LIVENESS_ENV: "1.0"}
+        for name in (REPLICA_ID_ENV, NUM_REPLICAS_ENV, beats.LAUNCHER_ENV):
+            env.pop(name, None)
+        rank = subprocess.Popen([sys.executable, "-c", _SPARE_RANK], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        try:
+            store.set(spares.spare_key(0), "2")  # as the launcher hands it a lost group's id
+            assert rank.stdout is not None
+            assert rank.stdout.readline() == "took 2\n", rank.communicate()[1][-2000:]
+        except BaseException:
+            rank.kill()
+            rank.communicate()
+            raise
+    try:  # the coordinator is gone: the rank says so, naming itself
+        rank.wait(timeout=60)
+        _, err = rank.communicate()
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.communicate()
+    assert rank.returncode == beats.LAUNCHER_LOST_EXIT, err[-2000:]
+    assert (f"pipeline: replica group 2 rank 1 (was spare group 0): the job's coordinator at "
+            f"127.0.0.1:{server.port}") in err, err[-2000:]
+    assert err.rstrip().endswith("its last save: ckpt/step_3"), err[-2000:]
+
+
 class Launch:
     """A launch in the background, its stderr in a file the test reads as it goes."""
 
