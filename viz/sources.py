@@ -96,6 +96,5 @@ def _generate(name: str, args: argparse.Namespace, *, lenient: bool,
         check_schedule(schedule)
     except (ScheduleError, LimitError) as exc:
         raise UsageError(str(exc)) from None
-    kept = options
-    used.update(flags[key] for key in kept)
+    used.update(flags[key] for key in options)
     return schedule

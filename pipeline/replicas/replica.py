@@ -14,7 +14,7 @@ from pipeline.comm.handed import Handed
 from pipeline.errors import PipeConfigError
 from pipeline.parallel.tensor_parallel import local_tensor
 from pipeline.replicas import auth as ft_auth
-from pipeline.replicas import heal_state
+from pipeline.replicas import heal_state, hold
 from pipeline.replicas import lineage as ft_lineage
 from pipeline.replicas.environment import (
     LOG_ENV,
@@ -383,9 +383,7 @@ class FaultTolerance:
 
     def training_steps(self, total: int, deadline: float) -> Iterator[int]:
         """The step to train next until `total` are committed, then hold (hold.py)."""
-        from pipeline.replicas.hold import training_steps
-
-        return training_steps(self, total, deadline)
+        return hold.training_steps(self, total, deadline)
 
     def agree(self, yes: bool) -> bool:
         """Whether every rank of this replica group says `yes` (through its manager server,
