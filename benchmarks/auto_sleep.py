@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,9 +25,11 @@ from torch import nn
 
 from pipeline.replicas.run_queue import RunQueue, Waits
 from schedules import Costs, Op, Schedule
-from schedules.auto import search
+from schedules.auto import Synthesis, search
+from schedules.simulate import makespan
 
-__all__ = ["HEADER", "REPLAY", "SleepBlock", "measure_cell", "row", "runtime_costs", "sleep_model"]
+__all__ = ["HEADER", "REPLAY", "Plan", "SleepBlock", "measure_cell", "plan", "row", "rows_of",
+           "runtime_costs", "sleep_model", "summarise", "waited"]
 
 _COMPUTE = (Op.F, Op.I, Op.W)
 REPLAY = "auto's order"  # the control: the order auto chose, given to a Pipe as a Schedule
@@ -117,6 +120,34 @@ def _ideal(costs: Costs, num_ranks: int, num_microbatches: int) -> float:
                for r in range(num_ranks))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A cell's simulation: the costs the runtime runs (`runtime_costs`, sleep units), auto's
+    synthesis for them, and the fixed schedules within 1F1B's memory, in the search's order."""
+
+    blocks: tuple[int, ...]
+    num_microbatches: int
+    nominal: Costs
+    planned: Synthesis
+    fixed: tuple[str, ...]
+
+    @property
+    def labels(self) -> list[str]:
+        """What each round times: auto, its order replayed (`REPLAY`), every fixed schedule."""
+        return ["auto", REPLAY, *self.fixed]
+
+
+def plan(blocks: Sequence[int], num_microbatches: int, *, head: float, head_w: float) -> Plan:
+    """The simulated side of a cell (the same whichever transport measures it)."""
+    from benchmarks.auto_schedule import stage_costs
+
+    p, m = len(blocks), num_microbatches
+    nominal = runtime_costs(stage_costs(blocks, head=head, head_w=head_w, comm=0.0), p)
+    planned = search(p, m, nominal, memory_limit=p)
+    fixed = tuple(name for name, _ in planned.candidates if name in planned.fixed)
+    return Plan(tuple(blocks), m, nominal, planned, fixed)
+
+
 def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, head_w: float,
                  unit: float, steps: int, rows: int = 2, width: int = 8) -> dict[str, Any]:
     """Median step seconds, over threads, of `auto` and of every fixed schedule within 1F1B's
@@ -127,14 +158,10 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
     simulated makespans (sleep units) of the costs the runtime runs (`runtime_costs`), and
     the seconds this process's threads waited on a CPU's run queue per step (the load's toll:
     a sleep that ends waits there for a core)."""
-    from benchmarks.auto_schedule import stage_costs
     from pipeline import Pipe
 
+    cell = plan(blocks, num_microbatches, head=head, head_w=head_w)
     p, m = len(blocks), num_microbatches
-    nominal = runtime_costs(stage_costs(blocks, head=head, head_w=head_w, comm=0.0), p)
-    planned = search(p, m, nominal, memory_limit=p)
-    fixed = [name for name, _ in planned.candidates if name in planned.fixed]
-    makespans = dict(planned.candidates)
     torch.manual_seed(0)
     x, y = torch.randn(rows * m, width), torch.randn(rows * m, width)
     loss_fn = nn.MSELoss()
@@ -144,7 +171,7 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
     queue = RunQueue(note=lambda _: None)  # where the kernel keeps no waits: reported as NaN
     cpu = time.process_time()
     try:
-        for label in ("auto", REPLAY, *fixed):
+        for label in cell.labels:
             model, balance = sleep_model(blocks, head=head, head_w=head_w, unit=unit,
                                          width=width)
             order = pipes["auto"].auto.schedule if label == REPLAY else label
@@ -159,28 +186,43 @@ def measure_cell(blocks: Sequence[int], num_microbatches: int, *, head: float, h
                 before, start = queue.waits(os.getpid()), time.perf_counter()
                 pipes[label].step(x, y, loss_fn)
                 times[label].append(time.perf_counter() - start)
-                queued[label].append(_waited(before, queue.waits(os.getpid())))
+                queued[label].append(waited(before, queue.waits(os.getpid())))
         auto = pipes["auto"].auto
         measured_costs, chosen, schedule = auto.costs, auto.synthesis.chosen, auto.schedule
     finally:
         for pipe in pipes.values():
             pipe.close()
+    return summarise(cell, unit, times, queued, measured_costs=measured_costs, chosen=chosen,
+                     schedule=schedule, cpu_s=time.process_time() - cpu)
+
+
+def summarise(cell: Plan, unit: float, times: dict[str, list[float]],
+              queued: dict[str, list[float]], *, measured_costs: Costs | None, chosen: str,
+              schedule: Schedule, cpu_s: float) -> dict[str, Any]:
+    """A cell's result (what `row` prints) from each label's step seconds and run-queue
+    waits per timed round, and what auto measured, chose and ran (`schedule`)."""
+    p, m, fixed = len(cell.blocks), cell.num_microbatches, cell.fixed
+    makespans = dict(cell.planned.candidates)
     median = {label: statistics.median(t) for label, t in times.items()}
     best = min(fixed, key=lambda name: (median[name], fixed.index(name)))
     sim_best = min(fixed, key=lambda name: (makespans[name], fixed.index(name)))
+    ideal = _ideal(cell.nominal, p, m)
     return {"p": p, "m": m, "unit": unit, "median_s": median, "best_fixed": best,
-            "auto_s": median["auto"], "fixed_s": median[best],
-            "ideal_s": _ideal(nominal, p, m) * unit,
-            "sim_auto": planned.makespan, "sim_fixed": makespans[sim_best],
-            "sim_best_fixed": sim_best, "sim_ideal": _ideal(nominal, p, m),
-            "chosen": chosen, "planned": planned.chosen,
-            "same_order": _rows(schedule) == _rows(planned.schedule),
+            "auto_s": median["auto"], "fixed_s": median[best], "ideal_s": ideal * unit,
+            "sim_auto": cell.planned.makespan, "sim_fixed": makespans[sim_best],
+            "sim_best_fixed": sim_best, "sim_ideal": ideal,
+            # Each label's simulated makespan (sleep units) for the sleeps: auto and its
+            # replay run the order auto chose from what it measured.
+            "sim_makespans": {label: makespans[label] if label in fixed
+                              else makespan(schedule, cell.nominal) for label in times},
+            "chosen": chosen, "planned": cell.planned.chosen,
+            "same_order": rows_of(schedule) == rows_of(cell.planned.schedule),
             "queued_s": {label: statistics.median(q) for label, q in queued.items()},
-            "measured_costs": measured_costs, "profile": _profile(measured_costs, nominal, unit, p),
-            "cpu_s": time.process_time() - cpu}
+            "measured_costs": measured_costs,
+            "profile": _profile(measured_costs, cell.nominal, unit, p), "cpu_s": cpu_s}
 
 
-def _waited(before: Waits | None, after: Waits | None) -> float:
+def waited(before: Waits | None, after: Waits | None) -> float:
     """Seconds the threads alive at both reads waited on a run queue between them, summed."""
     if before is None or after is None:
         return float("nan")
@@ -196,14 +238,16 @@ def _profile(measured: Costs | None, nominal: Costs, unit: float, num_stages: in
             / sum(unit * nominal.of(op, s) for op in _COMPUTE for s in range(num_stages)))
 
 
-def _rows(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
+def rows_of(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
+    """A schedule's compute actions per rank, as text (comparable, and sent between processes)."""
     return tuple(tuple(map(str, row)) for row in schedule.actions)
 
 
 HEADER = ("| p | m | auto ms | best fixed ms | auto / best fixed | auto / ideal | simulated: "
           "auto / best fixed | auto / ideal | chosen (for the sleeps) | profile / sleeps | "
-          "auto / its order replayed | queued ms (auto, best fixed) | every fixed ms |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "auto / its order replayed | queued ms (auto, best fixed) | every fixed ms | "
+          "measured / simulated ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(r: dict[str, Any]) -> str:
@@ -212,10 +256,13 @@ def row(r: dict[str, Any]) -> str:
     planned = "" if r["same_order"] else f" (sleeps: {r['planned']})"
     q = {k: 1000 * v for k, v in r["queued_s"].items()}
     every = ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if k not in ("auto", REPLAY))
+    # Each schedule's step over its simulated makespan: what the runtime adds to the sleeps.
+    over = ", ".join(f"{k} {r['median_s'][k] / (r['sim_makespans'][k] * r['unit']):.3f}"
+                     for k in ms if k != REPLAY)
     return (f"| {r['p']} | {r['m']} | {ms['auto']:.1f} | {ms[r['best_fixed']]:.1f} "
             f"({r['best_fixed']}) | {r['auto_s'] / r['fixed_s']:.3f} | "
             f"{r['auto_s'] / r['ideal_s']:.3f} | {r['sim_auto'] / r['sim_fixed']:.3f} "
             f"({r['sim_best_fixed']}) | {r['sim_auto'] / r['sim_ideal']:.3f} | "
             f"{r['chosen']}{planned} | {r['profile']:.3f} | "
             f"{r['auto_s'] / r['median_s'][REPLAY]:.3f} | {q['auto']:.1f}, "
-            f"{q[r['best_fixed']]:.1f} | {every} |")
+            f"{q[r['best_fixed']]:.1f} | {every} | {over} |")

@@ -88,7 +88,12 @@ def test_the_measured_cell_runs_and_autos_profile_sees_the_sleeps() -> None:
             got, slept = r["measured_costs"].of(op, s), nominal.of(op, s) * UNIT
             assert got >= slept, (op, s, got, slept)
     assert r["profile"] >= 1.0
-    assert set(r["queued_s"]) == set(r["median_s"])
+    assert set(r["queued_s"]) == set(r["median_s"]) == set(r["sim_makespans"])
+    # The table's measured / simulated column: each fixed schedule's own makespan, and auto's
+    # (and its replay's) that of the order it ran, simulated for the sleeps.
+    assert r["sim_makespans"][r["sim_best_fixed"]] == r["sim_fixed"]
+    if r["same_order"]:
+        assert r["sim_makespans"]["auto"] == r["sim_makespans"][REPLAY] == r["sim_auto"]
 
 
 def test_main_prints_the_measured_table(capsys: pytest.CaptureFixture[str]) -> None:
