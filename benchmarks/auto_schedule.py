@@ -13,7 +13,9 @@ synthesised from a per-layer profile and under the fixed schedule the same profi
 best: median seconds of `--steps` steps after one warm-up. With `--measure --sleep MS`, the
 stages are made of the model's costs in sleeps of MS milliseconds a block unit
 (benchmarks/auto_sleep.py): `auto`, timing its own first step, against every fixed schedule
-within the same memory, one step of each per round, with the simulated figures beside them.
+within the same memory, one step of each per round, with the simulated figures beside them;
+`--transport processes` runs those cells with each rank a process (gloo on loopback,
+benchmarks/auto_sleep_procs.py) instead of a thread, so that the ranks share no GIL.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import itertools
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from schedules import Costs, Op, Schedule
 from schedules.auto import search
 
-__all__ = ["balanced", "main", "measured", "simulated", "stage_costs"]
+__all__ = ["TRANSPORTS", "balanced", "main", "measured", "simulated", "stage_costs"]
+
+TRANSPORTS = ("threads", "processes")  # how --measure --sleep runs the pipeline's ranks
 
 
 def stage_costs(blocks: Sequence[int], *, head: float, head_w: float, comm: float) -> Costs:
@@ -153,11 +157,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sleep", type=float, default=None, metavar="MS",
                         help="with --measure: stages that sleep their costs, MS milliseconds a "
                              "block unit, instead of matmuls (e.g. 3)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="threads",
+                        help="with --measure --sleep: the ranks as threads of this process "
+                             "or as processes (gloo on loopback); default threads")
     args = parser.parse_args(argv)
     if args.sleep is not None and (not args.measure or args.sleep <= 0):
         parser.error(f"--sleep sets the block unit of --measure's sleep stages in milliseconds: "
                      f"it needs --measure and a value > 0 (got {args.sleep}, measure "
                      f"{args.measure}); e.g. --measure --sleep 3")
+    if args.transport != "threads" and args.sleep is None:
+        parser.error(f"--transport {args.transport} runs the sleep stages' cells over "
+                     f"processes: it needs --measure --sleep MS (got --sleep "
+                     f"{args.sleep}, measure {args.measure}); e.g. --measure --sleep 3 "
+                     f"--transport {args.transport}")
     print(f"head {args.head} blocks, its W {args.head_w}x its I, comm {args.comm}; memory: p "
           f"micro-batches per rank")
     print("| p | blocks | m | auto | best fixed | auto / best fixed | auto / ideal | chosen |")
@@ -190,20 +202,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _measure_sleeps(args: argparse.Namespace) -> None:
     from benchmarks.auto_sleep import HEADER, measure_cell, row
+    from benchmarks.auto_sleep_procs import measure_cell_processes
 
-    print(f"\nmeasured: sleep stages over threads, {args.sleep:g} ms a block unit, comm 0 "
-          f"(handed over in memory); median of {args.steps} steps after a warm-up, one step "
-          f"of each schedule per round; load {_load()} at the start")
+    cell: Callable[..., dict[str, Any]]
+    if args.transport == "processes":
+        cell, whose = measure_cell_processes, "the ranks'"
+        how = ("comm 0 in the simulation only (one process a rank, gloo on loopback; each "
+               "step started together and timed to the last rank's return)")
+    else:
+        cell, whose = measure_cell, "this process's"
+        how = "comm 0 (handed over in memory)"
+    print(f"\nmeasured: sleep stages over {args.transport}, {args.sleep:g} ms a block unit, "
+          f"{how}; median of {args.steps} steps after a warm-up, one step of each schedule "
+          f"per round; load {_load()} at the start")
     print(HEADER)
     cpu = 0.0
     for p in args.ranks:
         blocks = balanced(p, 4 * p, head=args.head, head_w=args.head_w)
         for m in args.microbatches:
-            r = measure_cell(blocks, m, head=args.head, head_w=args.head_w,
-                             unit=args.sleep / 1000, steps=args.steps)
+            r = cell(blocks, m, head=args.head, head_w=args.head_w, unit=args.sleep / 1000,
+                     steps=args.steps)
             cpu += r["cpu_s"]
             print(row(r), flush=True)
-    print(f"load {_load()} at the end; this process's CPU time in the cells: {cpu:.1f} s")
+    print(f"load {_load()} at the end; {whose} CPU time in the cells: {cpu:.1f} s")
 
 
 def _load() -> str:
