@@ -10,9 +10,19 @@ import torch
 from torch import nn
 
 from benchmarks.auto_schedule import main, stage_costs
-from benchmarks.auto_sleep import REPLAY, SleepBlock, measure_cell, runtime_costs, sleep_model
+from benchmarks.auto_sleep import (
+    REPLAY,
+    SleepBlock,
+    measure_cell,
+    plan,
+    row,
+    rows_of,
+    runtime_costs,
+    sleep_model,
+    summarise,
+)
 from pipeline import Pipe
-from schedules import Op
+from schedules import Op, Schedule, get_schedule
 
 UNIT = 1e-3  # seconds a block unit: sleeps short enough for a test
 
@@ -109,3 +119,20 @@ def test_sleep_needs_measure_and_a_positive_unit(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         main(["--sleep", "3"])
     assert "it needs --measure and a value > 0 (got 3.0" in capsys.readouterr().err
+
+
+def test_the_row_tells_another_order_under_the_same_name_from_another_candidate() -> None:
+    cell = plan([2, 1], 2, head=2.0, head_w=2.0)
+    other = get_schedule("gpipe", 2, 2)
+    assert rows_of(other) != rows_of(cell.planned.schedule)
+    times = {label: [0.1] for label in cell.labels}
+
+    def printed(chosen: str, schedule: Schedule) -> str:
+        return row(summarise(cell, UNIT, times, times, measured_costs=None, chosen=chosen,
+                             schedule=schedule, cpu_s=0.0))
+
+    assert f"| {cell.planned.chosen} | nan |" in printed(cell.planned.chosen,
+                                                         cell.planned.schedule)
+    assert (f"| {cell.planned.chosen} (another order for the sleeps) |"
+            in printed(cell.planned.chosen, other))
+    assert f"| gpipe (sleeps: {cell.planned.chosen}) |" in printed("gpipe", other)
