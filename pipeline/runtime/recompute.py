@@ -71,6 +71,10 @@ class BufferGuard:
     def __init__(self) -> None:
         self._changes: dict[Hashable, list[str]] = {}
 
+    def known(self, key: Hashable) -> bool:
+        """Whether a forward of this mode has run: which buffers it changes is known."""
+        return key in self._changes
+
     def forward(self, key: Hashable, module: nn.Module, fn: Callable[[], T]) -> T:
         if key in self._changes:
             return fn()
@@ -112,13 +116,19 @@ class RngReplay:
         # mode_key(...) -> whether that forward draws from the device's generator.
         self._draws: dict[Hashable, bool] = {}
 
-    def run(self, key: Hashable, seed: int, fn: Callable[[], T]) -> T:
+    def quiet(self, key: Hashable) -> bool:
+        """Whether forwards of this mode are known to draw nothing (they run unseeded)."""
+        return self._draws.get(key) is False
+
+    def run(self, key: Hashable, seeds: tuple[int, int, int], fn: Callable[[], T]) -> T:
+        """`fn()` under the seed of `seeds` (step seed, stage, micro-batch; see `stage_seed`),
+        computed only for a forward that draws or may draw."""
         if self._draws.get(key) is False:
             return fn()
         generator, lock = _generator(self.device)
         with lock:
             saved = generator.get_state()
-            generator.manual_seed(seed)
+            generator.manual_seed(stage_seed(*seeds))
             seeded = generator.get_state() if key not in self._draws else None
             try:
                 out = fn()

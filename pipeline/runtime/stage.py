@@ -13,11 +13,10 @@ from torch import nn
 
 from pipeline.comm.transport import Transport, move
 from pipeline.errors import PipeConfigError
-from pipeline.runtime.batchnorm import microbatch_scope
 from pipeline.runtime.gpu_clock import GpuClock
-from pipeline.runtime.microbatch import as_tuple, from_tuple, leading_rows, like, sendable
+from pipeline.runtime.microbatch import from_tuple, leading_rows, like, sendable
 from pipeline.runtime.plan import Plans
-from pipeline.runtime.recompute import BufferGuard, RngReplay, mode_key, recomputing, stage_seed
+from pipeline.runtime.recompute import recomputing
 from pipeline.runtime.saved_bytes import SavedBytes
 from pipeline.runtime.split_backward import (
     WeightGrad,
@@ -26,9 +25,9 @@ from pipeline.runtime.split_backward import (
     release,
     run_backward,
 )
+from pipeline.runtime.stage_call import StageCall
 from pipeline.runtime.step_io import LossFn, StepInputs, StepResult
 from pipeline.runtime.syncs import handlers
-from pipeline.runtime.versions import call_with
 from pipeline.runtime.weighting import zero_loss
 from pipeline.schedstat import waited_between
 from schedules import Action, Event, Op
@@ -59,13 +58,7 @@ class StageRuntime:
         self.num_stages = num_stages
         self.rank_of = rank_of
         self.transport = transport
-        # A stage whose first layer works in place gets a copy of its inputs: the received
-        # inputs are leaves that require grad (autograd forbids changing them in place) and a
-        # checkpointed micro-batch replays its forward from them.
-        self._copy_inputs = {s: getattr(_first_layer(m), "inplace", False) is True
-                             for s, m in stages.items()}
-        self.rng = RngReplay(device)
-        self.buffers = BufferGuard()
+        self.call = StageCall(stages, device)  # the forwards (stage_call.py)
         self.events: list[Event] = []
         # On a GPU, the last run's events as the GPU ran them, computed when first asked for.
         self.pending: Callable[[], list[Event]] | None = None
@@ -93,9 +86,6 @@ class StageRuntime:
         # it belongs to, whatever the layers made of the rows.
         self._rows: dict[int, int | None] = {}
         self.current: Action | None = None  # for error reports
-        # Per stage, its layers' training flags: read once per step (they cannot change
-        # within one), not once per forward (a walk of every submodule).
-        self._modes: dict[int, tuple[int, tuple[bool, ...]]] = {}
         self._ready = 0.0  # when the current action had its inputs
         # schedule="auto"'s profiled step: per event of `events`, the seconds its thread waited
         # on a CPU's run queue from `_ready` to its end (empty in other steps), read through
@@ -119,7 +109,7 @@ class StageRuntime:
         self.released_bytes = self.activation_bytes = self.peak_activation_bytes = 0
         for store in (self._stash, self._bytes, self._local, self._outbox, self._rows):
             store.clear()
-        self._modes = {s: mode_key(s, module) for s, module in self.stages.items()}
+        self.call.begin()
         with step.caller.step():
             self._run(actions, step, result)
 
@@ -220,41 +210,6 @@ class StageRuntime:
             self._outbox[msg] = values
 
     # -- forward ------------------------------------------------------------------------------
-    def _call(self, action: Action, inputs: tuple[Any, ...], step: StepInputs, *,
-              replay: bool = False) -> tuple[Any, ...]:
-        module = self.stages[action.stage]
-        if self._copy_inputs[action.stage]:
-            inputs = like(inputs, (v.clone() if isinstance(v, torch.Tensor)
-                                   and v.is_floating_point() else v for v in inputs))
-        # As in nn.Sequential, a layer gets the previous output as one argument (a tuple stays
-        # a tuple, a 1-tuple too): transported tuples are unpacked for transport only.
-        arg = from_tuple(inputs)
-        if action.version is None:
-            def fn() -> Any:
-                return module(arg)
-        else:
-            assert step.versions is not None, f"{action} needs weight versions"
-            weights = step.versions.weights(action.stage, action.version)
-
-            def fn() -> Any:
-                return call_with(module, weights, arg)
-        seed = stage_seed(step.seed, action.stage, action.microbatch)
-        key = self._modes[action.stage]
-        guard = self.buffers.replay if replay else self.buffers.forward
-        try:
-            with step.caller.forward(), microbatch_scope(action.microbatch):
-                return as_tuple(guard(key, module, lambda: self.rng.run(key, seed, fn)))
-        except RuntimeError as exc:
-            if "in-place operation" not in str(exc) or "leaf Variable" not in str(exc):
-                raise
-            first = _first_layer(module)
-            raise RuntimeError(
-                f"stage {action.stage} starts with {type(first).__name__}, which changes its "
-                f"input in place; a stage's input is a leaf that requires grad, which autograd "
-                f"forbids changing in place. Give the layer an `inplace = True` attribute (Pipe "
-                f"then copies the input first, as for nn.ReLU(inplace=True)), make it out of "
-                f"place, or move the stage boundary: {exc}") from exc
-
     def _forward(self, action: Action, step: StepInputs, result: StepResult) -> None:
         s, m = action.stage, action.microbatch
         if s == 0:  # inputs that require grad get theirs (microbatch.backward_inputs)
@@ -268,13 +223,15 @@ class StageRuntime:
         train = step.loss_fn is not None
         keep_graph = train and not step.checkpointed[m]
         saved_bytes = 0  # what autograd saved: counted only where memory is tracked
-        with torch.set_grad_enabled(keep_graph):
-            if step.track_memory and keep_graph:
-                with SavedBytes() as saved:
-                    outputs = self._call(action, inputs, step)
-                saved_bytes = saved.bytes
-            else:
-                outputs = self._call(action, inputs, step)
+        if step.track_memory and keep_graph:
+            with torch.enable_grad(), SavedBytes() as saved:
+                outputs = self.call(action, inputs, step)
+            saved_bytes = saved.bytes
+        elif torch.is_grad_enabled() == keep_graph:  # as wanted already: no switch to make
+            outputs = self.call(action, inputs, step)
+        else:
+            with torch.set_grad_enabled(keep_graph):
+                outputs = self.call(action, inputs, step)
         last = s == self.num_stages - 1
         if not train:
             if last:
@@ -341,7 +298,7 @@ class StageRuntime:
     # -- backward -----------------------------------------------------------------------------
     def _recompute(self, action: Action, stash: _Stash, step: StepInputs) -> None:
         with torch.enable_grad(), recomputing():
-            stash.outputs = self._call(action, stash.inputs, step, replay=True)
+            stash.outputs = self.call(action, stash.inputs, step, replay=True)
         if action.stage == self.num_stages - 1:
             stash.loss = self._loss(stash.outputs, action.microbatch, step)[0]
 
@@ -396,8 +353,3 @@ class StageRuntime:
     def _update(self, action: Action, step: StepInputs, result: StepResult) -> None:
         assert step.versions is not None, f"{action} needs weight versions"
         step.versions.update(action.stage, action.microbatch)
-
-
-def _first_layer(stage: nn.Module) -> nn.Module:
-    """The layer that receives a stage's input (the stage itself if it is not a Sequential)."""
-    return stage[0] if isinstance(stage, nn.Sequential) and len(stage) else stage

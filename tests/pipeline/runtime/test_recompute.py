@@ -27,12 +27,12 @@ def test_replay_draws_the_same_numbers_and_restores_the_callers_stream() -> None
     replay = RngReplay(CPU)
     torch.manual_seed(1)
     before = torch.get_rng_state()
-    first = replay.run((0, True), 42, lambda: torch.rand(5))
+    first = replay.run((0, True), (42, 0, 1), lambda: torch.rand(5))
     assert torch.equal(torch.get_rng_state(), before)  # the caller's stream did not move
-    again = replay.run((0, True), 42, lambda: torch.rand(5))
-    other = replay.run((0, True), 43, lambda: torch.rand(5))
+    again = replay.run((0, True), (42, 0, 1), lambda: torch.rand(5))
+    other = replay.run((0, True), (42, 0, 2), lambda: torch.rand(5))
     assert torch.equal(first, again) and not torch.equal(first, other)
-    torch.manual_seed(42)
+    torch.manual_seed(stage_seed(42, 0, 1))
     assert torch.equal(first, torch.rand(5))  # exactly the seed's stream
 
 
@@ -40,10 +40,10 @@ def test_a_forward_that_draws_nothing_runs_without_the_lock_afterwards() -> None
     """Pins an internal detail: stages that never draw from their device's generator are found
     out on their first forward and later run without seeding it (so they never serialise)."""
     replay = RngReplay(CPU)
-    assert replay.run((3, (False,)), 5, lambda: torch.ones(2).sum()).item() == 2.0
-    assert replay._draws == {(3, (False,)): False}
-    replay.run((4, (True,)), 5, lambda: torch.rand(1))
-    assert replay._draws[(4, (True,))] is True
+    assert replay.run((3, (False,)), (5, 3, 0), lambda: torch.ones(2).sum()).item() == 2.0
+    assert replay._draws == {(3, (False,)): False} and replay.quiet((3, (False,)))
+    replay.run((4, (True,)), (5, 4, 0), lambda: torch.rand(1))
+    assert replay._draws[(4, (True,))] is True and not replay.quiet((4, (True,)))
 
 
 def test_recomputing_is_scoped_nested_and_per_thread() -> None:
