@@ -100,7 +100,7 @@ def _row(size: int, burst: int, args: argparse.Namespace) -> str:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     peer = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.send_cost", "--peer", str(theirs.fileno()),
+        [sys.executable, os.path.abspath(__file__), "--peer", str(theirs.fileno()),
          "--bursts", str(burst), "--messages", str(args.messages),
          "--spin-us", str(args.spin_us)], pass_fds=(theirs.fileno(),), env=env)
     theirs.close()
