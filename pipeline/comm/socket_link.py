@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pipeline import settings
 from pipeline.comm.transport import Broken
 
-__all__ = ["SPIN", "SPIN_ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink", "spin_setting",
-           "spin_time"]
+__all__ = ["SEND_BUFFER", "SPIN", "SPIN_ENV", "WAKE", "LinkBroken", "LinkSend", "SocketLink",
+           "spin_setting", "spin_time"]
 
 SPIN_ENV = "PIPELINE_SPIN_US"  # microseconds a receive polls before it sleeps (0: never)
 # The default, when this host has a CPU for each of the job's processes: long enough to cover
@@ -34,6 +34,13 @@ SPIN_ENV = "PIPELINE_SPIN_US"  # microseconds a receive polls before it sleeps (
 # on the message that ends it), short enough that a bubble or a stalled peer holds no core.
 SPIN = 5e-3
 WAKE = 0.05  # seconds between failure checks while a wait has nothing to read or write
+# Bytes of unread messages a link's socket may hold (SO_SNDBUF). Linux's default (about
+# 208 KiB, counted with the kernel's bookkeeping) takes three 64 KiB activations whole; the
+# fourth sent before the peer reads went to the writer thread. A schedule whose sender runs
+# ahead (1F1B's first ranks, GPipe) leaves that many unread. A limit, not an allocation: the
+# kernel holds only what is unread, which the sender would otherwise keep for the writer.
+# Linux caps it at net.core.wmem_max (often the default itself: raise that to benefit).
+SEND_BUFFER = 4 << 20
 
 
 class LinkBroken(Broken):
@@ -97,6 +104,10 @@ class SocketLink:
 
     def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
         sock.setblocking(False)
+        # A stream message is charged to its sender's buffer only (SO_RCVBUF plays no part
+        # in a Unix stream socket): each end sizes its own, for what it sends.
+        with contextlib.suppress(OSError):  # a socket that refuses keeps the default
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self._sock = sock
         self.spin = spin  # seconds a receive retries before it sleeps (see spin_time)
         self._readable = select.poll()

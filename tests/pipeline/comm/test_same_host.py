@@ -136,7 +136,7 @@ def test_a_wait_woken_by_the_bytes_reads_them_without_checking_for_failures() ->
 
 def test_a_send_written_by_the_writer_thread_ends_its_wait_without_a_failure_check() -> None:
     a, b = _pair()
-    big = torch.ones(4 << 20, dtype=torch.uint8)  # more than the socket buffer
+    big = torch.ones(16 << 20, dtype=torch.uint8)  # more than the socket buffer (8 MiB at most)
     work = _send(a, big)
     assert not work.done()
     threading.Timer(WAKE / 5, lambda: _recv(b, big.numel())).start()
