@@ -87,8 +87,17 @@ def _calls(fn: Callable[[], object], steps: int) -> float:
 
 
 def measure(cfg: Config, schedule: str, m: int) -> Result:
-    """Alternate the Pipe's step and the bare one; see the module's docstring."""
+    """Alternate the Pipe's step and the bare one; see the module's docstring. Runs on one
+    intra-op thread, and gives the caller's thread count back."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _measure(cfg, schedule, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(cfg: Config, schedule: str, m: int) -> Result:
     spec = get_model(cfg.model)
     model = spec.build()
     x, y = spec.batch()

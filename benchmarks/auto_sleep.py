@@ -246,7 +246,7 @@ def rows_of(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
 HEADER = ("| p | m | auto ms | best fixed ms | auto / best fixed | auto / ideal | simulated: "
           "auto / best fixed | auto / ideal | chosen (for the sleeps) | profile / sleeps | "
           "auto / its order replayed | queued ms (auto, best fixed) | every fixed ms | "
-          "measured / simulated ms |\n"
+          "measured / simulated |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 

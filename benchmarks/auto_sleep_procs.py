@@ -106,6 +106,9 @@ def run_rank(rank: int, cell: _Cell, gate: StartGate) -> dict[str, Any]:
             return {"spans": spans, "queued": queued, "costs": auto.costs,
                     "chosen": auto.synthesis.chosen, "schedule": auto.schedule,
                     "cpu_s": time.process_time() - cpu}
+        except BaseException:
+            gate.abort()  # first: the others wake now, not after this rank's closes
+            raise
         finally:
             for pipe in pipes.values():
                 pipe.close()

@@ -73,9 +73,10 @@ def send(link: SocketLink, size: int, burst: int, messages: int, work: int
             marks.append((cpu(), wall()))
             item = link.send(views, keep)
             marks.append((cpu(), wall()))
+            # Given an event exactly when the socket did not take it whole (the writer's).
+            handed += item.event is not None
             release(values)
             marks.append((cpu(), wall()))
-            handed += not item.done()
             del views, keep, item, values, h
             for piece, (c0, w0), (c1, w1) in zip(PIECES, marks[:-1], marks[1:], strict=True):
                 times[piece].append((c1 - c0, w1 - w0))
@@ -110,7 +111,11 @@ def _row(size: int, burst: int, args: argparse.Namespace) -> str:
         times, handed = send(link, size, burst, args.messages, args.work)
     finally:
         link.close()
-        peer.wait(_DEADLINE)
+        try:
+            peer.wait(_DEADLINE)
+        except subprocess.TimeoutExpired:
+            peer.kill()  # never leave the receiver behind (the error in flight stays the one)
+            peer.wait()
     if peer.returncode:
         raise RuntimeError(f"the receiving process failed (exit {peer.returncode})")
     skip = min(len(times["link.send"]) // 4, 10)  # the first messages warm the path up
@@ -142,6 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     bursts = [int(b) for b in args.bursts.split(",")]
+    unit = 4 * _WIDTH if args.work else 4  # a row of the layers' output, or one float
+    for size in (int(b) for b in args.bytes.split(",")):
+        if size < unit or size % unit:
+            ap.error(f"--bytes {size}: a message is whole {unit}-byte "
+                     f"{'rows of a Linear(1024) output' if args.work else 'floats'}; give a "
+                     f"positive multiple of {unit}, e.g. {max(unit, size - size % unit)}")
     if args.peer is not None:  # the receiving process
         link = SocketLink(socket.socket(fileno=args.peer), args.spin_us * 1e-6)
         try:

@@ -47,7 +47,8 @@ class _Scope:
 
 
 def microbatch_scope(index: int) -> AbstractContextManager[None]:
-    """Marks the micro-batch a forward computes (the runtime sets it around every forward)."""
+    """Marks the micro-batch a forward computes (the runtime sets it around the forwards of
+    stages that hold a BatchNorm layer, the only readers: deferred BatchNorm's hooks)."""
     return _Scope(index)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeline import Pipe
-from pipeline.runtime import batchnorm, recompute, stage
+from pipeline.runtime import batchnorm, recompute
 
 _M = 4  # micro-batches: 2 stages x 4 forwards per step
 
@@ -44,14 +45,18 @@ def _steps(pipe: Pipe, count: int) -> None:
 def _seeds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the seeds computed, wherever the runtime computes them."""
     calls = [0]
-    for module in (recompute, stage):
-        if hasattr(module, "stage_seed"):
-            original = recompute.stage_seed
+    original = recompute.stage_seed
 
-            def counted(*args: int, original: Callable[..., int] = original) -> int:
-                calls[0] += 1
-                return original(*args)
-            monkeypatch.setattr(module, "stage_seed", counted)
+    def counted(*args: int) -> int:
+        calls[0] += 1
+        return original(*args)
+    # Every module of the package that took the function by name, so that a seed computed in
+    # a module the runtime moves it to is still counted.
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("pipeline.") and getattr(m, "stage_seed", None) is original]
+    assert recompute in holders, holders
+    for module in holders:
+        monkeypatch.setattr(module, "stage_seed", counted)
     return calls
 
 
@@ -95,4 +100,6 @@ def test_the_runtime_adds_few_calls_per_compute_action() -> None:
 
     r = measure(Config(model="small", microbatches=(8,), schedules=("interleaved",), steps=2,
                        warmup=2, profiled=3), "interleaved", 8)
-    assert r.calls_per_action - r.bare_calls_per_action < 30, r
+    # 38.2 before the forward became the bare call, 29.2 after: a few calls of slack for
+    # changes elsewhere, none for the wrappers coming back.
+    assert r.calls_per_action - r.bare_calls_per_action <= 32, r
