@@ -5,7 +5,9 @@ BatchNorm's hooks read it), the RNG replay (a seed per stage and micro-batch) an
 guard. On a latency-bound model each of those wrappers costs about as much as a small layer, so
 what a stage needs is decided once per step (its layers' modes and whether it holds a BatchNorm
 layer) or learned on its first forward of a mode (whether it draws randoms, which buffers it
-changes), and a forward that needs none of them is the bare call of the stage.
+changes). Once both are known, a forward (not a replay) that draws nothing is the bare call of
+the stage: the buffer guard does nothing on such a forward (it acts on replays), and the RNG
+replay has nothing to seed.
 """
 
 from __future__ import annotations
@@ -49,9 +51,6 @@ class StageCall:
         # Per stage, its layers' training flags (recompute.mode_key): read once per step (they
         # cannot change within one), not once per forward (a walk of every submodule).
         self._modes: dict[int, _Key] = {}
-        # The modes whose forwards were found to draw no randoms and change no buffers: they
-        # run as the bare call, outside the RNG replay and the buffer guard.
-        self._bare: set[_Key] = set()
 
     def begin(self) -> None:
         """Read the stages' modes for the step about to run."""
@@ -102,14 +101,11 @@ class StageCall:
 
     def _guarded(self, key: _Key, module: nn.Module, fn: Callable[[], Any], seed: int,
                  action: Action, replay: bool) -> Any:
-        if not replay and key in self._bare:
-            return fn()
+        if not replay and self.buffers.known(key) and self.rng.quiet(key):
+            return fn()  # what the guard and the replay would come down to, without them
         seeds = (seed, action.stage, action.microbatch)
         guard = self.buffers.replay if replay else self.buffers.forward
-        out = guard(key, module, lambda: self.rng.run(key, seeds, fn))
-        if self.buffers.known(key) and self.rng.quiet(key):  # learned on a mode's first
-            self._bare.add(key)
-        return out
+        return guard(key, module, lambda: self.rng.run(key, seeds, fn))
 
 
 def first_layer(stage: nn.Module) -> nn.Module:
